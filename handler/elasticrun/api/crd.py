@@ -1,0 +1,64 @@
+"""Names and schema facts of the ElasticRun CRD, read from its one YAML source.
+
+The YAML in ``deploy/crds/`` is the source of truth; this module ships a link to
+it as package data so that defaults and bounds used by the Python model can
+never drift from what the API server enforces.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import yaml
+
+GROUP = "elasticrun.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "ElasticRun"
+PLURAL = "elasticruns"
+CRD_NAME = f"{PLURAL}.{GROUP}"
+
+#: Label carried by every object that belongs to a run (Leases, Pods).
+RUN_LABEL = f"{GROUP}/run"
+#: Annotation that asks the operator to start a new round now.
+RESTART_ANNOTATION = f"{GROUP}/restart"
+#: Annotation listing node names to keep out of the next rounds (comma separated).
+DRAIN_ANNOTATION = f"{GROUP}/drain"
+
+
+@cache
+def crd_manifest() -> dict[str, Any]:
+    """The CRD as the API server receives it."""
+    text = resources.files("elasticrun.api").joinpath("crd.yaml").read_text()
+    manifest: dict[str, Any] = yaml.safe_load(text)
+    return manifest
+
+
+def _version_schema() -> dict[str, Any]:
+    for version in crd_manifest()["spec"]["versions"]:
+        if version["name"] == VERSION:
+            schema: dict[str, Any] = version["schema"]["openAPIV3Schema"]
+            return schema
+    raise LookupError(f"CRD has no version {VERSION}")  # pragma: no cover
+
+
+@cache
+def spec_properties() -> dict[str, Any]:
+    props: dict[str, Any] = _version_schema()["properties"]["spec"]["properties"]
+    return props
+
+
+@cache
+def status_properties() -> dict[str, Any]:
+    props: dict[str, Any] = _version_schema()["properties"]["status"]["properties"]
+    return props
+
+
+def spec_default(field: str) -> Any:
+    return spec_properties()[field].get("default")
+
+
+def spec_maximum(field: str) -> int:
+    return int(spec_properties()[field]["maximum"])

@@ -1,0 +1,236 @@
+"""A thin, synchronous Kubernetes REST client for the few calls elasticrun makes.
+
+The official client is used for what it does best, finding credentials
+(kubeconfig, exec plugins, in-cluster tokens that rotate).  Requests go through
+one urllib3 pool with explicit timeouts and no hidden retries, because the
+handler must turn an unreachable API server into ``RendezvousConnectionError``
+within its configured bound, and must be able to cut a watch short on shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import urllib3
+
+from elasticrun.api import crd
+
+log = logging.getLogger(__name__)
+
+JSON = "application/json"
+MERGE_PATCH = "application/merge-patch+json"
+JSON_PATCH = "application/json-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"
+
+
+class ApiError(Exception):
+    """The API server answered with an error status."""
+
+    def __init__(self, status: int, reason: str, message: str, body: Mapping[str, Any]) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.body = body
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
+
+    @property
+    def conflict(self) -> bool:
+        return self.status == 409
+
+    @property
+    def forbidden(self) -> bool:
+        return self.status == 403
+
+    @property
+    def gone(self) -> bool:
+        return self.status == 410
+
+
+class ApiConnectionError(Exception):
+    """The API server could not be reached (refused, reset, timed out, TLS)."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    host: str
+    ca_file: str | None
+    cert_file: str | None
+    key_file: str | None
+    verify: bool
+    config: Any  # kubernetes.client.Configuration, for token refresh hooks
+
+    def authorization(self) -> str | None:
+        """The Authorization header; asks the client, which refreshes rotating tokens."""
+        for setting in self.config.auth_settings().values():
+            if setting.get("in") == "header" and setting.get("key", "").lower() == \
+                    "authorization" and setting.get("value"):
+                return str(setting["value"])
+        return None
+
+
+def load_credentials(kubeconfig: str | None = None, context: str | None = None) -> Credentials:
+    """In-cluster credentials inside a pod, else the kubeconfig (``KUBECONFIG`` or ~/.kube)."""
+    from kubernetes import client, config  # noqa: PLC0415 - heavy import, done once
+
+    cfg = client.Configuration()
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config(client_configuration=cfg)
+    else:
+        config.load_kube_config(config_file=kubeconfig, context=context,
+                                client_configuration=cfg)
+    return Credentials(host=cfg.host.rstrip("/"), ca_file=cfg.ssl_ca_cert, cert_file=cfg.cert_file,
+                       key_file=cfg.key_file, verify=bool(cfg.verify_ssl), config=cfg)
+
+
+class Watch:
+    """One streaming watch request; :meth:`close` may be called from another thread."""
+
+    def __init__(self, response: urllib3.BaseHTTPResponse) -> None:
+        self._response = response
+        self._closed = threading.Event()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        buffer = b""
+        try:
+            for chunk in self._response.stream(4096, decode_content=True):
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    if line.strip():
+                        event: dict[str, Any] = json.loads(line)
+                        yield event
+        except (urllib3.exceptions.HTTPError, OSError, ValueError) as exc:
+            if not self._closed.is_set():
+                raise ApiConnectionError(f"watch interrupted: {exc}") from exc
+        finally:
+            self._closed.set()
+            self._response.release_conn()
+
+    def close(self) -> None:
+        """Cut the stream short, from any thread; a no-op once it has ended."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self._response.shutdown()
+        except RuntimeError:
+            pass  # already released to the pool: the stream ended by itself
+        except (AttributeError, OSError):  # pragma: no cover - urllib3 < 2.3
+            self._response.close()
+
+
+class KubeClient:
+    """JSON in, JSON out; every request bounded by ``timeout`` seconds."""
+
+    def __init__(self, credentials: Credentials, timeout: float = 10.0) -> None:
+        self.credentials = credentials
+        self.timeout = timeout
+        self._pool = urllib3.PoolManager(
+            num_pools=4,
+            maxsize=8,
+            cert_reqs="CERT_REQUIRED" if credentials.verify else "CERT_NONE",
+            ca_certs=credentials.ca_file,
+            cert_file=credentials.cert_file,
+            key_file=credentials.key_file,
+            retries=False,
+        )
+
+    @classmethod
+    def from_config(cls, kubeconfig: str | None = None, context: str | None = None,
+                    timeout: float = 10.0) -> KubeClient:
+        return cls(load_credentials(kubeconfig, context), timeout)
+
+    def _headers(self, content_type: str | None) -> dict[str, str]:
+        headers = {"Accept": JSON, "User-Agent": "elasticrun/0.1"}
+        if content_type:
+            headers["Content-Type"] = content_type
+        auth = self.credentials.authorization()
+        if auth:
+            headers["Authorization"] = auth
+        return headers
+
+    def _url(self, path: str, query: Mapping[str, Any] | None) -> str:
+        url = self.credentials.host + path
+        if query:
+            url += "?" + urlencode({k: v for k, v in query.items() if v is not None})
+        return url
+
+    def request(self, method: str, path: str, *, body: Any = None,
+                query: Mapping[str, Any] | None = None, content_type: str = JSON,
+                timeout: float | None = None) -> dict[str, Any]:
+        payload = None if body is None else json.dumps(body).encode()
+        bound = timeout if timeout is not None else self.timeout
+        try:
+            response = self._pool.request(
+                method, self._url(path, query), body=payload,
+                headers=self._headers(content_type if payload is not None else None),
+                timeout=urllib3.Timeout(connect=min(bound, 5.0), read=bound),
+                preload_content=True)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise ApiConnectionError(f"{method} {self.credentials.host}{path}: {exc}") from exc
+        data = response.data
+        try:
+            decoded: dict[str, Any] = json.loads(data) if data else {}
+        except ValueError:
+            decoded = {"message": data.decode(errors="replace")[:500]}
+        if response.status >= 400:
+            raise ApiError(response.status, str(decoded.get("reason", response.reason)),
+                           str(decoded.get("message", data[:500])), decoded)
+        return decoded
+
+    def watch(self, path: str, query: Mapping[str, Any], timeout_seconds: int) -> Watch:
+        """Open a watch; the server ends it after ``timeout_seconds``."""
+        params = {**query, "watch": "true", "timeoutSeconds": timeout_seconds,
+                  "allowWatchBookmarks": "true"}
+        try:
+            response = self._pool.request(
+                "GET", self._url(path, params), headers=self._headers(None),
+                timeout=urllib3.Timeout(connect=min(self.timeout, 5.0),
+                                        read=timeout_seconds + self.timeout),
+                preload_content=False)
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise ApiConnectionError(f"watch {self.credentials.host}{path}: {exc}") from exc
+        if response.status >= 400:
+            data = response.read()
+            response.release_conn()
+            try:
+                decoded = json.loads(data)
+            except ValueError:
+                decoded = {"message": data.decode(errors="replace")}
+            raise ApiError(response.status, str(decoded.get("reason", response.reason)),
+                           str(decoded.get("message", "")), decoded)
+        return Watch(response)
+
+    def close(self) -> None:
+        self._pool.clear()
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def runs_path(namespace: str) -> str:
+    return f"/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{quote(namespace)}/{crd.PLURAL}"
+
+
+def run_path(namespace: str, name: str, subresource: str = "") -> str:
+    path = f"{runs_path(namespace)}/{quote(name)}"
+    return f"{path}/{subresource}" if subresource else path
+
+
+def leases_path(namespace: str) -> str:
+    return f"/apis/coordination.k8s.io/v1/namespaces/{quote(namespace)}/leases"
+
+
+def lease_path(namespace: str, name: str) -> str:
+    return f"{leases_path(namespace)}/{quote(name)}"

@@ -1,0 +1,523 @@
+"""The one Python model of an ElasticRun's spec and status.
+
+Handler and operator both read the object through :func:`parse_run` and write
+status through :meth:`RunStatus.to_dict`, so a field means the same thing on
+both sides.  Parsing is strict: the API server's schema guarantees types only
+for objects it validated, while a hand-edited status can be well typed and
+still nonsense (duplicate ranks, a hole in a sealed round).  Anything that
+cannot be trusted raises :class:`InvalidRunError` naming the field, which the
+handler turns into torch's ``RendezvousStateError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from elasticrun.api import crd
+
+PHASES = ("Pending", "Forming", "Running", "Degraded", "Closed", "Succeeded")
+FINISHED_PHASES = ("Closed", "Succeeded")
+LOST_MEMBERS_KEPT = 16
+
+
+class InvalidRunError(ValueError):
+    """An ElasticRun field holds something the model cannot read."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+def now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def format_time(value: dt.datetime) -> str:
+    """RFC 3339 with microseconds, as the API server keeps them in date-time strings."""
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+# --------------------------------------------------------------------------- readers
+
+_T = TypeVar("_T")
+
+
+def _mapping(value: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise InvalidRunError(path, f"expected an object, found {type(value).__name__}")
+    return value
+
+
+def _list(value: Any, path: str) -> Sequence[Any]:
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        raise InvalidRunError(path, f"expected a list, found {type(value).__name__}")
+    return value
+
+
+def _int(obj: Mapping[str, Any], key: str, path: str, default: int | None = None,
+         minimum: int | None = 0) -> int:
+    value = obj.get(key, default)
+    if value is None:
+        raise InvalidRunError(f"{path}.{key}", "is missing")
+    # bool is an int in Python; in the schema it is not.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRunError(f"{path}.{key}", f"expected an integer, found {value!r}")
+    if minimum is not None and value < minimum:
+        raise InvalidRunError(f"{path}.{key}", f"must be >= {minimum}, found {value}")
+    return value
+
+
+def _opt_int(obj: Mapping[str, Any], key: str, path: str, minimum: int = 0) -> int | None:
+    if obj.get(key) is None:
+        return None
+    return _int(obj, key, path, minimum=minimum)
+
+
+def _str(obj: Mapping[str, Any], key: str, path: str, default: str | None = None) -> str:
+    value = obj.get(key, default)
+    if not isinstance(value, str) or (value == "" and default is None):
+        raise InvalidRunError(f"{path}.{key}", f"expected a non-empty string, found {value!r}")
+    return value
+
+
+def _opt_str(obj: Mapping[str, Any], key: str, path: str) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidRunError(f"{path}.{key}", f"expected a string, found {value!r}")
+    return value
+
+
+def _bool(obj: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
+    value = obj.get(key, default)
+    if not isinstance(value, bool):
+        raise InvalidRunError(f"{path}.{key}", f"expected true or false, found {value!r}")
+    return value
+
+
+def _time(obj: Mapping[str, Any], key: str, path: str) -> dt.datetime | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidRunError(f"{path}.{key}", f"expected an RFC 3339 time, found {value!r}")
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise InvalidRunError(f"{path}.{key}", f"expected an RFC 3339 time, found {value!r}") from None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=dt.UTC)
+    return parsed
+
+
+def _port(obj: Mapping[str, Any], key: str, path: str) -> int | None:
+    port = _opt_int(obj, key, path, minimum=1)
+    if port is not None and port > 65535:
+        raise InvalidRunError(f"{path}.{key}", f"must be a TCP port (1-65535), found {port}")
+    return port
+
+
+def _drop_none(values: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in values.items() if value is not None}
+
+
+# --------------------------------------------------------------------------- spec
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What the user asked for; defaults come from the CRD schema."""
+
+    min_nodes: int = field(default_factory=lambda: int(crd.spec_default("minNodes")))
+    max_nodes: int = field(default_factory=lambda: int(crd.spec_default("minNodes")))
+    join_timeout: int = field(default_factory=lambda: int(crd.spec_default("joinTimeoutSeconds")))
+    last_call_timeout: int = field(
+        default_factory=lambda: int(crd.spec_default("lastCallTimeoutSeconds")))
+    heartbeat_timeout: int = field(
+        default_factory=lambda: int(crd.spec_default("heartbeatTimeoutSeconds")))
+    lease_renew_interval: int = field(
+        default_factory=lambda: int(crd.spec_default("leaseRenewIntervalSeconds")))
+    closed: bool = False
+    ttl_seconds_after_finished: int | None = None
+
+    @classmethod
+    def from_dict(cls, spec: Any) -> RunSpec:
+        obj = _mapping(spec if spec is not None else {}, "spec")
+        defaults = cls()
+        min_nodes = _int(obj, "minNodes", "spec", defaults.min_nodes, minimum=1)
+        max_nodes = _int(obj, "maxNodes", "spec", min_nodes, minimum=1)
+        if max_nodes < min_nodes:
+            raise InvalidRunError("spec.maxNodes", f"{max_nodes} is below minNodes {min_nodes}")
+        return cls(
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            join_timeout=_int(obj, "joinTimeoutSeconds", "spec", defaults.join_timeout, 1),
+            last_call_timeout=_int(obj, "lastCallTimeoutSeconds", "spec",
+                                   defaults.last_call_timeout, 0),
+            heartbeat_timeout=_int(obj, "heartbeatTimeoutSeconds", "spec",
+                                   defaults.heartbeat_timeout, 1),
+            lease_renew_interval=_int(obj, "leaseRenewIntervalSeconds", "spec",
+                                      defaults.lease_renew_interval, 1),
+            closed=_bool(obj, "closed", "spec", False),
+            ttl_seconds_after_finished=_opt_int(obj, "ttlSecondsAfterFinished", "spec"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return _drop_none({
+            "minNodes": self.min_nodes,
+            "maxNodes": self.max_nodes,
+            "joinTimeoutSeconds": self.join_timeout,
+            "lastCallTimeoutSeconds": self.last_call_timeout,
+            "heartbeatTimeoutSeconds": self.heartbeat_timeout,
+            "leaseRenewIntervalSeconds": self.lease_renew_interval,
+            "closed": self.closed,
+            "ttlSecondsAfterFinished": self.ttl_seconds_after_finished,
+        })
+
+
+# --------------------------------------------------------------------------- status parts
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    host: str
+    port: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"host": self.host, "port": self.port}
+
+
+@dataclass(frozen=True)
+class Participant:
+    name: str
+    rank: int
+    address: str | None = None
+    store_port: int | None = None
+    joined_round: int = 0
+    pod: str | None = None
+
+    @classmethod
+    def from_dict(cls, obj: Any, path: str) -> Participant:
+        item = _mapping(obj, path)
+        return cls(
+            name=_str(item, "name", path),
+            rank=_int(item, "rank", path),
+            address=_opt_str(item, "address", path),
+            store_port=_port(item, "storePort", path),
+            joined_round=_int(item, "joinedRound", path, 0),
+            pod=_opt_str(item, "pod", path),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return _drop_none({
+            "name": self.name, "rank": self.rank, "address": self.address,
+            "storePort": self.store_port, "joinedRound": self.joined_round, "pod": self.pod,
+        })
+
+
+@dataclass(frozen=True)
+class WaitingNode:
+    """A node's request to be in the next round; each node writes only its own."""
+
+    name: str
+    address: str | None = None
+    store_port: int | None = None
+    since: dt.datetime | None = None
+    pod: str | None = None
+
+    @classmethod
+    def from_dict(cls, obj: Any, path: str) -> WaitingNode:
+        item = _mapping(obj, path)
+        return cls(
+            name=_str(item, "name", path),
+            address=_opt_str(item, "address", path),
+            store_port=_port(item, "storePort", path),
+            since=_time(item, "since", path),
+            pod=_opt_str(item, "pod", path),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return _drop_none({
+            "name": self.name, "address": self.address, "storePort": self.store_port,
+            "since": format_time(self.since) if self.since else None, "pod": self.pod,
+        })
+
+
+@dataclass(frozen=True)
+class LostMember:
+    name: str
+    round: int
+    reason: str
+    message: str | None = None
+    time: dt.datetime | None = None
+    detection_seconds: float | None = None
+
+    @classmethod
+    def from_dict(cls, obj: Any, path: str) -> LostMember:
+        item = _mapping(obj, path)
+        detection = item.get("detectionSeconds")
+        if detection is not None and (isinstance(detection, bool)
+                                      or not isinstance(detection, int | float)):
+            raise InvalidRunError(f"{path}.detectionSeconds", f"expected a number, found "
+                                  f"{detection!r}")
+        return cls(
+            name=_str(item, "name", path),
+            round=_int(item, "round", path),
+            reason=_str(item, "reason", path),
+            message=_opt_str(item, "message", path),
+            time=_time(item, "time", path),
+            detection_seconds=float(detection) if detection is not None else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return _drop_none({
+            "name": self.name, "round": self.round, "reason": self.reason,
+            "message": self.message, "time": format_time(self.time) if self.time else None,
+            "detectionSeconds": self.detection_seconds,
+        })
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: str
+    reason: str | None = None
+    message: str | None = None
+    last_transition_time: dt.datetime | None = None
+    observed_generation: int | None = None
+
+    @classmethod
+    def from_dict(cls, obj: Any, path: str) -> Condition:
+        item = _mapping(obj, path)
+        status = _str(item, "status", path)
+        if status not in ("True", "False", "Unknown"):
+            raise InvalidRunError(f"{path}.status", f"expected True, False or Unknown, found "
+                                  f"{status!r}")
+        return cls(
+            type=_str(item, "type", path),
+            status=status,
+            reason=_opt_str(item, "reason", path),
+            message=_opt_str(item, "message", path),
+            last_transition_time=_time(item, "lastTransitionTime", path),
+            observed_generation=_opt_int(item, "observedGeneration", path),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return _drop_none({
+            "type": self.type, "status": self.status, "reason": self.reason,
+            "message": self.message,
+            "lastTransitionTime": (format_time(self.last_transition_time)
+                                   if self.last_transition_time else None),
+            "observedGeneration": self.observed_generation,
+        })
+
+
+# --------------------------------------------------------------------------- status
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    """Membership state of a run: one explicit object, replaced whole on every seal."""
+
+    phase: str = "Pending"
+    round: int = 0
+    signal: int = 0
+    join_notice: int = 0
+    restart_round: int = 0
+    participants: tuple[Participant, ...] = ()
+    waiting: tuple[WaitingNode, ...] = ()
+    store: StoreAddress | None = None
+    lost_members: tuple[LostMember, ...] = ()
+    conditions: tuple[Condition, ...] = ()
+    sealed_at: dt.datetime | None = None
+    finished_at: dt.datetime | None = None
+    waiting_count: int | None = None
+    observed_generation: int | None = None
+
+    # ------------------------------------------------------------------ derived views
+
+    @property
+    def member_names(self) -> frozenset[str]:
+        return frozenset(p.name for p in self.participants)
+
+    @property
+    def waiting_names(self) -> frozenset[str]:
+        return frozenset(w.name for w in self.waiting)
+
+    def participant(self, name: str) -> Participant | None:
+        return next((p for p in self.participants if p.name == name), None)
+
+    def waiting_node(self, name: str) -> WaitingNode | None:
+        return next((w for w in self.waiting if w.name == name), None)
+
+    @property
+    def degraded(self) -> bool:
+        """The current round must be re-formed (lost member, drain or restart)."""
+        return self.round > 0 and self.restart_round >= self.round
+
+    def condition(self, type_: str) -> Condition | None:
+        return next((c for c in self.conditions if c.type == type_), None)
+
+    # ------------------------------------------------------------------ (de)serialisation
+
+    @classmethod
+    def from_dict(cls, status: Any) -> RunStatus:
+        obj = _mapping(status if status is not None else {}, "status")
+        phase = obj.get("phase", "Pending")
+        if phase not in PHASES:
+            raise InvalidRunError("status.phase", f"expected one of {', '.join(PHASES)}, "
+                                  f"found {phase!r}")
+        participants = tuple(
+            Participant.from_dict(item, f"status.participants[{i}]")
+            for i, item in enumerate(_list(obj.get("participants"), "status.participants")))
+        waiting = tuple(
+            WaitingNode.from_dict(item, f"status.waiting[{i}]")
+            for i, item in enumerate(_list(obj.get("waiting"), "status.waiting")))
+        lost = tuple(
+            LostMember.from_dict(item, f"status.lostMembers[{i}]")
+            for i, item in enumerate(_list(obj.get("lostMembers"), "status.lostMembers")))
+        conditions = tuple(
+            Condition.from_dict(item, f"status.conditions[{i}]")
+            for i, item in enumerate(_list(obj.get("conditions"), "status.conditions")))
+        store = None
+        if obj.get("store") is not None:
+            raw = _mapping(obj["store"], "status.store")
+            port = _port(raw, "port", "status.store")
+            if port is None:
+                raise InvalidRunError("status.store.port", "is missing")
+            store = StoreAddress(host=_str(raw, "host", "status.store"), port=port)
+        parsed = cls(
+            phase=phase,
+            round=_int(obj, "round", "status", 0),
+            signal=_int(obj, "signal", "status", 0),
+            join_notice=_int(obj, "joinNotice", "status", 0),
+            restart_round=_int(obj, "restartRound", "status", 0),
+            participants=participants,
+            waiting=waiting,
+            store=store,
+            lost_members=lost,
+            conditions=conditions,
+            sealed_at=_time(obj, "sealedAt", "status"),
+            finished_at=_time(obj, "finishedAt", "status"),
+            waiting_count=_opt_int(obj, "waitingCount", "status"),
+            observed_generation=_opt_int(obj, "observedGeneration", "status"),
+        )
+        parsed._check_consistent()
+        return parsed
+
+    def _check_consistent(self) -> None:
+        """Reject well-typed nonsense that would make nodes disagree on ranks."""
+        names = [p.name for p in self.participants]
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise InvalidRunError("status.participants", f"duplicate member names {dup}")
+        waiting = [w.name for w in self.waiting]
+        if len(set(waiting)) != len(waiting):
+            dup = sorted({n for n in waiting if waiting.count(n) > 1})
+            raise InvalidRunError("status.waiting", f"duplicate node names {dup}")
+        ranks = sorted(p.rank for p in self.participants)
+        if len(set(ranks)) != len(ranks):
+            dup = sorted({r for r in ranks if ranks.count(r) > 1})
+            raise InvalidRunError("status.participants", f"duplicate ranks {dup}")
+        if self.participants and self.round == 0:
+            raise InvalidRunError("status.round", "is 0 but the round has participants")
+        if self.participants and not self.degraded and ranks != list(range(len(ranks))):
+            raise InvalidRunError(
+                "status.participants",
+                f"ranks of sealed round {self.round} must be 0..{len(ranks) - 1}, found {ranks} "
+                "(a member is missing without the round being marked for restart)")
+        for p in self.participants:
+            if p.joined_round > self.round:
+                raise InvalidRunError("status.participants",
+                                      f"{p.name} joined round {p.joined_round}, after the "
+                                      f"current round {self.round}")
+        if self.participants and not self.degraded and self.store is None:
+            raise InvalidRunError("status.store", f"is missing while round {self.round} has "
+                                  "members")
+        if self.restart_round > self.round:
+            raise InvalidRunError("status.restartRound", f"{self.restart_round} is after the "
+                                  f"current round {self.round}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The whole status, as written by a compare-and-set replace of ``/status``."""
+        return _drop_none({
+            "phase": self.phase,
+            "round": self.round,
+            "signal": self.signal,
+            "joinNotice": self.join_notice,
+            "restartRound": self.restart_round,
+            "memberCount": len(self.participants),
+            "waitingCount": len(self.waiting),
+            "participants": [p.to_dict() for p in self.participants],
+            "waiting": [w.to_dict() for w in self.waiting],
+            "store": self.store.to_dict() if self.store else None,
+            "lostMembers": [m.to_dict() for m in self.lost_members],
+            "conditions": [c.to_dict() for c in self.conditions],
+            "sealedAt": format_time(self.sealed_at) if self.sealed_at else None,
+            "finishedAt": format_time(self.finished_at) if self.finished_at else None,
+            "observedGeneration": self.observed_generation,
+        })
+
+    def replace(self, **changes: Any) -> RunStatus:
+        return dataclasses.replace(self, **changes)
+
+
+# --------------------------------------------------------------------------- the object
+
+
+@dataclass(frozen=True)
+class ElasticRun:
+    """A parsed ElasticRun with the ``resourceVersion`` that fences writes to it."""
+
+    name: str
+    namespace: str
+    spec: RunSpec
+    status: RunStatus
+    resource_version: str
+    generation: int = 0
+    uid: str | None = None
+    annotations: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def closed(self) -> bool:
+        return self.spec.closed or self.status.phase in FINISHED_PHASES
+
+    @property
+    def drained(self) -> frozenset[str]:
+        raw = self.annotations.get(crd.DRAIN_ANNOTATION, "")
+        return frozenset(n.strip() for n in raw.split(",") if n.strip())
+
+
+def parse_run(obj: Mapping[str, Any]) -> ElasticRun:
+    """Read an ElasticRun as returned by the API server (a dict)."""
+    meta = _mapping(obj.get("metadata"), "metadata")
+    annotations = meta.get("annotations") or {}
+    return ElasticRun(
+        name=_str(meta, "name", "metadata"),
+        namespace=_str(meta, "namespace", "metadata", default=""),
+        spec=RunSpec.from_dict(obj.get("spec")),
+        status=RunStatus.from_dict(obj.get("status")),
+        resource_version=str(meta.get("resourceVersion", "")),
+        generation=int(meta.get("generation") or 0),
+        uid=meta.get("uid"),
+        annotations=dict(_mapping(annotations, "metadata.annotations")),
+    )
+
+
+def new_run_manifest(name: str, namespace: str, spec: RunSpec,
+                     labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": crd.API_VERSION,
+        "kind": crd.KIND,
+        "metadata": _drop_none({"name": name, "namespace": namespace,
+                                "labels": dict(labels) if labels else None}),
+        "spec": spec.to_dict(),
+    }

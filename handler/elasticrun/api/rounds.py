@@ -1,0 +1,177 @@
+"""Pure round logic shared by the handler and the operator.
+
+Everything that decides membership lives here as functions of (run, time), with
+no I/O, so that a node sealing a round while the operator is down computes
+exactly what the operator would have, and so it can be unit tested.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from elasticrun.api.model import (
+    LOST_MEMBERS_KEPT,
+    ElasticRun,
+    LostMember,
+    Participant,
+    RunStatus,
+    StoreAddress,
+    WaitingNode,
+)
+
+
+@dataclass(frozen=True)
+class SealDecision:
+    """Whether the waiting set should become the next round, or when to look again."""
+
+    seal_now: bool
+    reason: str
+    deadline: dt.datetime | None = None
+
+
+def eligible_waiting(run: ElasticRun) -> list[WaitingNode]:
+    """Waiting nodes that may be admitted (drained nodes stay waiting, unadmitted)."""
+    drained = run.drained
+    return [w for w in run.status.waiting if w.name not in drained]
+
+
+def decide_seal(run: ElasticRun, now: dt.datetime) -> SealDecision:
+    """torch's rules, plus one fast path: seal at once when every survivor is back.
+
+    * ``maxNodes`` waiting: seal at once.
+    * the round lost or asked for nodes and every remaining member of it is waiting
+      again (and there are at least ``minNodes``): seal at once; waiting out the
+      last call here would only add the full window to every recovery.
+    * ``minNodes`` waiting: seal once the last-call window, counted from the moment
+      the ``minNodes``-th node arrived, has passed.
+    """
+    spec, status = run.spec, run.status
+    if run.closed:
+        return SealDecision(False, "run is closed")
+    eligible = eligible_waiting(run)
+    count = len(eligible)
+    if count < spec.min_nodes:
+        return SealDecision(False, f"{count} of at least {spec.min_nodes} nodes waiting")
+    if count >= spec.max_nodes:
+        return SealDecision(True, f"maxNodes ({spec.max_nodes}) reached")
+    members = status.member_names - run.drained
+    names = {w.name for w in eligible}
+    if status.round > 0 and members and members <= names:
+        return SealDecision(True, f"all {len(members)} remaining members of round "
+                                  f"{status.round} are back")
+    arrivals = sorted(w.since or now for w in eligible)
+    deadline = arrivals[spec.min_nodes - 1] + dt.timedelta(seconds=spec.last_call_timeout)
+    if now >= deadline:
+        return SealDecision(True, f"last call ({spec.last_call_timeout}s) passed with {count} "
+                                  "nodes")
+    return SealDecision(False, "last call", deadline)
+
+
+def _arrival_key(node: WaitingNode) -> tuple[dt.datetime, str]:
+    return (node.since or dt.datetime.max.replace(tzinfo=dt.UTC), node.name)
+
+
+def order_for_ranks(previous: Iterable[Participant],
+                    waiting: Iterable[WaitingNode]) -> list[WaitingNode]:
+    """Survivors first in their old rank order, then newcomers by arrival.
+
+    Keeping the old order means the old rank 0 stays rank 0 (and keeps hosting
+    the store) whenever it is alive, which torch's lexicographic order does not
+    promise (pytorch/pytorch#67615).
+    """
+    old_rank = {p.name: p.rank for p in previous}
+    waiting = list(waiting)
+    survivors = sorted((w for w in waiting if w.name in old_rank), key=lambda w: old_rank[w.name])
+    newcomers = sorted((w for w in waiting if w.name not in old_rank), key=_arrival_key)
+    return survivors + newcomers
+
+
+def seal_round(run: ElasticRun, now: dt.datetime) -> RunStatus:
+    """The status after moving up to ``maxNodes`` waiting nodes into a new round."""
+    status = run.status
+    ordered = order_for_ranks(status.participants, eligible_waiting(run))
+    admitted = ordered[: run.spec.max_nodes]
+    admitted_names = {w.name for w in admitted}
+    new_round = status.round + 1
+    joined = {p.name: p.joined_round for p in status.participants}
+    participants = tuple(
+        Participant(
+            name=w.name,
+            rank=rank,
+            address=w.address,
+            store_port=w.store_port,
+            joined_round=joined.get(w.name, new_round),
+            pod=w.pod,
+        )
+        for rank, w in enumerate(admitted)
+    )
+    leader = participants[0]
+    store = (StoreAddress(leader.address, leader.store_port)
+             if leader.address and leader.store_port else None)
+    return status.replace(
+        phase="Running",
+        round=new_round,
+        signal=status.signal + 1,
+        participants=participants,
+        waiting=tuple(w for w in status.waiting if w.name not in admitted_names),
+        store=store,
+        sealed_at=now,
+    )
+
+
+def remove_member(status: RunStatus, name: str, reason: str, now: dt.datetime,
+                  message: str | None = None,
+                  detection_seconds: float | None = None) -> RunStatus | None:
+    """The status without ``name``; None when it is neither member nor waiting.
+
+    Removing a member marks the round for restart and bumps the signal, which is
+    what makes every survivor's ``num_nodes_waiting()`` positive.
+    """
+    member = status.participant(name)
+    waiting = status.waiting_node(name)
+    if member is None and waiting is None:
+        return None
+    lost = LostMember(name=name, round=status.round, reason=reason, message=message, time=now,
+                      detection_seconds=detection_seconds)
+    remaining_waiting = tuple(w for w in status.waiting if w.name != name)
+    if member is None:
+        return status.replace(waiting=remaining_waiting)
+    return status.replace(
+        phase="Degraded",
+        participants=tuple(p for p in status.participants if p.name != name),
+        waiting=remaining_waiting,
+        restart_round=status.round,
+        # Members were already told when the round first lost someone; telling
+        # them again for every further loss would make a mass exit quadratic.
+        signal=status.signal + (0 if status.degraded else 1),
+        lost_members=(*status.lost_members, lost)[-LOST_MEMBERS_KEPT:],
+    )
+
+
+def request_restart(status: RunStatus) -> RunStatus | None:
+    """Mark the current round for re-formation (forced round, drain); None if nothing runs."""
+    if status.round == 0 or status.degraded:
+        return None
+    return status.replace(phase="Degraded", restart_round=status.round, signal=status.signal + 1)
+
+
+def nodes_waiting(run: ElasticRun, my_round: int) -> int:
+    """What ``num_nodes_waiting()`` reports to a member of ``my_round``.
+
+    A round that lost a member or was superseded reports at least one waiting
+    node: that is the only hook that makes a healthy torch agent restart its
+    workers, so survivors re-form at once instead of hanging in a collective
+    (pytorch/pytorch#111646).  Spares beyond ``maxNodes`` are not counted while
+    the round is full, or the members would restart forever.
+    """
+    status = run.status
+    eligible = eligible_waiting(run)
+    if my_round and (status.round > my_round or status.restart_round >= my_round):
+        return max(1, len(eligible))
+    members = status.member_names
+    rejoining = sum(1 for w in eligible if w.name in members)
+    newcomers = len(eligible) - rejoining
+    has_room = len(status.participants) < run.spec.max_nodes
+    return rejoining + (newcomers if has_room else 0)

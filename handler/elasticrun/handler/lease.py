@@ -1,0 +1,155 @@
+"""The node's Lease: the liveness signal a pod's status cannot give.
+
+One ``coordination.k8s.io`` Lease per node, renewed from a background thread.
+The operator removes a member whose Lease stops being renewed ("lease
+expired"): that is what catches a lost node or a network partition, where the
+pod object may look healthy for minutes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import logging
+import re
+import threading
+import uuid
+from typing import Any
+
+from elasticrun.api import crd
+from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, lease_path, leases_path
+from elasticrun.api.model import now
+
+log = logging.getLogger(__name__)
+
+NODE_ANNOTATION = f"{crd.GROUP}/node"
+_LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def micro_time(value: dt.datetime) -> str:
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def label_value(text: str) -> str:
+    """A label value (<= 63 safe characters) that identifies ``text``."""
+    if len(text) <= 63 and not _LABEL_UNSAFE.search(text) and text[0].isalnum() \
+            and text[-1].isalnum():
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+    safe = _LABEL_UNSAFE.sub("-", text)[:50].strip("-._") or "x"
+    return f"{safe}-{digest}"
+
+
+def lease_name(run: str, node: str) -> str:
+    """``<run>.<node>``, hashed down when it would not be a valid object name."""
+    name = f"{run}.{node}".lower()
+    if len(name) <= 253 and re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name) \
+            and ".." not in name:
+        return name
+    digest = hashlib.sha256(f"{run}\0{node}".encode()).hexdigest()[:16]
+    return f"{run[:200]}.{digest}"
+
+
+class NodeNameInUseError(RuntimeError):
+    """Another live agent already holds this node name's Lease."""
+
+
+class LeaseKeeper:
+    """Creates, renews and releases one node's Lease."""
+
+    def __init__(self, client: KubeClient, namespace: str, run: str, node: str,
+                 duration: int, interval: float, owner_uid: str | None) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.run = run
+        self.node = node
+        self.name = lease_name(run, node)
+        self.holder = f"{node}@{uuid.uuid4().hex[:8]}"
+        self.duration = duration
+        self.interval = interval
+        self.owner_uid = owner_uid
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _manifest(self) -> dict[str, Any]:
+        stamp = micro_time(now())
+        meta: dict[str, Any] = {
+            "name": self.name,
+            "labels": {crd.RUN_LABEL: label_value(self.run)},
+            "annotations": {NODE_ANNOTATION: self.node, crd.RUN_LABEL: self.run},
+        }
+        if self.owner_uid:
+            meta["ownerReferences"] = [{
+                "apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": self.run,
+                "uid": self.owner_uid, "blockOwnerDeletion": False}]
+        return {
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta,
+            "spec": {"holderIdentity": self.holder, "leaseDurationSeconds": self.duration,
+                     "acquireTime": stamp, "renewTime": stamp},
+        }
+
+    def acquire(self) -> None:
+        """Take the Lease, refusing a name that a live agent holds."""
+        try:
+            self.client.request("POST", leases_path(self.namespace), body=self._manifest())
+            return
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+        current = self.client.request("GET", lease_path(self.namespace, self.name))
+        spec = current.get("spec") or {}
+        holder = spec.get("holderIdentity")
+        renewed = spec.get("renewTime")
+        if holder and holder != self.holder and renewed:
+            age = (now() - dt.datetime.fromisoformat(renewed)).total_seconds()
+            if age < float(spec.get("leaseDurationSeconds") or self.duration):
+                raise NodeNameInUseError(
+                    f"node name {self.node!r} is already used by a live agent ({holder}, Lease "
+                    f"{self.namespace}/{self.name} renewed {age:.1f}s ago); give every agent its "
+                    "own name (POD_NAME, or --rdzv-conf node_name=...)")
+        manifest = self._manifest()
+        manifest["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
+        self.client.request("PUT", lease_path(self.namespace, self.name), body=manifest)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._renew_loop, daemon=True,
+                                        name=f"elasticrun-lease-{self.node}")
+        self._thread.start()
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.client.request(
+                    "PATCH", lease_path(self.namespace, self.name),
+                    body={"spec": {"renewTime": micro_time(now()),
+                                   "holderIdentity": self.holder}},
+                    content_type="application/merge-patch+json")
+            except ApiError as exc:
+                if exc.not_found:
+                    log.warning("lease %s was deleted; re-creating it", self.name)
+                    self._try(self.acquire)
+                else:
+                    log.warning("renewing lease %s failed: %s", self.name, exc)
+            except ApiConnectionError as exc:
+                log.warning("renewing lease %s failed: %s", self.name, exc)
+
+    @staticmethod
+    def _try(action: Any) -> None:
+        try:
+            action()
+        except (ApiError, ApiConnectionError, NodeNameInUseError) as exc:
+            log.warning("lease: %s", exc)
+
+    def release(self, timeout: float) -> None:
+        """Stop renewing and delete the Lease, so the operator sees the node leave at once."""
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout)
+        try:
+            self.client.request("DELETE", lease_path(self.namespace, self.name),
+                                timeout=timeout)
+        except ApiError as exc:
+            if not exc.not_found:
+                log.warning("releasing lease %s failed: %s", self.name, exc)
+        except ApiConnectionError as exc:
+            log.warning("releasing lease %s failed: %s", self.name, exc)

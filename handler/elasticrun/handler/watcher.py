@@ -1,0 +1,231 @@
+"""A narrow watch on one ElasticRun, and the cache every node question is answered from.
+
+The watch uses the field selector ``status.signal!=S`` where ``S`` is the signal
+the node has already seen.  The object does not match while nothing a node must
+act on has happened, so the API server sends nothing for the joins of other
+nodes; when the signal moves, the object starts to match and exactly one event
+arrives, after which the watch is re-opened with the new value.  That keeps the
+events delivered per round linear in the number of nodes instead of quadratic.
+
+``num_nodes_waiting()`` is polled every 0.1 s by torch's agent; it reads this
+cache and never costs an API request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, run_path, runs_path
+from elasticrun.api.model import ElasticRun, InvalidRunError, parse_run
+
+log = logging.getLogger(__name__)
+
+RECONNECT_DELAYS = (0.1, 0.2, 0.5, 1.0, 2.0)
+
+
+class RunDeletedError(Exception):
+    """The ElasticRun was deleted while this node belonged to it."""
+
+
+def newer(candidate: str, current: str) -> bool:
+    """Whether resourceVersion ``candidate`` is after ``current``.
+
+    resourceVersions are opaque, but on every API server backed by etcd they
+    are its revision numbers; when they are not numeric, trust the later write.
+    """
+    if candidate.isdigit() and current.isdigit():
+        return int(candidate) > int(current)
+    return candidate != current
+
+
+class RunWatcher:
+    """Keeps the newest known ElasticRun and wakes up whoever waits for a change."""
+
+    def __init__(self, client: KubeClient, namespace: str, name: str,
+                 watch_timeout: int = 300, on_change: Callable[[ElasticRun], None] | None = None
+                 ) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.name = name
+        self.watch_timeout = watch_timeout
+        self.on_change = on_change
+        self._cond = threading.Condition()
+        self._latest: ElasticRun | None = None
+        self._version = 0
+        self._error: Exception | None = None
+        self._disconnected_since: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._current_watch: Any = None
+        #: Events received (for tests and benchmarks of the fan-out).
+        self.events_received = 0
+
+    # ------------------------------------------------------------------ cache
+
+    @property
+    def latest(self) -> ElasticRun | None:
+        return self._latest
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def disconnected_for(self) -> float:
+        since = self._disconnected_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def offer(self, raw: dict[str, Any]) -> ElasticRun:
+        """Accept an object read or written by anyone, if it is newer than the cache.
+
+        Raises InvalidRunError for a status that cannot be read; the error is
+        also kept, so a waiting node learns about it.
+        """
+        try:
+            run = parse_run(raw)
+        except InvalidRunError as exc:
+            with self._cond:
+                self._error = exc
+                self._version += 1
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            current = self._latest
+            if current is None or newer(run.resource_version, current.resource_version):
+                self._latest = run
+                self._error = None
+                self._version += 1
+                self._cond.notify_all()
+            accepted = self._latest
+        if accepted is run and self.on_change:
+            self.on_change(run)
+        return accepted
+
+    def wait(self, seen_version: int, timeout: float) -> None:
+        """Block until the cache changes after ``seen_version``, or ``timeout`` passes."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            while self._version == seen_version and not self._stop.is_set():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return
+                self._cond.wait(remaining)
+
+    def check(self) -> None:
+        """Raise what the watch learned that makes waiting pointless."""
+        if self._error is not None:
+            raise self._error
+
+    # ------------------------------------------------------------------ thread
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name=f"elasticrun-watch-{self.name}")
+            self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        watch = self._current_watch
+        if watch is not None:
+            watch.close()
+        with self._cond:
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _relist(self) -> ElasticRun | None:
+        try:
+            return self.offer(self.client.request("GET", run_path(self.namespace, self.name)))
+        except ApiError as exc:
+            if exc.not_found:
+                with self._cond:
+                    self._error = RunDeletedError(
+                        f"ElasticRun {self.namespace}/{self.name} was deleted")
+                    self._version += 1
+                    self._cond.notify_all()
+                return None
+            raise
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                run = self._latest or self._relist()
+                if run is None:
+                    # Deleted: look again later, a re-created run starts clean.
+                    self._stop.wait(1.0)
+                    self._relist()
+                    continue
+                self._watch_once(run)
+                failures = 0
+                self._disconnected_since = None
+            except (ApiConnectionError, ApiError) as exc:
+                if self._stop.is_set():
+                    return
+                if isinstance(exc, ApiError) and exc.gone:
+                    self._gone()
+                    continue
+                if self._disconnected_since is None:
+                    self._disconnected_since = time.monotonic()
+                delay = RECONNECT_DELAYS[min(failures, len(RECONNECT_DELAYS) - 1)]
+                failures += 1
+                log.debug("watch of %s failed (%s); again in %.1fs", self.name, exc, delay)
+                with self._cond:
+                    self._version += 1  # let waiters check their connection deadline
+                    self._cond.notify_all()
+                self._stop.wait(delay)
+            except InvalidRunError:
+                # Kept in _error for waiters; wait for the next change.
+                self._stop.wait(0.5)
+                self._relist_quietly()
+
+    def _relist_quietly(self) -> None:
+        try:
+            self._relist()
+        except (ApiError, ApiConnectionError, InvalidRunError) as exc:
+            log.debug("re-list of %s failed: %s", self.name, exc)
+
+    def _gone(self) -> None:
+        """410 Gone: our resourceVersion was compacted; read the object afresh."""
+        with self._cond:
+            self._latest = None
+        self._relist()
+
+    def _watch_once(self, run: ElasticRun) -> None:
+        signal = run.status.signal
+        resource_version = run.resource_version
+        selector = f"metadata.name={self.name},status.signal!={signal}"
+        watch = self.client.watch(runs_path(self.namespace),
+                                  {"fieldSelector": selector,
+                                   "resourceVersion": resource_version},
+                                  self.watch_timeout)
+        self._current_watch = watch
+        if self._stop.is_set():  # stop() ran while the request was being opened
+            watch.close()
+            return
+        self._disconnected_since = None
+        try:
+            for event in watch:
+                kind = event.get("type")
+                obj = event.get("object") or {}
+                if kind == "BOOKMARK":
+                    continue
+                if kind == "ERROR":
+                    code = int(obj.get("code") or 0)
+                    raise ApiError(code, str(obj.get("reason", "")), str(obj.get("message", "")),
+                                   obj)
+                self.events_received += 1
+                if kind == "DELETED":
+                    # Deleted, or left the selection (signal back to what we saw).
+                    self._relist()
+                    return
+                self.offer(obj)
+                return  # re-open with the new signal value
+        finally:
+            self._current_watch = None
+            watch.close()

@@ -1,0 +1,1 @@
+"""The elasticrun operator (kopf)."""

@@ -1,0 +1,409 @@
+#!/usr/bin/env python3
+"""A real etcd + kube-apiserver on 127.0.0.1, for tests, the demo and benchmarks.
+
+There is no kubelet, scheduler or controller manager: this is the envtest
+set-up.  Everything the API server itself does is real (schema and CEL
+validation, server-side apply, watches, RBAC, TokenRequest, webhooks, audit).
+
+    python tests/controlplane/localcluster.py up   [--dir .cluster]   # prints export KUBECONFIG=...
+    python tests/controlplane/localcluster.py down [--dir .cluster]
+
+Binaries come from ``tests/controlplane/build.sh`` (built once, cached outside
+the repository).  Every process is started in its own session and stopped by
+its PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+READY_TIMEOUT = 120.0
+STOP_TIMEOUT = 15.0
+
+AUDIT_POLICY = """\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: Metadata
+    resources:
+      - group: elasticrun.dev
+      - group: coordination.k8s.io
+        resources: [leases]
+  - level: None
+"""
+
+
+def build_binaries() -> Path:
+    """Path of the cached kube-apiserver and etcd, building them if needed."""
+    explicit = os.environ.get("CONTROLPLANE_BIN")
+    if explicit and (Path(explicit) / "kube-apiserver").exists():
+        return Path(explicit)
+    out = subprocess.run(["bash", str(HERE / "build.sh")], check=True, stdout=subprocess.PIPE,
+                         text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without proxies: the API server calls webhooks through them."""
+    env = {k: v for k, v in os.environ.items()
+           if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
+    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+    return env
+
+
+def _openssl(cwd: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(d: Path) -> None:
+    """A CA, serving certificates for the API server and webhooks, and the SA key."""
+    if (d / "sa.key").exists():
+        return
+    _openssl(d, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out",
+             "ca.crt", "-days", "30", "-subj", "/CN=elasticrun-test-ca", "-addext",
+             "keyUsage=critical,keyCertSign,cRLSign")
+    for name in ("apiserver", "webhook"):
+        (d / f"{name}.ext").write_text(
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n"
+            "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
+            "subjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")
+        _openssl(d, "req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+                 f"{name}.csr", "-subj", f"/CN={name}")
+        _openssl(d, "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                 "-CAcreateserial", "-out", f"{name}.crt", "-days", "30", "-extfile",
+                 f"{name}.ext")
+    _openssl(d, "genrsa", "-traditional", "-out", "sa.key", "2048")
+
+
+@dataclass
+class ClusterState:
+    """What `up` wrote and `down` needs: ports, PIDs and credentials."""
+
+    dir: str
+    etcd_port: int
+    etcd_peer_port: int
+    apiserver_port: int
+    token: str
+    etcd_pid: int = 0
+    apiserver_pid: int = 0
+    apiserver_args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.apiserver_port}"
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir)
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.path / "kubeconfig"
+
+    @property
+    def ca(self) -> Path:
+        return self.path / "ca.crt"
+
+    @property
+    def audit_log(self) -> Path:
+        return self.path / "audit.log"
+
+    def save(self) -> None:
+        (self.path / "state.json").write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, d: Path) -> ClusterState | None:
+        try:
+            return cls(**json.loads((d / "state.json").read_text()))
+        except (FileNotFoundError, json.JSONDecodeError, TypeError):
+            return None
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # pragma: no cover - not ours
+        return True
+    # A zombie child of ours still answers kill(0); reap it first.
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return False
+    return True
+
+
+def stop_pid(pid: int, timeout: float = STOP_TIMEOUT) -> None:
+    """SIGTERM, a bounded wait, then SIGKILL: only the PID we started."""
+    if not _alive(pid):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+class LocalControlPlane:
+    """Start, restart and stop one etcd + kube-apiserver pair in a directory."""
+
+    def __init__(self, directory: Path, bin_dir: Path | None = None,
+                 extra_apiserver_args: Sequence[str] = ()) -> None:
+        self.dir = directory.resolve()
+        self.bin_dir = bin_dir
+        self.extra_apiserver_args = list(extra_apiserver_args)
+        self.state: ClusterState | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> ClusterState:
+        existing = ClusterState.load(self.dir)
+        if existing and _alive(existing.etcd_pid) and _alive(existing.apiserver_pid):
+            self.state = existing
+            self.wait_ready()
+            return existing
+        if existing:
+            stop_pid(existing.apiserver_pid)
+            stop_pid(existing.etcd_pid)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        bin_dir = self.bin_dir or build_binaries()
+        self.bin_dir = bin_dir
+        make_pki(self.dir)
+        state = ClusterState(dir=str(self.dir), etcd_port=free_port(),
+                             etcd_peer_port=free_port(), apiserver_port=free_port(),
+                             token=secrets.token_hex(16),
+                             apiserver_args=self.extra_apiserver_args)
+        (self.dir / "tokens.csv").write_text(f"{state.token},admin,admin-uid,system:masters\n")
+        (self.dir / "audit-policy.yaml").write_text(AUDIT_POLICY)
+        self.state = state
+        self._start_etcd()
+        self._start_apiserver()
+        state.save()
+        self._write_kubeconfig()
+        return state
+
+    def _popen(self, name: str, argv: list[str]) -> int:
+        log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=clean_env(),
+                                start_new_session=True, cwd=self.dir)
+        log.close()
+        return proc.pid
+
+    def _start_etcd(self) -> None:
+        assert self.state and self.bin_dir
+        s = self.state
+        s.etcd_pid = self._popen("etcd", [
+            str(self.bin_dir / "etcd"), "--name", "default",
+            "--data-dir", str(self.dir / "etcd-data"),
+            "--listen-client-urls", f"http://127.0.0.1:{s.etcd_port}",
+            "--advertise-client-urls", f"http://127.0.0.1:{s.etcd_port}",
+            "--listen-peer-urls", f"http://127.0.0.1:{s.etcd_peer_port}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{s.etcd_peer_port}",
+            "--initial-cluster", f"default=http://127.0.0.1:{s.etcd_peer_port}",
+            "--unsafe-no-fsync", "--log-level", "warn",
+        ])
+        self._wait("etcd", s.etcd_pid, lambda: _http_ok(f"http://127.0.0.1:{s.etcd_port}/health"))
+
+    def _start_apiserver(self) -> None:
+        assert self.state and self.bin_dir
+        s, d = self.state, self.dir
+        s.apiserver_pid = self._popen("kube-apiserver", [
+            str(self.bin_dir / "kube-apiserver"),
+            f"--etcd-servers=http://127.0.0.1:{s.etcd_port}",
+            "--bind-address=127.0.0.1", f"--secure-port={s.apiserver_port}",
+            "--advertise-address=127.0.0.1", "--endpoint-reconciler-type=none",
+            f"--tls-cert-file={d}/apiserver.crt", f"--tls-private-key-file={d}/apiserver.key",
+            f"--cert-dir={d}/certs", f"--client-ca-file={d}/ca.crt",
+            f"--token-auth-file={d}/tokens.csv", "--authorization-mode=RBAC",
+            "--service-cluster-ip-range=10.0.0.0/24", "--allow-privileged=true",
+            "--disable-admission-plugins=ServiceAccount",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={d}/sa.key",
+            f"--service-account-signing-key-file={d}/sa.key",
+            f"--audit-policy-file={d}/audit-policy.yaml", f"--audit-log-path={d}/audit.log",
+            "--audit-log-format=json", "--audit-log-maxsize=200", "--audit-log-maxbackup=1",
+            "--profiling=false", "--v=1",
+            *s.apiserver_args,
+        ])
+        self._wait("kube-apiserver", s.apiserver_pid, self.ready)
+
+    def _wait(self, name: str, pid: int, probe: object) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                raise RuntimeError(f"{name} exited during start-up; log tail:\n"
+                                   f"{self.log_tail(name)}")
+            if probe():  # type: ignore[operator]
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"{name} not ready within {READY_TIMEOUT:.0f}s; log tail:\n"
+                           f"{self.log_tail(name)}")
+
+    def ready(self) -> bool:
+        assert self.state
+        return _http_ok(f"{self.state.url}/readyz", token=self.state.token, ca=self.state.ca)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready():
+                return
+            time.sleep(0.2)
+        raise TimeoutError("kube-apiserver not ready")
+
+    def stop_apiserver(self) -> None:
+        assert self.state
+        stop_pid(self.state.apiserver_pid)
+
+    def start_apiserver(self) -> None:
+        """Start the API server again on the same port (etcd keeps the data)."""
+        self._start_apiserver()
+        assert self.state
+        self.state.save()
+
+    def stop_etcd(self) -> None:
+        assert self.state
+        stop_pid(self.state.etcd_pid)
+
+    def start_etcd(self) -> None:
+        self._start_etcd()
+        assert self.state
+        self.state.save()
+
+    def stop(self) -> None:
+        state = self.state or ClusterState.load(self.dir)
+        if state is None:
+            return
+        stop_pid(state.apiserver_pid)
+        stop_pid(state.etcd_pid)
+        with contextlib.suppress(FileNotFoundError):
+            (self.dir / "state.json").unlink()
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        try:
+            text = (self.dir / f"{name}.log").read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    # ------------------------------------------------------------------ clients
+
+    def _write_kubeconfig(self) -> None:
+        assert self.state
+        ca = base64.b64encode(self.state.ca.read_bytes()).decode()
+        config = {
+            "apiVersion": "v1", "kind": "Config", "current-context": "elasticrun-local",
+            "clusters": [{"name": "elasticrun-local", "cluster": {
+                "server": self.state.url, "certificate-authority-data": ca}}],
+            "users": [{"name": "admin", "user": {"token": self.state.token}}],
+            "contexts": [{"name": "elasticrun-local", "context": {
+                "cluster": "elasticrun-local", "user": "admin", "namespace": "default"}}],
+        }
+        self.state.kubeconfig.write_text(json.dumps(config, indent=2))
+        self.state.kubeconfig.chmod(0o600)
+
+    def metrics(self) -> str:
+        """The API server's Prometheus text (admin only)."""
+        assert self.state
+        return _http_get(f"{self.state.url}/metrics", token=self.state.token,
+                         ca=self.state.ca).decode()
+
+
+def _ssl_context(ca: Path | None) -> ssl.SSLContext | None:
+    return ssl.create_default_context(cafile=str(ca)) if ca else None
+
+
+def _http_get(url: str, token: str | None = None, ca: Path | None = None,
+              timeout: float = 5.0) -> bytes:
+    request = urllib.request.Request(url)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
+                                         urllib.request.HTTPSHandler(context=_ssl_context(ca)))
+    with opener.open(request, timeout=timeout) as response:
+        body: bytes = response.read()
+        return body
+
+
+def _http_ok(url: str, token: str | None = None, ca: Path | None = None) -> bool:
+    try:
+        _http_get(url, token, ca, timeout=2.0)
+    except (urllib.error.URLError, OSError, ssl.SSLError):
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def running(directory: Path, **kwargs: object) -> Iterator[LocalControlPlane]:
+    cp = LocalControlPlane(directory, **kwargs)  # type: ignore[arg-type]
+    try:
+        cp.start()
+        yield cp
+    finally:
+        cp.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["up", "down", "status", "build"])
+    parser.add_argument("--dir", type=Path, default=Path(".cluster"),
+                        help="state directory (default: .cluster)")
+    args = parser.parse_args(argv)
+    cp = LocalControlPlane(args.dir)
+    if args.command == "build":
+        print(build_binaries())
+        return 0
+    if args.command == "down":
+        cp.stop()
+        print(f"stopped the control plane in {args.dir}", file=sys.stderr)
+        return 0
+    if args.command == "status":
+        state = ClusterState.load(args.dir.resolve())
+        up = bool(state and _alive(state.etcd_pid) and _alive(state.apiserver_pid))
+        print("running" if up else "stopped")
+        return 0 if up else 1
+    started = time.monotonic()
+    state = cp.start()
+    print(f"kube-apiserver {state.url} ready in {time.monotonic() - started:.1f}s "
+          f"(etcd pid {state.etcd_pid}, kube-apiserver pid {state.apiserver_pid})",
+          file=sys.stderr)
+    print(f"export KUBECONFIG={state.kubeconfig}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
