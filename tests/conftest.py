@@ -134,7 +134,7 @@ def crds(cluster: Cluster) -> None:
         got = cluster.client.request(
             "GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd.CRD_NAME}")
         return any(c["type"] == "Established" and c["status"] == "True"
-                   for c in got.get("status", {}).get("conditions", []))
+                   for c in (got.get("status") or {}).get("conditions") or [])
 
     wait_for(established, 30, "the ElasticRun CRD to be Established")
     # The new resource is served a moment after Established; wait until a list works.

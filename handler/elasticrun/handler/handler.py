@@ -115,6 +115,9 @@ class K8sRendezvousHandler(RendezvousHandler):
             join_deadline = time.monotonic() + run.spec.join_timeout
             previous_round = self._round
             run = self._join(run)
+            # Watch from our own join on: its response carries the (defaulted) signal.
+            assert self._watcher is not None
+            self._watcher.start()
             while True:
                 self._raise_if_closed(run)
                 me = run.status.participant(self.settings.node_name)
@@ -221,7 +224,6 @@ class K8sRendezvousHandler(RendezvousHandler):
             self._watcher = RunWatcher(self._api(), self.settings.namespace,
                                        self.settings.run_name, self.settings.watch_timeout)
         run = self._accept(raw)
-        self._watcher.start()
         if self._store_host is None:
             self._store_host = StoreHost(self.settings.address, self.settings.store_port)
         if self._lease is None:
@@ -259,27 +261,8 @@ class K8sRendezvousHandler(RendezvousHandler):
                          s.requested_spec)
             except _Conflict:
                 raw = self._call("read the run", lambda: client.request("GET", path))
-        run = self._parse(raw)
-        self._log_spec_mismatch(run)
-        if "signal" not in (raw.get("status") or {}):
-            raw = self._initialise_status(run) or raw
+        self._log_spec_mismatch(self._parse(raw))
         return raw
-
-    def _initialise_status(self, run: ElasticRun) -> dict[str, Any] | None:
-        """Give a new run the counters nodes watch, so that the narrow watch works at once."""
-        s = self.settings
-        body = {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
-                "metadata": {"name": s.run_name, "namespace": s.namespace,
-                             "resourceVersion": run.resource_version},
-                "status": run.status.replace(phase="Forming").to_dict()}
-        try:
-            return self._call("initialise the run status", lambda: self._api().request(
-                "PUT", run_path(s.namespace, s.run_name, "status"), body=body,
-                query={"fieldManager": SEAL_MANAGER}))
-        except _Conflict:
-            # Someone else initialised it (or joined): read what they wrote.
-            return self._call("read the run", lambda: self._api().request(
-                "GET", run_path(s.namespace, s.run_name)))
 
     def _log_spec_mismatch(self, run: ElasticRun) -> None:
         if self._mismatch_logged:

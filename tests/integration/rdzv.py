@@ -1,0 +1,149 @@
+"""Helpers for driving several handlers as nodes, and for reading the API server's books."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elasticrun.api.kube import KubeClient, run_path
+from elasticrun.api.model import ElasticRun, parse_run
+
+
+@dataclass
+class Outcome:
+    node: str
+    rank: int | None = None
+    world_size: int | None = None
+    info: Any = None
+    error: BaseException | None = None
+
+
+def rendezvous_all(handlers: Sequence[Any], timeout: float = 60) -> dict[str, Outcome]:
+    """``next_rendezvous()`` on every handler at once, in threads; outcomes by node name."""
+    outcomes: dict[str, Outcome] = {}
+    lock = threading.Lock()
+
+    def node(handler: Any) -> None:
+        name = handler.settings.node_name
+        try:
+            info = handler.next_rendezvous()
+            result = Outcome(name, info.rank, info.world_size, info)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            result = Outcome(name, error=exc)
+        with lock:
+            outcomes[name] = result
+
+    threads = [threading.Thread(target=node, args=(h,), daemon=True) for h in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    missing = [h.settings.node_name for h in handlers if h.settings.node_name not in outcomes]
+    assert not missing, f"nodes still in next_rendezvous after {timeout}s: {missing}"
+    return outcomes
+
+
+def start_rendezvous(handler: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """``next_rendezvous()`` in the background; the dict gets 'info' or 'error'."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["info"] = handler.next_rendezvous()
+        except BaseException as exc:  # noqa: BLE001
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def read_run(client: KubeClient, namespace: str, name: str) -> ElasticRun:
+    return parse_run(client.request("GET", run_path(namespace, name)))
+
+
+# --------------------------------------------------------------------------- audit log
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    verb: str
+    resource: str
+    subresource: str
+    name: str
+    code: int
+    user: str
+
+
+def audit_entries(audit_log: Path, namespace: str) -> list[AuditEntry]:
+    entries = []
+    for line in audit_log.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        ref = event.get("objectRef") or {}
+        if event.get("stage") != "ResponseComplete" or ref.get("namespace") != namespace:
+            continue
+        entries.append(AuditEntry(
+            verb=event["verb"], resource=ref.get("resource", ""),
+            subresource=ref.get("subresource", ""), name=ref.get("name", ""),
+            code=int((event.get("responseStatus") or {}).get("code") or 0),
+            user=(event.get("user") or {}).get("username", "")))
+    return entries
+
+
+WRITE_VERBS = frozenset({"create", "update", "patch", "delete"})
+
+
+def count_writes(entries: Iterable[AuditEntry], resource: str | None = None,
+                 succeeded_only: bool = True) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for e in entries:
+        if e.verb not in WRITE_VERBS or (resource and e.resource != resource):
+            continue
+        if succeeded_only and not 200 <= e.code < 300:
+            continue
+        key = f"{e.verb} {e.resource}{'/' + e.subresource if e.subresource else ''}"
+        counts[key] += 1
+    return counts
+
+
+# --------------------------------------------------------------------------- metrics
+
+_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$')
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m or m.group("name") != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group("labels") or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group("value"))
+    return total
+
+
+def watch_events(metrics_text: Callable[[], str]) -> float:
+    return metric(metrics_text(), "apiserver_watch_events_total", group="elasticrun.dev")
+
+
+def is_waiting(client: KubeClient, namespace: str, run: str, node: str) -> bool:
+    """Whether ``node`` has a waiting entry (False while the run does not exist yet)."""
+    from elasticrun.api.kube import ApiError  # noqa: PLC0415
+
+    try:
+        return read_run(client, namespace, run).status.waiting_node(node) is not None
+    except ApiError as exc:
+        if exc.not_found:
+            return False
+        raise
