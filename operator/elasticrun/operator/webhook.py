@@ -1,0 +1,375 @@
+"""Mutating admission for training pods that opt in to elasticrun.
+
+A pod opts in with the label ``elasticrun.dev/run: NAME`` (a label, because the
+API server can pre-filter webhook calls by label only, so every other pod in the
+cluster never reaches this code) and, optionally, the annotations
+``elasticrun.dev/nnodes: "MIN:MAX"`` and ``elasticrun.dev/nproc-per-node: "K"``.
+It gets, in every container, the ``PET_*`` environment torchrun reads in place
+of its flags, and the downward-API variables the ``k8s`` backend uses to name
+the node, so the user's command stays a plain ``torchrun train.py``.
+
+The module is in two layers.  The pure functions (:func:`read_opt_in`,
+:func:`plan_mutation`, :func:`mutation_for`) decide everything and are tested
+without a cluster.  The kopf handler (:func:`mutate_pod`) and
+:func:`configure_webhook` only connect them to kopf's webhook server; the
+operator's entry point calls :func:`setup_webhook` (or
+:func:`configure_webhook` directly) at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jsonpatch
+import kopf
+
+from elasticrun.api import crd
+from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, runs_path
+from elasticrun.api.model import RunSpec, new_run_manifest
+
+log = logging.getLogger(__name__)
+
+RUN_LABEL = crd.RUN_LABEL
+NNODES_ANNOTATION = f"{crd.GROUP}/nnodes"
+NPROC_ANNOTATION = f"{crd.GROUP}/nproc-per-node"
+#: kopf's handler id; it is also the last URL path segment of the webhook
+#: (``https://HOST:PORT/elasticrun-pod-env``), which the chart's configuration names.
+HANDLER_ID = "elasticrun-pod-env"
+WEBHOOK_PATH = f"/{HANDLER_ID}"
+#: Label put on ElasticRuns this webhook creates, so users can tell them apart.
+CREATED_BY_LABEL = "app.kubernetes.io/created-by"
+CREATED_BY = "elasticrun-webhook"
+#: Bound on creating a missing ElasticRun: the API server gives the whole call
+#: at most the configuration's timeoutSeconds (the chart sets 10).
+CREATE_RUN_TIMEOUT = 4.0
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_COUNT = re.compile(r"^[0-9]+$")  # ASCII digits only: str.isdigit() also accepts "²"
+#: torchrun's --nproc-per-node accepts a count or one of these words.
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+
+
+class OptInError(ValueError):
+    """A label or annotation the webhook cannot use; the message says what to write."""
+
+
+@dataclass(frozen=True)
+class OptIn:
+    """What an opted-in pod asked for, validated."""
+
+    run: str
+    min_nodes: int | None = None
+    max_nodes: int | None = None
+    nproc_per_node: str | None = None
+
+    @property
+    def nnodes(self) -> str | None:
+        """torchrun's ``--nnodes`` form; always MIN:MAX so it is never ambiguous."""
+        if self.min_nodes is None:
+            return None
+        return f"{self.min_nodes}:{self.max_nodes}"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    """JSON patch operations for one pod, and warnings for the user who created it."""
+
+    ops: list[dict[str, Any]]
+    warnings: list[str]
+    opt_in: OptIn | None = None
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"N"`` or ``"MIN:MAX"`` as torchrun reads ``--nnodes``; bounds from the CRD."""
+    value = text.strip()
+    example = f'write e.g. {NNODES_ANNOTATION}: "2:4" (MIN:MAX) or "4" (a fixed size)'
+    parts = value.split(":")
+    if len(parts) > 2 or not all(_COUNT.match(p.strip()) for p in parts):
+        raise OptInError(f"{NNODES_ANNOTATION}: {text!r} is not a node count; {example}")
+    low, high = int(parts[0]), int(parts[-1])
+    ceiling = crd.spec_maximum("maxNodes")
+    if low < 1:
+        raise OptInError(f"{NNODES_ANNOTATION}: {text!r} asks for {low} nodes; MIN must be at "
+                         f"least 1; {example}")
+    if low > high:
+        raise OptInError(f"{NNODES_ANNOTATION}: {text!r} has MIN {low} above MAX {high}; "
+                         f'write the smaller number first, e.g. "{high}:{low}"')
+    if high > ceiling:
+        raise OptInError(f"{NNODES_ANNOTATION}: {text!r} exceeds the ElasticRun limit of "
+                         f'{ceiling} nodes; write e.g. "{min(low, ceiling)}:{ceiling}"')
+    return low, high
+
+
+def parse_nproc_per_node(text: str) -> str:
+    value = text.strip()
+    if value in _NPROC_WORDS or (_COUNT.match(value) and int(value) >= 1):
+        return value
+    raise OptInError(f"{NPROC_ANNOTATION}: {text!r} is not a process count; write a whole "
+                     f'number of at least 1 (e.g. "8") or one of {", ".join(_NPROC_WORDS)}')
+
+
+def read_opt_in(labels: Mapping[str, str] | None,
+                annotations: Mapping[str, str] | None) -> OptIn | None:
+    """The pod's request, ``None`` for a pod that did not opt in; raises :class:`OptInError`."""
+    labels = labels or {}
+    annotations = annotations or {}
+    if RUN_LABEL not in labels:
+        return None
+    run = labels[RUN_LABEL]
+    if not _DNS_LABEL.match(run) or len(run) > 63:
+        raise OptInError(f"label {RUN_LABEL}: {run!r} cannot name an ElasticRun; use 1-63 "
+                         "lower-case letters, digits and '-', starting and ending with a letter "
+                         f"or digit, e.g. {RUN_LABEL}: {_suggest_name(run)}")
+    low = high = None
+    if annotations.get(NNODES_ANNOTATION) is not None:
+        low, high = parse_nnodes(annotations[NNODES_ANNOTATION])
+    nproc = None
+    if annotations.get(NPROC_ANNOTATION) is not None:
+        nproc = parse_nproc_per_node(annotations[NPROC_ANNOTATION])
+    return OptIn(run=run, min_nodes=low, max_nodes=high, nproc_per_node=nproc)
+
+
+def _suggest_name(value: str) -> str:
+    cleaned = re.sub(r"[^a-z0-9-]+", "-", value.lower()).strip("-")[:63].strip("-")
+    return cleaned or "my-run"
+
+
+# --------------------------------------------------------------------------- mutation
+
+
+def _field(path: str) -> dict[str, Any]:
+    return {"valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": path}}}
+
+
+def desired_env(opt_in: OptIn) -> list[dict[str, Any]]:
+    """The variables an opted-in container needs, in the order they must appear.
+
+    ``PET_LOCAL_ADDR`` refers to ``$(POD_IP)``, which the kubelet expands only
+    from variables listed *before* it, so it comes last.
+    """
+    env: list[dict[str, Any]] = [
+        {"name": "PET_RDZV_BACKEND", "value": "k8s"},
+        {"name": "PET_RDZV_ID", "value": opt_in.run},
+    ]
+    if opt_in.nnodes is not None:
+        env.append({"name": "PET_NNODES", "value": opt_in.nnodes})
+    if opt_in.nproc_per_node is not None:
+        env.append({"name": "PET_NPROC_PER_NODE", "value": opt_in.nproc_per_node})
+    env += [
+        {"name": "POD_NAME", **_field("metadata.name")},
+        {"name": "POD_NAMESPACE", **_field("metadata.namespace")},
+        {"name": "POD_IP", **_field("status.podIP")},
+        {"name": "PET_LOCAL_ADDR", "value": "$(POD_IP)"},
+    ]
+    return env
+
+
+def plan_mutation(pod: Mapping[str, Any]) -> Mutation:
+    """JSON patch ops that add the missing variables to every container.
+
+    Only ``add`` operations, and only for names a container does not define yet:
+    a user's own value always wins (a warning says so when it differs from what
+    elasticrun would have set), and a pod that was already mutated yields no ops.
+    Raises :class:`OptInError` for a bad label or annotation.
+    """
+    meta = pod.get("metadata") or {}
+    opt_in = read_opt_in(meta.get("labels"), meta.get("annotations"))
+    if opt_in is None:
+        return Mutation([], [])
+    wanted = desired_env(opt_in)
+    ops: list[dict[str, Any]] = []
+    warnings: list[str] = []
+    containers = (pod.get("spec") or {}).get("containers") or []
+    for index, container in enumerate(containers):
+        existing = {item.get("name"): item for item in container.get("env") or []}
+        missing = [var for var in wanted if var["name"] not in existing]
+        for var in wanted:
+            mine = existing.get(var["name"])
+            if mine is not None and "value" in var and mine.get("value") != var["value"] \
+                    and var["name"] != "PET_LOCAL_ADDR":
+                warnings.append(f"container {container.get('name')!r} sets {var['name']}="
+                                f"{mine.get('value')!r}; elasticrun leaves it as is (it would "
+                                f"set {var['value']!r})")
+        if not missing:
+            continue
+        base = f"/spec/containers/{index}/env"
+        if container.get("env") is None:
+            ops.append({"op": "add", "path": base, "value": missing})
+        else:
+            ops += [{"op": "add", "path": f"{base}/-", "value": var} for var in missing]
+    return Mutation(ops, warnings, opt_in)
+
+
+def mutation_for(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The JSON patch (RFC 6902) for one pod; ``[]`` when nothing is to change."""
+    return plan_mutation(pod).ops
+
+
+def mutated(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the pod with its mutation applied (what the API server would store)."""
+    result: dict[str, Any] = jsonpatch.apply_patch(copy.deepcopy(dict(pod)), mutation_for(pod))
+    return result
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_manifest_for(opt_in: OptIn, namespace: str) -> dict[str, Any] | None:
+    """The ElasticRun to create for a pod, or ``None`` when the pod names no size.
+
+    Without ``elasticrun.dev/nnodes`` the webhook does not know the size the
+    user's ``torchrun --nnodes`` asks for, and an existing run's spec wins over
+    the command line; so it leaves creating the run to the first node's handler.
+    """
+    if opt_in.min_nodes is None or opt_in.max_nodes is None:
+        return None
+    spec = RunSpec(min_nodes=opt_in.min_nodes, max_nodes=opt_in.max_nodes)
+    return new_run_manifest(opt_in.run, namespace, spec, labels={CREATED_BY_LABEL: CREATED_BY})
+
+
+def ensure_run(client: KubeClient, manifest: Mapping[str, Any]) -> bool:
+    """Create the ElasticRun unless it exists; ``True`` when this call created it."""
+    namespace = manifest["metadata"]["namespace"]
+    try:
+        client.request("POST", runs_path(namespace), body=dict(manifest),
+                       timeout=CREATE_RUN_TIMEOUT)
+    except ApiError as exc:
+        if exc.conflict:
+            return False
+        raise
+    return True
+
+
+_client: KubeClient | None = None
+
+
+def _run_client() -> KubeClient:
+    """One client for the webhook's own calls: in-cluster credentials, else KUBECONFIG."""
+    global _client  # noqa: PLW0603 - created lazily, once per process
+    if _client is None:
+        _client = KubeClient.from_config(timeout=CREATE_RUN_TIMEOUT)
+    return _client
+
+
+@kopf.on.mutate("pods", id=HANDLER_ID, labels={RUN_LABEL: kopf.PRESENT},
+                operations=["CREATE"], side_effects=True)
+async def mutate_pod(body: kopf.Body, patch: kopf.Patch, dryrun: bool, warnings: list[str],
+                     logger: logging.Logger | kopf.Logger, **_: Any) -> None:
+    """Inject the torchrun environment; create the ElasticRun when the pod sizes it."""
+    pod: dict[str, Any] = dict(body)
+    try:
+        plan = plan_mutation(pod)
+    except OptInError as exc:
+        raise kopf.AdmissionError(str(exc), code=400) from exc
+    warnings.extend(plan.warnings)
+    if plan.ops:
+        ops = plan.ops
+        patch.fns.append(lambda raw: jsonpatch.apply_patch(raw, ops, in_place=True))
+    namespace = (pod.get("metadata") or {}).get("namespace")
+    opt_in = plan.opt_in
+    manifest = run_manifest_for(opt_in, namespace) if opt_in and namespace else None
+    if opt_in is None or manifest is None or dryrun:
+        return
+    try:
+        if await asyncio.to_thread(ensure_run, _run_client(), manifest):
+            logger.info(f"created ElasticRun {namespace}/{opt_in.run} ({opt_in.nnodes} nodes)")
+    except (ApiError, ApiConnectionError, OSError) as exc:
+        # Never block the pod for this: its handler creates the run as well.
+        logger.warning(f"could not create ElasticRun {namespace}/"
+                       f"{manifest['metadata']['name']}: {exc}; the first node will")
+        warnings.append(f"elasticrun could not create ElasticRun {manifest['metadata']['name']} "
+                        "yet; the first node's handler will create it")
+
+
+# --------------------------------------------------------------------------- wiring
+
+
+def configure_webhook(settings: kopf.OperatorSettings, *, addr: str, port: int,
+                      host: str | None, certfile: str | None, pkeyfile: str | None,
+                      cafile: str | None, managed: str | None) -> None:
+    """Serve the webhook on ``addr:port`` over TLS with the given certificate.
+
+    ``managed`` names a MutatingWebhookConfiguration that kopf creates and keeps
+    pointed at ``https://HOST:PORT/...`` (for a local operator; it needs create
+    and patch on mutatingwebhookconfigurations).  In a cluster leave it ``None``:
+    the Helm chart owns the configuration and routes through a Service.
+    A certificate is required because kopf's self-signed mode depends on a
+    library that fails with OpenSSL >= 3.0.10; use :func:`generate_serving_cert`
+    (``elasticrun.operator.webhookcert``) to make one at start-up.
+    """
+    if not certfile or not pkeyfile:
+        raise ValueError("the webhook needs a serving certificate and key (--webhook-cert and "
+                         "--webhook-key, or --webhook-self-signed DNS-NAME to make one)")
+    settings.admission.server = kopf.WebhookServer(
+        addr=addr, port=port, host=host, certfile=certfile, pkeyfile=pkeyfile, cafile=cafile)
+    settings.admission.managed = managed
+
+
+def add_webhook_arguments(parser: argparse.ArgumentParser) -> None:
+    """The operator's webhook flags, as the Helm chart passes them."""
+    group = parser.add_argument_group("admission webhook (off unless --webhook-port is given)")
+    group.add_argument("--webhook-port", type=int, default=None,
+                       help="serve the pod-mutating webhook over HTTPS on this port")
+    group.add_argument("--webhook-addr", default="0.0.0.0",
+                       help="address to listen on (default: all interfaces)")
+    group.add_argument("--webhook-host", default=None,
+                       help="host name in the webhook URL kopf registers (with --webhook-managed)")
+    group.add_argument("--webhook-cert", default=None, help="serving certificate (PEM)")
+    group.add_argument("--webhook-key", default=None, help="serving certificate's key (PEM)")
+    group.add_argument("--webhook-ca", default=None,
+                       help="CA bundle that signed --webhook-cert (for the caBundle)")
+    group.add_argument("--webhook-self-signed", action="append", default=[], metavar="DNS_NAME",
+                       help="make a CA and serving certificate for this name at start "
+                            "(repeatable), instead of --webhook-cert/--webhook-key")
+    group.add_argument("--webhook-cert-dir", default="/tmp/elasticrun-webhook",
+                       help="where --webhook-self-signed writes the certificate")
+    group.add_argument("--webhook-configuration", default=None, metavar="NAME",
+                       help="MutatingWebhookConfiguration whose caBundle the operator sets to "
+                            "its self-signed CA")
+    group.add_argument("--webhook-managed", default=None, metavar="NAME",
+                       help="let kopf create and manage a configuration of this name "
+                            "(local development only)")
+
+
+def setup_webhook(settings: kopf.OperatorSettings, args: argparse.Namespace,
+                  client: KubeClient | None = None) -> None:
+    """Apply :func:`add_webhook_arguments`' flags; a no-op without ``--webhook-port``.
+
+    With ``--webhook-self-signed`` it makes the certificate first and, with
+    ``--webhook-configuration``, writes the new CA into that configuration, so
+    the API server trusts the fresh certificate of every operator start.
+    """
+    if not args.webhook_port:
+        return
+    from elasticrun.operator import webhookcert  # noqa: PLC0415 - only when self-signing
+
+    certfile, pkeyfile, cafile = args.webhook_cert, args.webhook_key, args.webhook_ca
+    if args.webhook_self_signed:
+        cert = webhookcert.generate_serving_cert(Path(args.webhook_cert_dir),
+                                                 args.webhook_self_signed)
+        certfile, pkeyfile, cafile = str(cert.certfile), str(cert.pkeyfile), str(cert.cafile)
+        if args.webhook_configuration:
+            webhookcert.inject_ca_bundle(client or _run_client(), args.webhook_configuration,
+                                         cert.ca_pem)
+    configure_webhook(settings, addr=args.webhook_addr, port=args.webhook_port,
+                      host=args.webhook_host, certfile=certfile, pkeyfile=pkeyfile,
+                      cafile=cafile, managed=args.webhook_managed)
+
+
+__all__: Sequence[str] = (
+    "HANDLER_ID", "NNODES_ANNOTATION", "NPROC_ANNOTATION", "RUN_LABEL", "WEBHOOK_PATH",
+    "Mutation", "OptIn", "OptInError", "add_webhook_arguments", "configure_webhook",
+    "desired_env", "ensure_run", "mutate_pod", "mutated", "mutation_for", "parse_nnodes",
+    "parse_nproc_per_node", "plan_mutation", "read_opt_in", "run_manifest_for", "setup_webhook",
+)
