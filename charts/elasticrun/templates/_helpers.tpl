@@ -1,0 +1,85 @@
+{{/* Names, labels and small computed values shared by the templates. */}}
+
+{{- define "elasticrun.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "elasticrun.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else if contains (include "elasticrun.name" .) .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name (include "elasticrun.name" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "elasticrun.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "elasticrun.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "elasticrun.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "elasticrun.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{/* Annotation values are strings; quoting keeps `x: y` or `on: true` from becoming booleans. */}}
+{{- define "elasticrun.annotations" -}}
+{{- $out := dict }}
+{{- range $key, $value := . }}
+{{- $_ := set $out $key (toString $value) }}
+{{- end }}
+{{- toYaml $out }}
+{{- end }}
+
+{{- define "elasticrun.operatorServiceAccount" -}}
+{{- default (include "elasticrun.fullname" .) .Values.operator.serviceAccount.name }}
+{{- end }}
+
+{{- define "elasticrun.webhookService" -}}
+{{- printf "%s-webhook" (include "elasticrun.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Cluster-scoped names carry the release namespace: two releases never collide. */}}
+{{- define "elasticrun.clusterName" -}}
+{{- printf "%s-%s" (include "elasticrun.fullname" .) .Release.Namespace | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "elasticrun.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{- define "elasticrun.certSecret" -}}
+{{- printf "%s-webhook-tls" (include "elasticrun.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "elasticrun.webhookDNSNames" -}}
+{{- $svc := include "elasticrun.webhookService" . -}}
+- {{ $svc }}.{{ .Release.Namespace }}.svc
+- {{ $svc }}.{{ .Release.Namespace }}.svc.cluster.local
+{{- end }}
+
+{{/* Refuse values that would install something broken, with a message that says what to set. */}}
+{{- define "elasticrun.validate" -}}
+{{- if not (has .Values.operator.scope (list "cluster" "namespaces")) }}
+{{- fail (printf "operator.scope must be \"cluster\" or \"namespaces\", not %q" .Values.operator.scope) }}
+{{- end }}
+{{- if and (eq .Values.operator.scope "namespaces") (not .Values.trainingNamespaces) }}
+{{- fail "operator.scope=namespaces needs trainingNamespaces: list the namespaces the operator should watch" }}
+{{- end }}
+{{- if not (has .Values.webhook.failurePolicy (list "Fail" "Ignore")) }}
+{{- fail (printf "webhook.failurePolicy must be Fail or Ignore, not %q" .Values.webhook.failurePolicy) }}
+{{- end }}
+{{- range .Values.trainingNamespaces }}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" .) }}
+{{- fail (printf "trainingNamespaces: %q is not a namespace name" .) }}
+{{- end }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,164 @@
+"""Helpers for testing the Helm chart and its RBAC against the real API server.
+
+helm is built from its Go module by tests/helmtool/build.sh (cached, so only
+the first run pays); rendered objects are applied with ``kubectl apply
+--server-side``, exactly what a GitOps user does with ``helm template``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import subprocess
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from conftest import ROOT, Cluster
+
+from elasticrun.api.kube import ApiError
+
+CHART = ROOT / "charts" / "elasticrun"
+HELM_BUILD = ROOT / "tests" / "helmtool" / "build.sh"
+#: Built-in cluster-scoped kinds the chart renders; tests delete them afterwards
+#: because, unlike namespaces, they are shared by every test on the API server.
+CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration",
+                  "CustomResourceDefinition"}
+
+
+def build_helm() -> Path:
+    """The helm binary; built on first use (a few minutes), then cached."""
+    out = subprocess.run(["bash", str(HELM_BUILD)], check=True, stdout=subprocess.PIPE,
+                         text=True, timeout=1800)
+    path = Path(out.stdout.strip().splitlines()[-1])
+    assert path.is_file() and os.access(path, os.X_OK), f"build.sh printed {path}"
+    return path
+
+
+@dataclass
+class Helm:
+    binary: Path
+    home: Path
+    kubeconfig: Path | None = None
+
+    def run(self, *args: str, check: bool = True,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        # Own config/cache/data homes: never read or write the developer's helm state.
+        env = {**os.environ, "HELM_CONFIG_HOME": str(self.home / "config"),
+               "HELM_CACHE_HOME": str(self.home / "cache"),
+               "HELM_DATA_HOME": str(self.home / "data")}
+        env.pop("KUBECONFIG", None)
+        if self.kubeconfig is not None:
+            env["KUBECONFIG"] = str(self.kubeconfig)
+        result = subprocess.run([str(self.binary), *args], env=env, capture_output=True,
+                                text=True, timeout=timeout, check=False)
+        if check and result.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed ({result.returncode}):\n"
+                                 f"{result.stdout}\n{result.stderr}")
+        return result
+
+    def values_file(self, values: Mapping[str, Any], name: str = "values") -> Path:
+        path = self.home / f"{name}-{abs(hash(json.dumps(values, sort_keys=True)))}.yaml"
+        path.write_text(yaml.safe_dump(dict(values)))
+        return path
+
+    def template(self, release: str, namespace: str, values: Mapping[str, Any] | None = None,
+                 *extra: str) -> list[dict[str, Any]]:
+        args = ["template", release, str(CHART), "--namespace", namespace]
+        if values:
+            args += ["--values", str(self.values_file(values))]
+        return documents(self.run(*args, *extra).stdout)
+
+
+def documents(text: str) -> list[dict[str, Any]]:
+    return [doc for doc in yaml.safe_load_all(text) if doc]
+
+
+def by_kind(docs: Iterable[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def one(docs: Iterable[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in by_kind(docs, kind) if name is None or d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def apply(cluster: Cluster, docs: list[dict[str, Any]], manager: str = "chart-test") -> str:
+    """Server-side apply, for real (not a dry run); returns kubectl's report.
+
+    Sent as JSON: kubectl reads YAML 1.1, where an unquoted ``y`` that PyYAML
+    writes for the string "y" would turn into a boolean.
+    """
+    text = json.dumps({"apiVersion": "v1", "kind": "List", "items": docs})
+    result = cluster.kubectl("apply", "--server-side", f"--field-manager={manager}",
+                             "--force-conflicts", "-f", "-", input=text, check=False)
+    assert result.returncode == 0, f"apply failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def delete_cluster_scoped(cluster: Cluster, docs: Iterable[dict[str, Any]]) -> None:
+    """Remove what a test applied outside its namespaces (the CRD is shared: kept)."""
+    for doc in docs:
+        if doc["kind"] in CLUSTER_SCOPED and doc["kind"] != "CustomResourceDefinition":
+            cluster.kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"],
+                            "--ignore-not-found", "--wait=false", check=False)
+
+
+def create_namespace(cluster: Cluster, name: str) -> str:
+    with contextlib.suppress(ApiError):
+        cluster.client.request("POST", "/api/v1/namespaces", body={
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    return name
+
+
+def request_token(cluster: Cluster, namespace: str, service_account: str,
+                  seconds: int = 3600) -> str:
+    """A TokenRequest token, as the kubelet would project into the pod."""
+    got = cluster.client.request(
+        "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{service_account}/token",
+        body={"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+              "spec": {"expirationSeconds": seconds}})
+    token: str = got["status"]["token"]
+    return token
+
+
+def token_kubeconfig(cluster: Cluster, token: str, path: Path,
+                     namespace: str = "default") -> Path:
+    """A kubeconfig for the same API server and CA, authenticated only by ``token``."""
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    server = admin["clusters"][0]["cluster"]
+    ca_data = server.get("certificate-authority-data")
+    if ca_data is None and server.get("certificate-authority"):
+        ca_data = base64.b64encode(Path(server["certificate-authority"]).read_bytes()).decode()
+    config = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [{"name": "c", "cluster": {"server": server["server"],
+                                               "certificate-authority-data": ca_data}}],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa",
+                                                 "namespace": namespace}}],
+    }
+    path.write_text(json.dumps(config))
+    path.chmod(0o600)
+    return path
+
+
+def can_i(cluster: Cluster, user: str, verb: str, resource: str, *,
+          namespace: str | None = None, name: str | None = None) -> bool:
+    """``kubectl auth can-i`` as ``user`` (impersonated by the admin): a SubjectAccessReview."""
+    args = ["auth", "can-i", verb, f"{resource}/{name}" if name else resource, f"--as={user}"]
+    args += ["-n", namespace] if namespace else ["--all-namespaces"]
+    result = cluster.kubectl(*args, check=False)
+    answer = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert answer in ("yes", "no"), f"can-i {args}: {result.stdout}{result.stderr}"
+    return answer == "yes"
+
+
+def service_account(namespace: str, name: str) -> str:
+    return f"system:serviceaccount:{namespace}:{name}"
+

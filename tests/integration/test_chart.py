@@ -1,0 +1,339 @@
+"""The Helm chart: lint, render, and apply every object to the real API server.
+
+Rendered objects are applied for real (server-side apply, not a dry run) into
+fresh namespaces. Two things are adapted before applying, both because the
+API server is shared by the whole test session: the webhook's namespaceSelector
+is pinned to the test's namespace (a failurePolicy=Fail webhook that matched
+other tests' pods would break them), and the CRD, which the session already
+installed from deploy/crds/, is compared and dry-run applied instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from chartkit import (
+    CHART,
+    Helm,
+    apply,
+    by_kind,
+    delete_cluster_scoped,
+    one,
+)
+from conftest import CRD_FILE, ROOT, Cluster
+
+from elasticrun.api import crd
+
+#: The fixtures helm, helm_binary and extra_namespace.
+pytest_plugins = ("chartfixtures",)
+
+CERT_MANAGER_KINDS = {"Certificate", "Issuer"}
+NAMESPACE_LABEL = "kubernetes.io/metadata.name"
+
+
+def pin_webhook(docs: list[dict[str, Any]], namespace: str) -> list[dict[str, Any]]:
+    """A copy whose webhook can only ever see pods of ``namespace``."""
+    out = copy.deepcopy(docs)
+    for config in by_kind(out, "MutatingWebhookConfiguration"):
+        for hook in config["webhooks"]:
+            hook["namespaceSelector"] = {"matchExpressions": [
+                {"key": NAMESPACE_LABEL, "operator": "In", "values": [namespace]}]}
+    return out
+
+
+def apply_chart(cluster: Cluster, docs: list[dict[str, Any]], namespace: str,
+                request: pytest.FixtureRequest) -> None:
+    """Apply everything but the CRD (checked against the live one) and cert-manager kinds."""
+    request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
+    for doc in by_kind(docs, "CustomResourceDefinition"):
+        assert_same_as_live_crd(cluster, doc)
+    rest = [d for d in pin_webhook(docs, namespace)
+            if d["kind"] != "CustomResourceDefinition" and d["kind"] not in CERT_MANAGER_KINDS]
+    apply(cluster, rest)
+    for doc in rest:
+        meta = doc["metadata"]
+        where = ["-n", meta["namespace"]] if meta.get("namespace") else []
+        kind = doc["kind"].lower() if "/" not in doc["apiVersion"] else \
+            f"{doc['kind'].lower()}.{doc['apiVersion'].split('/')[0]}"
+        got = cluster.kubectl("get", kind, meta["name"], *where, "-o", "yaml")
+        live = yaml.safe_load(got.stdout)
+        assert live["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm", meta
+    if any(d["kind"] == "Deployment" for d in rest):
+        deployment = one(rest, "Deployment")
+        got = yaml.safe_load(cluster.kubectl(
+            "get", "deployment", deployment["metadata"]["name"], "-n",
+            deployment["metadata"]["namespace"], "-o", "yaml").stdout)
+        # What the API server stored is what the chart meant (nothing pruned or rejected).
+        spec = got["spec"]["template"]["spec"]["containers"][0]
+        assert spec["args"] == deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def assert_same_as_live_crd(cluster: Cluster, rendered: dict[str, Any]) -> None:
+    live = yaml.safe_load(cluster.kubectl(
+        "get", "crd", crd.CRD_NAME, "-o", "yaml").stdout)
+    source = yaml.safe_load(CRD_FILE.read_text())
+    assert rendered["spec"] == source["spec"]
+    for key in ("group", "names", "scope"):
+        assert live["spec"][key] == rendered["spec"][key]
+    assert [v["name"] for v in live["spec"]["versions"]] == \
+        [v["name"] for v in rendered["spec"]["versions"]]
+    dry = cluster.kubectl("apply", "--server-side", "--dry-run=server", "--force-conflicts",
+                          "--field-manager=chart-test", "-f", "-",
+                          input=yaml.safe_dump(rendered), check=False)
+    assert dry.returncode == 0, dry.stderr
+
+
+# --------------------------------------------------------------------------- lint & source
+
+
+@pytest.mark.parametrize("values", [
+    {},
+    {"trainingNamespaces": ["a", "b"], "operator": {"scope": "namespaces"},
+     "certManager": {"enabled": True}, "networkPolicy": {"enabled": True, "isolate": True}},
+])
+def test_helm_lint_passes_strict(helm: Helm, values: dict[str, Any]) -> None:
+    args = ["lint", "--strict", str(CHART)]
+    if values:
+        args += ["--values", str(helm.values_file(values))]
+    result = helm.run(*args)
+    assert "0 chart(s) failed" in result.stdout
+
+
+def test_chart_crd_is_the_single_source_of_truth(helm: Helm) -> None:
+    link = CHART / "files" / "crds" / CRD_FILE.name
+    assert link.is_symlink() and link.resolve() == CRD_FILE.resolve()
+    rendered = one(helm.template("r", "er-system"), "CustomResourceDefinition")
+    source = yaml.safe_load(CRD_FILE.read_text())
+    annotations = rendered["metadata"].pop("annotations")
+    assert annotations == {"helm.sh/resource-policy": "keep"}
+    assert rendered == source
+    # The handler package ships the same file.
+    packaged = ROOT / "handler" / "elasticrun" / "api" / "crd.yaml"
+    assert packaged.resolve() == CRD_FILE.resolve()
+
+
+def test_crd_can_be_left_out_or_not_kept(helm: Helm) -> None:
+    assert by_kind(helm.template("r", "x", {"crds": {"install": False}}),
+                   "CustomResourceDefinition") == []
+    loose = one(helm.template("r", "x", {"crds": {"keep": False}}), "CustomResourceDefinition")
+    assert "annotations" not in loose["metadata"]
+
+
+def test_packaged_chart_carries_the_crd_contents(helm: Helm, tmp_path: Path) -> None:
+    """`helm package` resolves the link, so a published chart has the real file."""
+    helm.run("package", str(CHART), "--destination", str(tmp_path))
+    (archive,) = tmp_path.glob("elasticrun-*.tgz")
+    rendered = one(documents_of(helm.run("template", "r", str(archive)).stdout),
+                   "CustomResourceDefinition")
+    assert rendered["spec"] == yaml.safe_load(CRD_FILE.read_text())["spec"]
+
+
+def documents_of(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+# --------------------------------------------------------------------------- defaults
+
+
+def test_default_render_is_secure_and_complete(helm: Helm) -> None:
+    docs = helm.template("r", "er-system")
+    kinds = sorted({d["kind"] for d in docs})
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
+                     "Deployment", "MutatingWebhookConfiguration", "Service", "ServiceAccount"]
+    deployment = one(docs, "Deployment")
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    pod = spec["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    (container,) = pod["containers"]
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert container["image"] == "elasticrun-operator:0.1.0"
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert ports == {"health": 8081, "metrics": 8080, "webhook": 9443}
+    args = container["args"]
+    assert "--all-namespaces" in args and "--health-port=8081" in args
+    # Default certificate: made by the operator, CA written into its own configuration.
+    config = one(docs, "MutatingWebhookConfiguration")
+    assert f"--webhook-configuration={config['metadata']['name']}" in args
+    assert "--webhook-self-signed=r-elasticrun-webhook.er-system.svc" in args
+    assert not any(v.get("secret") for v in pod["volumes"])
+    (hook,) = config["webhooks"]
+    assert hook["clientConfig"]["service"] == {
+        "name": "r-elasticrun-webhook", "namespace": "er-system",
+        "path": "/elasticrun-pod-env", "port": 443}
+    assert hook["objectSelector"] == {"matchExpressions": [
+        {"key": crd.RUN_LABEL, "operator": "Exists"}]}
+    assert hook["rules"][0]["operations"] == ["CREATE"]
+    assert hook["rules"][0]["resources"] == ["pods"]
+    assert hook["sideEffects"] == "NoneOnDryRun"
+    assert hook["namespaceSelector"]["matchExpressions"][0]["operator"] == "NotIn"
+    service = one(docs, "Service")
+    assert service["spec"]["selector"] == \
+        deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_default_values_apply_to_the_real_api_server(
+        cluster: Cluster, helm: Helm, namespace: str, request: pytest.FixtureRequest) -> None:
+    docs = helm.template("dflt", namespace)
+    apply_chart(cluster, docs, namespace, request)
+    sa = cluster.kubectl("get", "serviceaccount", "dflt-elasticrun", "-n", namespace)
+    assert "dflt-elasticrun" in sa.stdout
+
+
+# --------------------------------------------------------------------------- non-default
+
+
+def test_namespaced_operator_with_network_policy_applies(
+        cluster: Cluster, helm: Helm, namespace: str,
+        extra_namespace: Callable[[str], str],
+        request: pytest.FixtureRequest) -> None:
+    team_a, team_b = extra_namespace("team"), extra_namespace("team")
+    values = {
+        "trainingNamespaces": [team_a, team_b],
+        "operator": {"scope": "namespaces", "extraArgs": ["--verbose"]},
+        "training": {"allowCreateRuns": False,
+                     "serviceAccount": {"name": "trainer", "annotations": {"x": "y"}}},
+        "networkPolicy": {"enabled": True, "storePort": 29500},
+        "webhook": {"failurePolicy": "Ignore"},
+        "image": {"repository": "registry.example/elasticrun-operator",
+                  "digest": "sha256:" + "0" * 64},
+        "fullnameOverride": "er",
+    }
+    docs = helm.template("rel", namespace, values)
+    apply_chart(cluster, docs, namespace, request)
+
+    cluster_role = one(docs, "ClusterRole")
+    resources = {r for rule in cluster_role["rules"] for r in rule["resources"]}
+    assert resources == {"customresourcedefinitions", "mutatingwebhookconfigurations"}
+    roles = {(r["metadata"]["namespace"], r["metadata"]["name"]) for r in by_kind(docs, "Role")}
+    assert roles == {(team_a, "er-operator"), (team_b, "er-operator"),
+                     (team_a, "er-training"), (team_b, "er-training")}
+    training = one([r for r in by_kind(docs, "Role") if r["metadata"]["namespace"] == team_a],
+                   "Role", "er-training")
+    assert "create" not in training["rules"][0]["verbs"]
+    container = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "registry.example/elasticrun-operator@sha256:" + "0" * 64
+    assert [a for a in container["args"] if a.startswith("--namespace")] == [
+        f"--namespace={team_a}", f"--namespace={team_b}"]
+    assert container["args"][-1] == "--verbose"
+    policy = yaml.safe_load(cluster.kubectl(
+        "get", "networkpolicy", "er-store", "-n", team_a, "-o", "yaml").stdout)
+    open_ports = policy["spec"]["ingress"][1]["ports"]
+    assert {"protocol": "TCP", "port": 1, "endPort": 29499} in open_ports
+    assert {"protocol": "TCP", "port": 29501, "endPort": 65535} in open_ports
+    hook = one(docs, "MutatingWebhookConfiguration")["webhooks"][0]
+    assert hook["failurePolicy"] == "Ignore"
+    assert hook["namespaceSelector"]["matchExpressions"][0] == {
+        "key": NAMESPACE_LABEL, "operator": "In", "values": [team_a, team_b]}
+
+
+def test_cert_manager_mode_mounts_the_issued_secret(
+        cluster: Cluster, helm: Helm, namespace: str, request: pytest.FixtureRequest) -> None:
+    docs = helm.template("cm", namespace, {"certManager": {"enabled": True}})
+    kinds = [d["kind"] for d in docs if d["kind"] in CERT_MANAGER_KINDS]
+    assert sorted(kinds) == ["Certificate", "Certificate", "Issuer", "Issuer"]
+    certificate = one(docs, "Certificate", "cm-elasticrun-webhook")
+    assert certificate["spec"]["dnsNames"] == [
+        f"cm-elasticrun-webhook.{namespace}.svc",
+        f"cm-elasticrun-webhook.{namespace}.svc.cluster.local"]
+    config = one(docs, "MutatingWebhookConfiguration")
+    assert config["metadata"]["annotations"] == {
+        "cert-manager.io/inject-ca-from": f"{namespace}/cm-elasticrun-webhook"}
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "webhook-cert")
+    assert volume["secret"]["secretName"] == certificate["spec"]["secretName"]
+    args = pod["containers"][0]["args"]
+    assert "--webhook-cert=/run/elasticrun/webhook/tls.crt" in args
+    assert not any(a.startswith("--webhook-self-signed") for a in args)
+    # With cert-manager the operator needs no right on webhook configurations at all.
+    rules = one(docs, "ClusterRole")["rules"]
+    assert not any("mutatingwebhookconfigurations" in r["resources"] for r in rules)
+    # cert-manager's kinds need its CRDs, which this API server does not have; the rest applies.
+    apply_chart(cluster, docs, namespace, request)
+    # An external issuer replaces the chart's own CA chain.
+    external = helm.template("cm", namespace, {"certManager": {
+        "enabled": True, "issuerRef": {"kind": "ClusterIssuer", "name": "corp-ca"}}})
+    assert [d["metadata"]["name"] for d in external if d["kind"] in CERT_MANAGER_KINDS] == [
+        "cm-elasticrun-webhook"]
+    assert one(external, "Certificate")["spec"]["issuerRef"] == {
+        "kind": "ClusterIssuer", "name": "corp-ca"}
+
+
+def test_webhook_can_be_switched_off(helm: Helm) -> None:
+    docs = helm.template("r", "x", {"webhook": {"enabled": False}})
+    assert by_kind(docs, "MutatingWebhookConfiguration") == []
+    assert by_kind(docs, "Service") == []
+    args = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--webhook") for a in args)
+    rules = one(docs, "ClusterRole")["rules"]
+    assert not any("mutatingwebhookconfigurations" in r["resources"] for r in rules)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"operator": {"scope": "everything"}}, 'operator.scope must be "cluster" or "namespaces"'),
+    ({"operator": {"scope": "namespaces"}}, "operator.scope=namespaces needs trainingNamespaces"),
+    ({"trainingNamespaces": ["Team_A"]}, '"Team_A" is not a namespace name'),
+    ({"webhook": {"failurePolicy": "Maybe"}}, "webhook.failurePolicy must be Fail or Ignore"),
+])
+def test_bad_values_fail_with_what_to_set(helm: Helm, values: dict[str, Any],
+                                          message: str) -> None:
+    result = helm.run("template", "r", str(CHART), "--values", str(helm.values_file(values)),
+                      check=False)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+# --------------------------------------------------------------------------- helm itself
+
+
+def test_helm_install_and_uninstall_against_the_real_api_server(
+        cluster: Cluster, helm: Helm, namespace: str,
+        extra_namespace: Callable[[str], str],
+        request: pytest.FixtureRequest) -> None:
+    """The real `helm install` path: NOTES, ownership, and a clean uninstall.
+
+    The CRD is left out (the session installed it without Helm's ownership
+    labels) and the webhook is pinned to this test's namespace.
+    """
+    team = extra_namespace("team")
+    values = {"trainingNamespaces": [team], "crds": {"install": False},
+              "webhook": {"namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: namespace}}}}
+    release = "inst"
+    request.addfinalizer(lambda: helm.run("uninstall", release, "-n", namespace, "--wait=false",
+                                          check=False))
+    installed = helm.run("install", release, str(CHART), "-n", namespace,
+                         "--values", str(helm.values_file(values)), timeout=180)
+    assert "STATUS: deployed" in installed.stdout
+    assert f"serviceAccountName: {'elasticrun-trainer'}" in installed.stdout
+    assert f"kubectl -n {team} get er -w" in installed.stdout
+    role = cluster.kubectl("get", "role", "inst-elasticrun-training", "-n", team, "-o", "yaml")
+    assert yaml.safe_load(role.stdout)["metadata"]["annotations"][
+        "meta.helm.sh/release-name"] == release
+    cluster_role = f"inst-elasticrun-{namespace}-operator"[:63]
+    assert cluster.kubectl("get", "clusterrole", cluster_role, check=False).returncode == 0
+    helm.run("uninstall", release, "-n", namespace, timeout=180)
+    gone = cluster.kubectl("get", "clusterrole", cluster_role, check=False)
+    assert gone.returncode != 0 and "NotFound" in gone.stderr
+    assert cluster.kubectl("get", "role", "inst-elasticrun-training", "-n", team,
+                           check=False).returncode != 0
+
+
+def test_helm_binary_assumes_the_tested_kubernetes(helm: Helm) -> None:
+    """Without the build's ldflags helm would assume Kubernetes 1.20 and refuse the chart."""
+    version = helm.run("version", "--short").stdout.strip()
+    assert version.startswith("v3.")
+    probe = helm.run("template", "r", str(CHART), "--show-only", "templates/deployment.yaml")
+    assert "kind: Deployment" in probe.stdout
+    assert os.access(helm.binary, os.X_OK)
