@@ -216,7 +216,8 @@ def test_namespaced_operator_with_network_policy_applies(
 
     cluster_role = one(docs, "ClusterRole")
     resources = {r for rule in cluster_role["rules"] for r in rule["resources"]}
-    assert resources == {"customresourcedefinitions", "mutatingwebhookconfigurations"}
+    assert resources == {"customresourcedefinitions", "mutatingwebhookconfigurations",
+                         "namespaces"}
     roles = {(r["metadata"]["namespace"], r["metadata"]["name"]) for r in by_kind(docs, "Role")}
     assert roles == {(team_a, "er-operator"), (team_b, "er-operator"),
                      (team_a, "er-training"), (team_b, "er-training")}

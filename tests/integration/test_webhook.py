@@ -1,0 +1,276 @@
+"""The pod-mutating webhook, called by the real API server.
+
+kopf serves elasticrun's handler on 127.0.0.1 with a certificate signed by the
+test CA; the API server reaches it through a MutatingWebhookConfiguration with
+``clientConfig.url`` (there is no Service network here), scoped by
+namespaceSelector to this module's namespace so no other test's pod can ever
+reach it, and deleted at teardown. kopf runs with the operator's
+ServiceAccount token and the chart's RBAC, so the webhook's own API call
+(creating a missing ElasticRun) is checked against the real role.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chartkit import apply, by_kind, create_namespace, request_token, token_kubeconfig
+from conftest import ROOT, Cluster, wait_for
+from controlplane.localcluster import clean_env, free_port, stop_pid
+
+from elasticrun.api import crd
+from elasticrun.api.kube import ApiError, run_path
+from elasticrun.operator import webhook
+
+pytest_plugins = ("chartfixtures",)
+
+OPERATOR_MODULE = Path(__file__).with_name("webhook_operator.py")
+WEBHOOK_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+
+
+@dataclass
+class Served:
+    namespace: str
+    configuration: str
+    log: Path
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env") or []}
+
+
+def pod_manifest(name: str, namespace: str, labels: dict[str, str] | None = None,
+                 annotations: dict[str, str] | None = None,
+                 containers: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels or {},
+                     "annotations": annotations or {}},
+        "spec": {"containers": containers or [
+            {"name": "trainer", "image": "trainer:1", "command": ["torchrun", "train.py"]}]},
+    }
+
+
+def create_pod(cluster: Cluster, manifest: dict[str, Any], *extra: str
+               ) -> subprocess.CompletedProcess[str]:
+    """kubectl create, as a user would: stdout is the stored pod, stderr any warning."""
+    return cluster.kubectl("create", "-f", "-", "-o", "json", *extra,
+                           input=json.dumps(manifest), check=False)
+
+
+def stored_pod(cluster: Cluster, manifest: dict[str, Any], *extra: str) -> dict[str, Any]:
+    result = create_pod(cluster, manifest, *extra)
+    assert result.returncode == 0, result.stderr
+    pod: dict[str, Any] = json.loads(result.stdout)
+    return pod
+
+
+def operator_kubeconfig(cluster: Cluster, helm_template: Any, namespace: str,
+                        workdir: Path) -> tuple[Path, list[dict[str, Any]]]:
+    """Apply the chart's operator RBAC and return a kubeconfig holding its SA's token."""
+    docs = [d for d in helm_template("wh", namespace, {
+        "trainingNamespaces": [namespace], "operator": {"scope": "namespaces"},
+        "fullnameOverride": f"wh-{namespace}"}) if d["kind"] in WEBHOOK_KINDS]
+    apply(cluster, docs)
+    sa = next(d for d in docs if d["kind"] == "ServiceAccount"
+              and d["metadata"]["name"] == f"wh-{namespace}")
+    token = request_token(cluster, namespace, sa["metadata"]["name"])
+    return token_kubeconfig(cluster, token, workdir / "operator.kubeconfig", namespace), docs
+
+
+@pytest.fixture(scope="module")
+def served(cluster: Cluster, crds: None, helm_binary: Path) -> Iterator[Served]:
+    local = cluster.require_local()
+    from chartkit import Helm  # noqa: PLC0415 - module-scoped helm (the `helm` fixture is per test)
+
+    workdir = Path(tempfile.mkdtemp(prefix="elasticrun-webhook-"))
+    namespace = create_namespace(cluster, f"wh-{secrets.token_hex(4)}")
+    helm = Helm(helm_binary, workdir)
+    kubeconfig, rbac = operator_kubeconfig(cluster, helm.template, namespace, workdir)
+    port = free_port()
+    log_path = workdir / "kopf.log"
+    env = {**clean_env(), "KUBECONFIG": str(kubeconfig), "WEBHOOK_PORT": str(port),
+           "WEBHOOK_CERT": str(local.dir / "webhook.crt"),
+           "WEBHOOK_KEY": str(local.dir / "webhook.key"), "WEBHOOK_CA": str(local.dir / "ca.crt"),
+           "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("handler", "operator", "tests"))}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kopf", "run", "--standalone", "-n", namespace, "--verbose",
+             str(OPERATOR_MODULE)], stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True, cwd=workdir)
+    name = f"elasticrun-test-{namespace}"
+    configuration = {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": name},
+        "webhooks": [{
+            "name": "pods.elasticrun.dev", "admissionReviewVersions": ["v1"],
+            "sideEffects": "NoneOnDryRun", "failurePolicy": "Fail", "timeoutSeconds": 10,
+            "reinvocationPolicy": "IfNeeded",
+            "clientConfig": {"url": f"https://127.0.0.1:{port}{webhook.WEBHOOK_PATH}",
+                             "caBundle": base64.b64encode(
+                                 (local.dir / "ca.crt").read_bytes()).decode()},
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                       "resources": ["pods"], "scope": "Namespaced"}],
+            "objectSelector": {"matchExpressions": [
+                {"key": crd.RUN_LABEL, "operator": "Exists"}]},
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+        }],
+    }
+    try:
+        cluster.apply(configuration)
+        probe = pod_manifest("probe", namespace, {crd.RUN_LABEL: "probe"})
+
+        def serving() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"kopf exited:\n{log_path.read_text()[-3000:]}")
+            result = create_pod(cluster, probe, "--dry-run=server")
+            return result.returncode == 0 and "PET_RDZV_ID" in result.stdout
+
+        wait_for(serving, 60, "the webhook to answer the API server", interval=0.5)
+        yield Served(namespace, name, log_path)
+    except BaseException:
+        print(log_path.read_text()[-5000:] if log_path.exists() else "(no kopf log)")
+        raise
+    finally:
+        # A failurePolicy=Fail webhook left behind would block pods of later tests.
+        with contextlib.suppress(ApiError):
+            cluster.client.request(
+                "DELETE", f"/apis/admissionregistration.k8s.io/v1/"
+                          f"mutatingwebhookconfigurations/{name}")
+        stop_pid(proc.pid, timeout=10)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        for doc in by_kind(rbac, "ClusterRole") + by_kind(rbac, "ClusterRoleBinding"):
+            cluster.kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"],
+                            "--ignore-not-found", check=False)
+        with contextlib.suppress(ApiError):
+            cluster.client.request("DELETE", f"/api/v1/namespaces/{namespace}")
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_opted_in_pod_is_mutated_and_its_run_created(cluster: Cluster, served: Served) -> None:
+    ns = served.namespace
+    manifest = pod_manifest(
+        "llama-0", ns, {crd.RUN_LABEL: "llama"},
+        {webhook.NNODES_ANNOTATION: "2:4", webhook.NPROC_ANNOTATION: "8"},
+        containers=[
+            {"name": "trainer", "image": "trainer:1", "command": ["torchrun", "train.py"]},
+            {"name": "helper", "image": "helper:1",
+             "env": [{"name": "PET_RDZV_BACKEND", "value": "c10d"}]}])
+    result = create_pod(cluster, manifest)
+    assert result.returncode == 0, result.stderr
+    pod = json.loads(result.stdout)
+    trainer, helper = pod["spec"]["containers"]
+    env = env_of(trainer)
+    assert env["PET_RDZV_BACKEND"] == "k8s"
+    assert env["PET_RDZV_ID"] == "llama"
+    assert env["PET_NNODES"] == "2:4"
+    assert env["PET_NPROC_PER_NODE"] == "8"
+    assert env["POD_NAME"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"apiVersion": "v1",
+                                                 "fieldPath": "metadata.namespace"}}
+    assert env["POD_IP"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}
+    assert env["PET_LOCAL_ADDR"] == "$(POD_IP)"
+    assert trainer["command"] == ["torchrun", "train.py"]
+    # The user's own value is kept (and they are told), everything else is added.
+    helper_env = env_of(helper)
+    assert helper_env["PET_RDZV_BACKEND"] == "c10d"
+    assert helper_env["PET_RDZV_ID"] == "llama"
+    assert "PET_RDZV_BACKEND='c10d'" in result.stderr
+    # The ElasticRun now exists, sized by the annotation.
+    run = cluster.client.request("GET", run_path(ns, "llama"))
+    assert (run["spec"]["minNodes"], run["spec"]["maxNodes"]) == (2, 4)
+    assert run["metadata"]["labels"][webhook.CREATED_BY_LABEL] == webhook.CREATED_BY
+    # kopf and the webhook ran on the chart's operator token: nothing was refused.
+    log = served.log.read_text()
+    assert f"created ElasticRun {ns}/llama" in log
+    assert "Forbidden" not in log and "403" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize(("labels", "annotations", "message"), [
+    ({crd.RUN_LABEL: "r"}, {webhook.NNODES_ANNOTATION: "5:2"},
+     'has MIN 5 above MAX 2; write the smaller number first, e.g. "2:5"'),
+    ({crd.RUN_LABEL: "r"}, {webhook.NNODES_ANNOTATION: "abc"},
+     'write e.g. elasticrun.dev/nnodes: "2:4" (MIN:MAX) or "4" (a fixed size)'),
+    ({crd.RUN_LABEL: "r"}, {webhook.NPROC_ANNOTATION: "lots"}, "is not a process count"),
+    ({crd.RUN_LABEL: "My_Run"}, {}, "e.g. elasticrun.dev/run: my-run"),
+])
+def test_bad_opt_in_is_denied_with_what_to_write(cluster: Cluster, served: Served,
+                                                 labels: dict[str, str],
+                                                 annotations: dict[str, str],
+                                                 message: str) -> None:
+    name = f"bad-{secrets.token_hex(3)}"
+    result = create_pod(cluster, pod_manifest(name, served.namespace, labels, annotations))
+    assert result.returncode != 0
+    assert "denied the request" in result.stderr
+    assert message in result.stderr
+    missing = cluster.kubectl("get", "pod", name, "-n", served.namespace, check=False)
+    assert missing.returncode != 0
+
+
+def test_pod_without_the_label_is_untouched(cluster: Cluster, served: Served) -> None:
+    # Even a nonsense annotation is fine: without the label the webhook is never called.
+    manifest = pod_manifest("web", served.namespace, {"app": "web"},
+                            {webhook.NNODES_ANNOTATION: "abc"})
+    pod = stored_pod(cluster, manifest)
+    assert "env" not in pod["spec"]["containers"][0]
+
+
+def test_reapplying_the_mutation_changes_nothing(cluster: Cluster, served: Served) -> None:
+    labels = {crd.RUN_LABEL: "again"}
+    first = stored_pod(cluster, pod_manifest("again-0", served.namespace, labels,
+                                             {webhook.NNODES_ANNOTATION: "1:2"}))
+    assert webhook.mutation_for(first) == []
+    # Feed the mutated spec back through the API server and its webhook.
+    again = pod_manifest("again-1", served.namespace, labels,
+                         {webhook.NNODES_ANNOTATION: "1:2"},
+                         containers=[{k: first["spec"]["containers"][0][k]
+                                      for k in ("name", "image", "command", "env")}])
+    second = stored_pod(cluster, again)
+    assert second["spec"]["containers"][0]["env"] == first["spec"]["containers"][0]["env"]
+
+
+def test_generated_names_are_mutated_like_workload_pods(cluster: Cluster,
+                                                        served: Served) -> None:
+    """Job and StatefulSet pods arrive with generateName; the name is unknown at admission."""
+    manifest = pod_manifest("", served.namespace, {crd.RUN_LABEL: "job-run"})
+    del manifest["metadata"]["name"]
+    manifest["metadata"]["generateName"] = "job-run-"
+    pod = stored_pod(cluster, manifest)
+    assert pod["metadata"]["name"].startswith("job-run-")
+    assert env_of(pod["spec"]["containers"][0])["PET_RDZV_ID"] == "job-run"
+
+
+def test_dry_run_has_no_side_effect(cluster: Cluster, served: Served) -> None:
+    manifest = pod_manifest("ghost-0", served.namespace, {crd.RUN_LABEL: "ghost"},
+                            {webhook.NNODES_ANNOTATION: "3"})
+    pod = stored_pod(cluster, manifest, "--dry-run=server")
+    assert env_of(pod["spec"]["containers"][0])["PET_NNODES"] == "3:3"
+    with pytest.raises(ApiError) as info:
+        cluster.client.request("GET", run_path(served.namespace, "ghost"))
+    assert info.value.not_found
+
+
+def test_an_existing_run_keeps_its_spec(cluster: Cluster, served: Served) -> None:
+    cluster.apply({"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                   "metadata": {"name": "mine", "namespace": served.namespace},
+                   "spec": {"minNodes": 1, "maxNodes": 1}})
+    stored_pod(cluster, pod_manifest("mine-0", served.namespace, {crd.RUN_LABEL: "mine"},
+                                     {webhook.NNODES_ANNOTATION: "2:8"}))
+    run = cluster.client.request("GET", run_path(served.namespace, "mine"))
+    assert (run["spec"]["minNodes"], run["spec"]["maxNodes"]) == (1, 1)
+    assert webhook.CREATED_BY_LABEL not in (run["metadata"].get("labels") or {})
+
