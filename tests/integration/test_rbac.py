@@ -1,0 +1,196 @@
+"""The chart's roles, checked by the real API server's authorizer.
+
+Questions go through SubjectAccessReview (``kubectl auth can-i --as``), and the
+training pod's role is also exercised for real: a rendezvous run by handlers
+that hold nothing but a TokenRequest token of the training ServiceAccount.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chartkit import (
+    Helm,
+    apply,
+    by_kind,
+    can_i,
+    delete_cluster_scoped,
+    request_token,
+    service_account,
+    token_kubeconfig,
+)
+from conftest import Cluster
+from rdzv import rendezvous_all
+
+from elasticrun.handler.handler import ElasticRunForbiddenError
+
+pytest_plugins = ("chartfixtures",)
+
+TRAINER = "elasticrun-trainer"
+
+
+def install_rbac(cluster: Cluster, helm: Helm, release_ns: str, values: dict[str, Any],
+                 request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    """Apply the chart's ServiceAccounts and roles (nothing else is needed to ask)."""
+    docs = [d for d in helm.template("rb", release_ns, {**values, "fullnameOverride": release_ns})
+            if d["kind"] in {"ServiceAccount", "Role", "RoleBinding", "ClusterRole",
+                             "ClusterRoleBinding"}]
+    request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
+    apply(cluster, docs)
+    return docs
+
+
+def listed_rules(cluster: Cluster, user: str, namespace: str) -> dict[str, set[str]]:
+    """``kubectl auth can-i --list``: resource -> verbs, minus what any ServiceAccount has.
+
+    The baseline (system:basic-user, ClusterTrustBundle readers, ...) is asked
+    from the server for a ServiceAccount bound to nothing, not hard-coded.
+    """
+    mine = _rules(cluster, user, namespace)
+    baseline = _rules(cluster, service_account(namespace, "bound-to-nothing"), namespace)
+    return {k: v - baseline.get(k, set()) for k, v in mine.items()
+            if v - baseline.get(k, set())}
+
+
+def _rules(cluster: Cluster, user: str, namespace: str) -> dict[str, set[str]]:
+    out = cluster.kubectl("auth", "can-i", "--list", f"--as={user}", "-n", namespace).stdout
+    rules: dict[str, set[str]] = {}
+    for line in out.splitlines()[1:]:
+        match = re.match(r"^(\S+)\s+\[(.*?)\]\s+\[(.*?)\]\s+\[(.*?)\]\s*$", line)
+        if not match or not match.group(1) or match.group(1).startswith("["):
+            continue  # non-resource URL rows
+        rules.setdefault(match.group(1), set()).update(match.group(4).split())
+    return rules
+
+
+# --------------------------------------------------------------------------- training pods
+
+
+def test_training_service_account_has_exactly_the_handlers_rights(
+        cluster: Cluster, helm: Helm, namespace: str,
+        extra_namespace: Callable[[str], str], request: pytest.FixtureRequest) -> None:
+    other = extra_namespace("other")
+    install_rbac(cluster, helm, namespace, {"trainingNamespaces": [namespace]}, request)
+    trainer = service_account(namespace, TRAINER)
+
+    assert listed_rules(cluster, trainer, namespace) == {
+        "elasticruns.elasticrun.dev": {"get", "list", "watch", "create", "patch", "update"},
+        "elasticruns.elasticrun.dev/status": {"get", "patch", "update"},
+        "leases.coordination.k8s.io": {"get", "list", "watch", "create", "patch", "update",
+                                       "delete"},
+    }
+    # The same questions one by one, as SubjectAccessReviews.
+    for verb in ("get", "watch", "patch"):
+        assert can_i(cluster, trainer, verb, "elasticruns.elasticrun.dev", namespace=namespace)
+        assert can_i(cluster, trainer, verb, "elasticruns.elasticrun.dev/status",
+                     namespace=namespace)
+    for verb in ("create", "update", "delete"):
+        assert can_i(cluster, trainer, verb, "leases.coordination.k8s.io", namespace=namespace)
+    # ... and nothing more.
+    assert not can_i(cluster, trainer, "delete", "elasticruns.elasticrun.dev",
+                     namespace=namespace)
+    assert not can_i(cluster, trainer, "deletecollection", "leases.coordination.k8s.io",
+                     namespace=namespace)
+    for resource in ("secrets", "pods", "configmaps", "serviceaccounts"):
+        assert not can_i(cluster, trainer, "get", resource, namespace=namespace), resource
+    assert not can_i(cluster, trainer, "create", "serviceaccounts/token", namespace=namespace)
+    for verb, resource in (("get", "elasticruns.elasticrun.dev"),
+                           ("create", "leases.coordination.k8s.io"),
+                           ("get", "pods"), ("get", "secrets")):
+        assert not can_i(cluster, trainer, verb, resource, namespace=other), (verb, resource)
+    assert not can_i(cluster, trainer, "list", "elasticruns.elasticrun.dev")  # cluster-wide
+
+
+def test_runs_can_be_made_uncreatable_by_nodes(
+        cluster: Cluster, helm: Helm, namespace: str, request: pytest.FixtureRequest) -> None:
+    install_rbac(cluster, helm, namespace, {"trainingNamespaces": [namespace],
+                                            "training": {"allowCreateRuns": False}}, request)
+    trainer = service_account(namespace, TRAINER)
+    assert not can_i(cluster, trainer, "create", "elasticruns.elasticrun.dev",
+                     namespace=namespace)
+    assert can_i(cluster, trainer, "patch", "elasticruns.elasticrun.dev/status",
+                 namespace=namespace)
+
+
+def test_handler_with_only_the_training_token_completes_a_rendezvous(
+        cluster: Cluster, helm: Helm, namespace: str, make_handler: Callable[..., Any],
+        extra_namespace: Callable[[str], str], tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    install_rbac(cluster, helm, namespace, {"trainingNamespaces": [namespace]}, request)
+    token = request_token(cluster, namespace, TRAINER)
+    kubeconfig = token_kubeconfig(cluster, token, tmp_path / "trainer.kubeconfig", namespace)
+    # The run does not exist yet: the first node creates it with the training role.
+    handlers = [make_handler("sa-run", f"node-{i}", min_nodes=2, max_nodes=2,
+                             kubeconfig=kubeconfig, last_call_timeout=0) for i in range(2)]
+    outcomes = rendezvous_all(handlers, timeout=60)
+    assert all(o.error is None for o in outcomes.values()), outcomes
+    assert sorted(o.rank for o in outcomes.values()) == [0, 1]
+    assert {o.world_size for o in outcomes.values()} == {2}
+    run = cluster.client.request(
+        "GET", f"/apis/elasticrun.dev/v1alpha1/namespaces/{namespace}/elasticruns/sa-run")
+    assert run["status"]["round"] == 1
+    # Leases were written with the same token (one per member).
+    leases = cluster.client.request(
+        "GET", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases")
+    assert len(leases["items"]) >= 2
+
+    # The same token is refused in a namespace the chart did not list.
+    elsewhere = extra_namespace("other")
+    stranger = make_handler("sa-run", "node-x", min_nodes=1, kubeconfig=kubeconfig,
+                            namespace=elsewhere, api_timeout=5)
+    with pytest.raises(ElasticRunForbiddenError) as info:
+        stranger.next_rendezvous()
+    assert elsewhere in str(info.value) or "forbidden" in str(info.value).lower()
+
+
+# --------------------------------------------------------------------------- operator
+
+
+def test_operator_cluster_role_reads_no_secrets_and_writes_only_its_webhook(
+        cluster: Cluster, helm: Helm, namespace: str, request: pytest.FixtureRequest) -> None:
+    docs = install_rbac(cluster, helm, namespace, {}, request)
+    operator = service_account(namespace, namespace)  # fullnameOverride = namespace
+    for verb in ("get", "list", "watch"):
+        assert not can_i(cluster, operator, verb, "secrets"), verb
+        assert not can_i(cluster, operator, verb, "secrets", namespace=namespace), verb
+        assert can_i(cluster, operator, verb, "pods")
+    for verb in ("create", "delete", "patch"):
+        assert not can_i(cluster, operator, verb, "pods"), verb
+    for verb in ("get", "list", "watch", "create", "patch", "update", "delete"):
+        assert can_i(cluster, operator, verb, "elasticruns.elasticrun.dev"), verb
+    assert can_i(cluster, operator, "update", "elasticruns.elasticrun.dev/status")
+    assert can_i(cluster, operator, "delete", "leases.coordination.k8s.io")
+    assert not can_i(cluster, operator, "create", "leases.coordination.k8s.io")
+    assert can_i(cluster, operator, "create", "events")
+    assert not can_i(cluster, operator, "list", "namespaces")  # kopf needs none cluster-wide
+    assert can_i(cluster, operator, "watch", "customresourcedefinitions.apiextensions.k8s.io")
+    assert not can_i(cluster, operator, "update",
+                     "customresourcedefinitions.apiextensions.k8s.io")
+    (config_name,) = [r["resourceNames"][0] for r in by_kind(docs, "ClusterRole")[0]["rules"]
+                      if "resourceNames" in r]
+    webhooks = "mutatingwebhookconfigurations.admissionregistration.k8s.io"
+    assert can_i(cluster, operator, "patch", webhooks, name=config_name)
+    assert not can_i(cluster, operator, "patch", webhooks, name="someone-elses")
+    assert not can_i(cluster, operator, "create", webhooks)
+    assert not can_i(cluster, operator, "create", "clusterroles.rbac.authorization.k8s.io")
+
+
+def test_namespaced_operator_sees_only_its_namespaces(
+        cluster: Cluster, helm: Helm, namespace: str,
+        extra_namespace: Callable[[str], str], request: pytest.FixtureRequest) -> None:
+    team, other = extra_namespace("team"), extra_namespace("other")
+    install_rbac(cluster, helm, namespace, {"trainingNamespaces": [team],
+                                            "operator": {"scope": "namespaces"}}, request)
+    operator = service_account(namespace, namespace)
+    assert can_i(cluster, operator, "watch", "pods", namespace=team)
+    assert can_i(cluster, operator, "patch", "elasticruns.elasticrun.dev/status",
+                 namespace=team)
+    for resource in ("pods", "elasticruns.elasticrun.dev", "leases.coordination.k8s.io"):
+        assert not can_i(cluster, operator, "list", resource, namespace=other), resource
+        assert not can_i(cluster, operator, "list", resource), resource
+    assert not can_i(cluster, operator, "get", "secrets", namespace=team)
+    assert can_i(cluster, operator, "watch", "namespaces")  # kopf's namespace patterns
