@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import secrets
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -89,8 +90,15 @@ def operator_kubeconfig(cluster: Cluster, helm_template: Any, namespace: str,
     return token_kubeconfig(cluster, token, workdir / "operator.kubeconfig", namespace), docs
 
 
-@pytest.fixture(scope="module")
-def served(cluster: Cluster, crds: None, helm_binary: Path) -> Iterator[Served]:
+@pytest.fixture(scope="module", params=["given-cert", "self-signed"])
+def served(request: pytest.FixtureRequest, cluster: Cluster, crds: None,
+           helm_binary: Path) -> Iterator[Served]:
+    """kopf serving the webhook, registered by URL, for this module's namespace.
+
+    ``given-cert``: the test CA's certificate, as with cert-manager. ``self-signed``:
+    the chart's default; the configuration is registered without a caBundle and
+    the operator writes its own CA into it at start, with the chart's RBAC.
+    """
     local = cluster.require_local()
     from chartkit import Helm  # noqa: PLC0415 - module-scoped helm (the `helm` fixture is per test)
 
@@ -98,28 +106,31 @@ def served(cluster: Cluster, crds: None, helm_binary: Path) -> Iterator[Served]:
     namespace = create_namespace(cluster, f"wh-{secrets.token_hex(4)}")
     helm = Helm(helm_binary, workdir)
     kubeconfig, rbac = operator_kubeconfig(cluster, helm.template, namespace, workdir)
+    # The chart lets the operator patch exactly one configuration: use that name.
+    (name,) = [rule["resourceNames"][0] for rule in by_kind(rbac, "ClusterRole")[0]["rules"]
+               if rule.get("resourceNames")]
     port = free_port()
-    log_path = workdir / "kopf.log"
-    env = {**clean_env(), "KUBECONFIG": str(kubeconfig), "WEBHOOK_PORT": str(port),
-           "WEBHOOK_CERT": str(local.dir / "webhook.crt"),
-           "WEBHOOK_KEY": str(local.dir / "webhook.key"), "WEBHOOK_CA": str(local.dir / "ca.crt"),
-           "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("handler", "operator", "tests"))}
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kopf", "run", "--standalone", "-n", namespace, "--verbose",
-             str(OPERATOR_MODULE)], stdout=log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True, cwd=workdir)
-    name = f"elasticrun-test-{namespace}"
+    flags = ["--webhook-port", str(port), "--webhook-addr", "127.0.0.1",
+             "--webhook-host", "127.0.0.1"]
+    ca_bundle: str | None = base64.b64encode((local.dir / "ca.crt").read_bytes()).decode()
+    if request.param == "self-signed":
+        flags += ["--webhook-self-signed", "127.0.0.1", "--webhook-cert-dir",
+                  str(workdir / "certs"), "--webhook-configuration", name]
+        ca_bundle = None
+    else:
+        flags += ["--webhook-cert", str(local.dir / "webhook.crt"),
+                  "--webhook-key", str(local.dir / "webhook.key"),
+                  "--webhook-ca", str(local.dir / "ca.crt")]
+    client_config: dict[str, Any] = {"url": f"https://127.0.0.1:{port}{webhook.WEBHOOK_PATH}"}
+    if ca_bundle:
+        client_config["caBundle"] = ca_bundle
     configuration = {
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
         "metadata": {"name": name},
         "webhooks": [{
             "name": "pods.elasticrun.dev", "admissionReviewVersions": ["v1"],
             "sideEffects": "NoneOnDryRun", "failurePolicy": "Fail", "timeoutSeconds": 10,
-            "reinvocationPolicy": "IfNeeded",
-            "clientConfig": {"url": f"https://127.0.0.1:{port}{webhook.WEBHOOK_PATH}",
-                             "caBundle": base64.b64encode(
-                                 (local.dir / "ca.crt").read_bytes()).decode()},
+            "reinvocationPolicy": "IfNeeded", "clientConfig": client_config,
             "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
                        "resources": ["pods"], "scope": "Namespaced"}],
             "objectSelector": {"matchExpressions": [
@@ -127,17 +138,34 @@ def served(cluster: Cluster, crds: None, helm_binary: Path) -> Iterator[Served]:
             "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
         }],
     }
+    log_path = workdir / "kopf.log"
+    env = {**clean_env(), "KUBECONFIG": str(kubeconfig), "WEBHOOK_ARGS": shlex.join(flags),
+           "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("handler", "operator", "tests"))}
+    proc: subprocess.Popen[bytes] | None = None
     try:
-        cluster.apply(configuration)
+        cluster.apply(configuration)  # before the operator starts, as with helm install
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kopf", "run", "--standalone", "-n", namespace,
+                 "--verbose", str(OPERATOR_MODULE)], stdout=log, stderr=subprocess.STDOUT,
+                env=env, start_new_session=True, cwd=workdir)
         probe = pod_manifest("probe", namespace, {crd.RUN_LABEL: "probe"})
+        running = proc
 
         def serving() -> bool:
-            if proc.poll() is not None:
+            if running.poll() is not None:
                 raise AssertionError(f"kopf exited:\n{log_path.read_text()[-3000:]}")
             result = create_pod(cluster, probe, "--dry-run=server")
             return result.returncode == 0 and "PET_RDZV_ID" in result.stdout
 
         wait_for(serving, 60, "the webhook to answer the API server", interval=0.5)
+        if request.param == "self-signed":
+            stored = cluster.client.request(
+                "GET", f"/apis/admissionregistration.k8s.io/v1/"
+                       f"mutatingwebhookconfigurations/{name}")
+            generated = (workdir / "certs" / "ca.crt").read_bytes()
+            assert base64.b64decode(stored["webhooks"][0]["clientConfig"]["caBundle"]) == \
+                generated
         yield Served(namespace, name, log_path)
     except BaseException:
         print(log_path.read_text()[-5000:] if log_path.exists() else "(no kopf log)")
@@ -148,9 +176,10 @@ def served(cluster: Cluster, crds: None, helm_binary: Path) -> Iterator[Served]:
             cluster.client.request(
                 "DELETE", f"/apis/admissionregistration.k8s.io/v1/"
                           f"mutatingwebhookconfigurations/{name}")
-        stop_pid(proc.pid, timeout=10)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
+        if proc is not None:
+            stop_pid(proc.pid, timeout=10)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
         for doc in by_kind(rbac, "ClusterRole") + by_kind(rbac, "ClusterRoleBinding"):
             cluster.kubectl("delete", doc["kind"].lower(), doc["metadata"]["name"],
                             "--ignore-not-found", check=False)

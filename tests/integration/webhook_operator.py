@@ -1,16 +1,20 @@
 """A kopf operator that serves only elasticrun's pod webhook: what test_webhook.py runs.
 
-It is the production handler (``elasticrun.operator.webhook``), wired the way
-the operator's entry point wires it, with the certificate the test fixture
-made (kopf's own self-signed mode does not work with OpenSSL >= 3.0.10).
+It is the production handler (``elasticrun.operator.webhook``), set up through
+the same flags and call the operator's entry point uses
+(``add_webhook_arguments`` + ``setup_webhook``), given in ``WEBHOOK_ARGS``:
+either the test CA's certificate (kopf's own self-signed mode does not work
+with OpenSSL >= 3.0.10) or ``--webhook-self-signed``, the chart's default.
 
-    WEBHOOK_PORT=... WEBHOOK_CERT=... WEBHOOK_KEY=... WEBHOOK_CA=... \
+    WEBHOOK_ARGS="--webhook-port 9443 --webhook-cert ..." \
         kopf run --standalone -n NS tests/integration/webhook_operator.py
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import shlex
 from typing import Any
 
 import kopf
@@ -22,7 +26,6 @@ from elasticrun.operator import webhook
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.enabled = False
     settings.watching.server_timeout = 10
-    webhook.configure_webhook(
-        settings, addr="127.0.0.1", port=int(os.environ["WEBHOOK_PORT"]), host="127.0.0.1",
-        certfile=os.environ["WEBHOOK_CERT"], pkeyfile=os.environ["WEBHOOK_KEY"],
-        cafile=os.environ["WEBHOOK_CA"], managed=None)
+    parser = argparse.ArgumentParser()
+    webhook.add_webhook_arguments(parser)
+    webhook.setup_webhook(settings, parser.parse_args(shlex.split(os.environ["WEBHOOK_ARGS"])))
