@@ -7,7 +7,11 @@ that hold nothing but a TokenRequest token of the training ServiceAccount.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,9 +27,12 @@ from chartkit import (
     service_account,
     token_kubeconfig,
 )
-from conftest import Cluster
+from conftest import ROOT, Cluster, ProcessGroup, wait_for
+from controlplane.localcluster import clean_env, free_port
 from rdzv import rendezvous_all
 
+from elasticrun.api import crd
+from elasticrun.api.kube import ApiError, run_path
 from elasticrun.handler.handler import ElasticRunForbiddenError
 
 pytest_plugins = ("chartfixtures",)
@@ -194,3 +201,75 @@ def test_namespaced_operator_sees_only_its_namespaces(
         assert not can_i(cluster, operator, "list", resource), resource
     assert not can_i(cluster, operator, "get", "secrets", namespace=team)
     assert can_i(cluster, operator, "watch", "namespaces")  # kopf's namespace patterns
+
+
+@pytest.mark.parametrize("scope", ["cluster", "namespaces"])
+def test_operator_does_its_work_on_the_chart_role_alone(
+        cluster: Cluster, helm: Helm, namespace: str, processes: ProcessGroup,
+        tmp_path: Path, request: pytest.FixtureRequest, scope: str) -> None:
+    """The real operator, on nothing but its ServiceAccount's token: never refused.
+
+    It watches runs, pods and Leases, writes status, posts Events and deletes a
+    finished run with its Leases; any verb the chart forgot shows up as a 403
+    in its log (kopf retries and logs refused calls instead of failing).
+    """
+    install_rbac(cluster, helm, namespace, {
+        "trainingNamespaces": [namespace], "operator": {"scope": scope},
+        "webhook": {"enabled": False}}, request)  # the webhook's rights: test_webhook.py
+    token = request_token(cluster, namespace, namespace)  # fullnameOverride = namespace
+    kubeconfig = token_kubeconfig(cluster, token, tmp_path / "operator.kubeconfig", namespace)
+    port = free_port()
+    scope_args = ["--all-namespaces"] if scope == "cluster" else ["--namespace", namespace]
+    log_path = tmp_path / "operator.log"
+    with open(log_path, "wb") as log:
+        proc = processes.start(
+            [sys.executable, "-m", "elasticrun.operator", *scope_args, "--health-port",
+             str(port), "--health-addr", "127.0.0.1", "--metrics-port", "0",
+             "--kubeconfig", str(kubeconfig), "--verbose"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+            env={**clean_env(), "KUBECONFIG": str(kubeconfig),
+                 "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("handler", "operator"))})
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"operator exited:\n{log_path.read_text()[-3000:]}")
+        try:
+            with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+                    f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
+
+    wait_for(healthy, 60, "the operator's /healthz", interval=0.2)
+    # A labelled pod and Lease to watch, and a closed run that must be reported and deleted.
+    cluster.apply({"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": "done-0", "namespace": namespace,
+                                "labels": {crd.RUN_LABEL: "done"}},
+                   "spec": {"containers": [{"name": "c", "image": "x"}]}})
+    cluster.apply({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                   "metadata": {"name": "done-done-0", "namespace": namespace,
+                                "labels": {crd.RUN_LABEL: "done"},
+                                "annotations": {crd.RUN_LABEL: "done"}},
+                   "spec": {"holderIdentity": "done-0", "leaseDurationSeconds": 15}})
+    cluster.apply({"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                   "metadata": {"name": "done", "namespace": namespace},
+                   "spec": {"minNodes": 1, "closed": True, "ttlSecondsAfterFinished": 0}})
+
+    def deleted() -> bool:
+        try:
+            cluster.client.request("GET", run_path(namespace, "done"))
+        except ApiError as exc:
+            return exc.not_found
+        return False
+
+    wait_for(deleted, 60, "the operator to close and TTL-delete the run", interval=0.2)
+    events = cluster.client.request("GET", f"/api/v1/namespaces/{namespace}/events")
+    reasons = {e["reason"] for e in events["items"]
+               if e["involvedObject"].get("name") == "done"}
+    assert {"Closed", "Deleted"} <= reasons, reasons
+    leases = cluster.client.request(
+        "GET", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases")
+    assert [lease["metadata"]["name"] for lease in leases["items"]] == []
+    text = log_path.read_text(errors="replace")
+    refused = [line for line in text.splitlines() if "Forbidden" in line or " 403" in line]
+    assert refused == [], "\n".join(refused[:10])
