@@ -1,0 +1,149 @@
+"""What the API server itself says it did: its audit log and its ``/metrics``.
+
+The audit log is the ground truth for ``k8s`` requests: every request the
+server received for ``elasticrun.dev`` objects and Leases, logged at Metadata
+level by :class:`LocalControlPlane`.  A long request (a watch) is logged at
+two stages, so requests are counted once per ``auditID``.
+
+Watch traffic comes from the server's own counters
+(``apiserver_watch_events_total`` and the ``apiserver_watch_events_sizes``
+histogram), which count what it *sent*: one event per watcher per change.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elasticrun.api import crd
+
+WRITE_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection"})
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+@dataclass
+class RequestTally:
+    """Requests of one window, by kind; ``writes`` excludes Lease renewals."""
+
+    total: int = 0
+    writes: int = 0
+    conflicts: int = 0
+    rejected_tests: int = 0
+    lease_renewals: int = 0
+    by_kind: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"total": self.total, "writes": self.writes, "conflicts": self.conflicts,
+                "rejected_tests": self.rejected_tests, "lease_renewals": self.lease_renewals,
+                "by_kind": dict(sorted(self.by_kind.items()))}
+
+
+class AuditLog:
+    """Reads the JSON-lines audit log incrementally, from a remembered offset."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def mark(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def events_since(self, offset: int) -> list[dict[str, Any]]:
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            return []
+        if size < offset:  # rotated (200 MB): the window is lost, say so by raising
+            raise RuntimeError(f"audit log {self.path} was rotated during a measurement")
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+        events = []
+        for line in data.splitlines():
+            if line.strip():
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    continue  # a line still being written
+        return events
+
+
+def tally(events: Iterable[dict[str, Any]], namespace: str) -> RequestTally:
+    """Count the requests of one namespace (one run per namespace), once per auditID.
+
+    Lease renewals (``patch`` of a Lease) are steady-state traffic, counted apart
+    from ``writes``; creating and deleting a Lease are writes.
+    """
+    seen: dict[str, dict[str, Any]] = {}
+    for event in events:
+        ref = event.get("objectRef") or {}
+        if ref.get("namespace") != namespace:
+            continue
+        audit_id = str(event.get("auditID"))
+        # Keep the final stage when both are present (it has the response code).
+        if audit_id not in seen or event.get("stage") == "ResponseComplete":
+            seen[audit_id] = event
+    result = RequestTally()
+    for event in seen.values():
+        ref = event.get("objectRef") or {}
+        verb = str(event.get("verb"))
+        resource = str(ref.get("resource"))
+        if ref.get("subresource"):
+            resource += "/" + str(ref["subresource"])
+        code = int((event.get("responseStatus") or {}).get("code") or 0)
+        result.total += 1
+        result.by_kind[f"{verb} {resource}" + (f" -> {code}" if code >= 400 else "")] += 1
+        if resource == "leases" and verb == "patch":
+            result.lease_renewals += 1
+        elif verb in WRITE_VERBS:
+            result.writes += 1
+        if code == 409:
+            result.conflicts += 1
+        elif code == 422 and verb == "patch":
+            result.rejected_tests += 1
+    return result
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
+    samples = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if not match:
+            continue
+        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', match.group(2) or ""))
+        try:
+            samples.append((match.group(1), labels, float(match.group(3))))
+        except ValueError:
+            continue
+    return samples
+
+
+def watch_counters(text: str, group: str = crd.GROUP) -> dict[str, float]:
+    """Watch events sent and their bytes, summed over the group's resources."""
+    events = size_sum = size_count = 0.0
+    for name, labels, value in parse_metrics(text):
+        if labels.get("group") != group:
+            continue
+        if name == "apiserver_watch_events_total":
+            events += value
+        elif name == "apiserver_watch_events_sizes_sum":
+            size_sum += value
+        elif name == "apiserver_watch_events_sizes_count":
+            size_count += value
+    return {"events": events, "bytes": size_sum, "sized_events": size_count}
+
+
+def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {key: after[key] - before.get(key, 0.0) for key in after}

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""elasticrun's ``k8s`` backend against torch's ``c10d`` and ``etcd-v2``, in one run.
+
+    python bench/run.py            # full: N = 2..128, 5 repetitions (make bench)
+    python bench/run.py --quick    # smoke: N = 2, 4, 8, 2 repetitions (make bench-quick)
+
+Every backend runs the same workload on the same machine: nodes are real
+rendezvous handlers, as threads spread over a few worker processes.  Servers
+(kube-apiserver + etcd, Debian's etcd with the v2 API) are started here and
+stopped by PID at the end.  Results: ``<out>/benchmarks.json`` and
+``<out>/benchmarks.md`` with PNG plots beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / d) for d in ("", "handler", "operator", "tests")]
+
+from bench import backends, report, scenarios  # noqa: E402
+from bench.pool import Pool  # noqa: E402
+from bench.proc import machine  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much to measure; ``--quick`` shrinks everything for CI."""
+
+    sizes: tuple[int, ...] = (2, 4, 8, 16, 32, 64, 128)
+    reps: int = 5
+    event_reps: int = 5
+    event_n: int = 8
+    idle_seconds: float = 20.0
+    workers: int = 4
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(sizes=(2, 4, 8), reps=2, event_reps=1, event_n=4, idle_seconds=4.0,
+                   workers=2)
+
+
+#: Lost-member settings for every backend: heartbeat every 1 s, dead after 3.
+RECOVERY_KEEP_ALIVE = 1
+#: Idle settings: k8s with a short Lease interval and watch timeout (extrapolated to
+#: the defaults in the report); torch at its defaults (keep-alive 5 s).
+IDLE_K8S = {"keep_alive": 1, "watch_timeout": 5}
+IDLE_TORCH = {"keep_alive": 5}
+
+
+def ensure_setup() -> None:
+    """Install what the benchmark needs outside the venv (Debian's etcd-server)."""
+    subprocess.run(["bash", str(ROOT / "bench" / "setup.sh")], check=True)
+
+
+def run_backend(name: str, plan: Plan, work: Path, log_dir: Path) -> dict[str, Any]:
+    backend = backends.make(name, work)
+    result: dict[str, Any] = {"counted_how": backend.counted_how, "errors": []}
+    started = time.monotonic()
+    backend.start(log_dir)
+    pool = Pool(plan.workers, log_dir, name)
+    extra = scenarios.Extra(log_dir, name)
+
+    def step(key: str, action: Callable[[], Any]) -> Any:
+        began = time.monotonic()
+        try:
+            return action()
+        except Exception as exc:  # recorded, the other steps still run
+            result["errors"].append(f"{key}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+            return None
+        finally:
+            print(f"  {name} {key}: {time.monotonic() - began:.1f}s", file=sys.stderr,
+                  flush=True)
+
+    try:
+        result["versions"] = backend.versions()
+        formation: list[dict[str, Any]] = []
+        for n in plan.sizes:
+            formation.extend(step(f"formation N={n}", functools.partial(
+                scenarios.formation, backend, pool, n, plan.reps)) or [])
+        result["formation"] = formation
+        recovery_timing = backends.Timing(plan.event_n - 1, plan.event_n,
+                                          keep_alive=RECOVERY_KEEP_ALIVE)
+        result["recovery"] = step("recovery", lambda: scenarios.recovery(
+            backend, pool, extra, plan.event_n, plan.event_reps, recovery_timing))
+        result["scale_up"] = step("scale-up", lambda: scenarios.scale_up(
+            backend, pool, extra, plan.event_n, plan.event_reps))
+        idle = IDLE_K8S if name == "k8s" else IDLE_TORCH
+        idle_timing = backends.Timing(plan.event_n, plan.event_n, **idle)
+        result["steady_state"] = step("steady state", lambda: scenarios.steady_state(
+            backend, pool, plan.event_n, plan.idle_seconds, idle_timing))
+    finally:
+        extra.stop()
+        pool.stop()
+        backend.stop()
+    result["seconds"] = time.monotonic() - started
+    return result
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for dist in ("torch", "kubernetes", "python-etcd", "elasticrun"):
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            found[dist] = "not installed"
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small N, 1-2 repetitions (CI)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory (default: docs/, or bench/out/quick with --quick)")
+    parser.add_argument("--backends", default=",".join(backends.BACKENDS),
+                        help="comma-separated subset of k8s,c10d,etcd-v2")
+    parser.add_argument("--no-setup", action="store_true",
+                        help="skip bench/setup.sh (etcd-server must already be installed)")
+    args = parser.parse_args(argv)
+    plan = Plan.quick() if args.quick else Plan()
+    out: Path = args.out or (ROOT / "bench" / "out" / "quick" if args.quick else ROOT / "docs")
+    out.mkdir(parents=True, exist_ok=True)
+    if not args.no_setup:
+        ensure_setup()
+    work = Path(tempfile.mkdtemp(prefix="elasticrun-bench-"))
+    log_dir = work / "logs"
+    log_dir.mkdir()
+    command = "make bench-quick" if args.quick else "make bench"
+    if argv is not None or sys.argv[1:] not in ([], ["--quick"]):
+        command = "python bench/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    data: dict[str, Any] = {"command": command, "quick": args.quick, "plan": asdict(plan),
+                            "machine": machine(), "versions": versions(),
+                            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "backends": {}}
+    began = time.monotonic()
+    failed = False
+    try:
+        for name in args.backends.split(","):
+            print(f"benchmarking {name}", file=sys.stderr, flush=True)
+            data["backends"][name] = run_backend(name, plan, work, log_dir)
+            failed |= bool(data["backends"][name]["errors"])
+    finally:
+        data["seconds"] = time.monotonic() - began
+        (out / "benchmarks.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        if failed:
+            print(f"logs kept in {log_dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    report.write(data, out)
+    print(f"wrote {out / 'benchmarks.md'} in {data['seconds']:.0f}s", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""The workloads, identical for every backend: formation, recovery, scale-up, idle.
+
+Each function drives the workers through one backend and returns plain dicts
+(one per repetition) for the JSON and the report.  Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.backends import SHARE_STORE_OFF, Backend, Run, Timing
+from bench.pool import Pool, WorkerError, WorkerProcess
+
+#: Lead time between "go" and the start, so that every worker is waiting on it.
+START_DELAY = 0.3
+#: After the last node returns, watches re-open and the server logs them.
+SETTLE = 0.7
+#: Poll interval of num_nodes_waiting() while timing detection (torch's agent polls at 0.1 s).
+DETECT_POLL = 0.02
+#: Bound on one rendezvous of the benchmark.
+ROUND_BOUND = 240.0
+
+
+class ScenarioError(RuntimeError):
+    """A repetition went wrong (a node failed, a round had the wrong size)."""
+
+
+@dataclass
+class Extra:
+    """A worker of its own, for a node that is killed or arrives late."""
+
+    log_dir: Path
+    prefix: str
+    worker: WorkerProcess | None = None
+
+    def get(self) -> WorkerProcess:
+        if self.worker is None or not self.worker.alive():
+            if self.worker is not None:
+                self.worker.stop()
+            self.worker = WorkerProcess(f"{self.prefix}-extra", self.log_dir)
+        return self.worker
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+
+
+def node_names(n: int, prefix: str = "node") -> list[str]:
+    return [f"{prefix}-{i:03d}" for i in range(n)]
+
+
+def _build_fields(run: Run) -> dict[str, Any]:
+    return {"backend": run.backend, "run": run.name, "endpoint": run.endpoint,
+            "min": run.timing.min_nodes, "max": run.timing.max_nodes, "conf": run.conf,
+            "host_node": run.host_node, "env": run.env}
+
+
+def build(pool: Pool, run: Run, nodes: Sequence[str]) -> list[list[str]]:
+    """Build the nodes on the workers; the c10d store host first, as it must listen first."""
+    shares = pool.deal(nodes)
+    fields = _build_fields(run)
+    first = [i for i, share in enumerate(shares) if run.host_node in share]
+    for i in first:
+        pool.workers[i].call("build", timeout=120, nodes=shares[i], **fields)
+    pool.all("build", timeout=300,
+             per_worker=[{"nodes": [] if i in first else share} for i, share in enumerate(shares)],
+             **fields)
+    return shares
+
+
+def collect(workers: Sequence[WorkerProcess], bound: float = ROUND_BOUND
+            ) -> list[dict[str, Any]]:
+    ids = [w.send("collect", timeout=bound) for w in workers]
+    results: list[dict[str, Any]] = []
+    for worker, msg_id in zip(workers, ids, strict=True):
+        answer = worker.receive(msg_id, bound + 30)
+        if answer["pending"]:
+            raise ScenarioError(f"{worker.name}: {answer['pending']} nodes still busy after "
+                                f"{bound:.0f}s")
+        results.extend(answer["results"])
+    return results
+
+
+def _check(results: list[dict[str, Any]], world: int, what: str) -> None:
+    errors = [f"{r['node']}: {r['error']}" for r in results if "error" in r]
+    if errors:
+        raise ScenarioError(f"{what}: {len(errors)} nodes failed, e.g. {errors[0]}")
+    sizes = {r.get("world") for r in results if "t_done" in r}
+    if sizes != {world}:
+        raise ScenarioError(f"{what}: expected rounds of {world} nodes, got sizes {sizes}")
+
+
+def _form(pool: Pool, workers: Sequence[WorkerProcess], world: int, what: str) -> None:
+    start = time.monotonic() + START_DELAY
+    ids = [w.send("rendezvous", start_at=start) for w in workers]
+    for worker, msg_id in zip(workers, ids, strict=True):
+        worker.receive(msg_id, 30)
+    _check(collect(workers), world, what)
+
+
+def _teardown(backend: Backend, run: Run, workers: Sequence[WorkerProcess]) -> None:
+    backend.end_run(run)
+    ids = [w.send("teardown") for w in workers if w.alive()]
+    for worker, msg_id in zip([w for w in workers if w.alive()], ids, strict=True):
+        worker.receive(msg_id, 330)
+
+
+# --------------------------------------------------------------------------- formation
+
+
+def formation(backend: Backend, pool: Pool, n: int, reps: int) -> list[dict[str, Any]]:
+    """From all N nodes built to the last ``next_rendezvous()`` returning; min = max = N."""
+    out = []
+    for rep in range(reps):
+        nodes = node_names(n)
+        run = backend.new_run(Timing(n, n), nodes)
+        build(pool, run, nodes)
+        window = backend.open_window(run, pool)
+        start = time.monotonic() + START_DELAY
+        pool.all("rendezvous", start_at=start)
+        results = collect(pool.workers)
+        done = max(r["t_done"] for r in results)
+        _check(results, n, f"{backend.name} formation of {n}")
+        time.sleep(SETTLE)
+        measured = backend.close_window(window, pool)
+        _teardown(backend, run, pool.workers)
+        out.append({"n": n, "rep": rep, "latency_s": done - start,
+                    "first_done_s": min(r["t_done"] for r in results) - start, **measured})
+    return out
+
+
+# --------------------------------------------------------------------------- recovery
+
+
+def recovery(backend: Backend, pool: Pool, extra: Extra, n: int, reps: int,
+             timing: Timing) -> list[dict[str, Any]]:
+    """A member is lost; do the survivors hear of it, and how soon is the next round formed?
+
+    ``k8s`` (handler-only trigger): the lost member's handler calls ``shutdown()``;
+    survivors poll ``num_nodes_waiting()`` and re-rendezvous as soon as it is > 0.
+    torch's backends: the member's process is killed (SIGKILL).  Survivors poll
+    ``num_nodes_waiting()`` for the heartbeat expiry plus 2 s; torch never makes
+    it positive for them (the dead node leaves no wait-list entry), so they then
+    re-enter ``next_rendezvous()`` themselves, as they would once their
+    collective timed out, and the time from that re-entry to the round is timed.
+    """
+    graceful = backend.name == "k8s"
+    expiry = timing.keep_alive * timing.keep_alive_attempts
+    window_s = 10.0 if graceful else expiry + 2.0
+    out = []
+    for rep in range(reps):
+        nodes = node_names(n)
+        victim_name = nodes[-1]
+        run = backend.new_run(timing, nodes)
+        victim = extra.get()
+        build(pool, run, nodes[:-1])
+        victim.call("build", nodes=[victim_name], **_build_fields(run))
+        _form(pool, [*pool.workers, victim], n, f"{backend.name} recovery set-up")
+        window = backend.open_window(run, pool)
+        until = time.monotonic() + window_s
+        pool.all("watch", until=until, interval=DETECT_POLL, rejoin=graceful)
+        t_lost = time.monotonic()
+        if graceful:
+            victim.call("shutdown", nodes=[victim_name], forget=True)
+        else:
+            os.kill(victim.pid, signal.SIGKILL)
+        watched = collect(pool.workers, window_s + ROUND_BOUND)
+        seen = [r["t_seen"] - t_lost for r in watched if r.get("t_seen") is not None]
+        row: dict[str, Any] = {"n": n, "rep": rep, "survivors": n - 1, "signalled": len(seen),
+                               "window_s": window_s, "trigger": "shutdown()" if graceful
+                               else "SIGKILL"}
+        if seen:
+            row["seen_first_s"], row["seen_all_s"] = min(seen), max(seen)
+        if graceful:
+            _check(watched, n - 1, f"{backend.name} recovery")
+            row["new_round_s"] = max(r["t_done"] for r in watched) - t_lost
+        else:
+            start = time.monotonic() + START_DELAY
+            pool.all("rendezvous", start_at=start)
+            rejoined = collect(pool.workers)
+            _check(rejoined, n - 1, f"{backend.name} recovery re-entry")
+            row["reentry_to_round_s"] = max(r["t_done"] for r in rejoined) - start
+            row["reentered_after_s"] = start - t_lost
+        time.sleep(SETTLE)
+        row.update(backend.close_window(window, pool))
+        _teardown(backend, run, [*pool.workers, victim])
+        if not graceful:
+            extra.stop()  # its process was killed; the next repetition gets a new one
+        out.append(row)
+    return out
+
+
+# --------------------------------------------------------------------------- scale-up
+
+
+def scale_up(backend: Backend, pool: Pool, extra: Extra, n: int, reps: int
+             ) -> list[dict[str, Any]]:
+    """A late node calls ``next_rendezvous()``: members see it, the N+1 round forms.
+
+    torch's backends run with rank 0's store sharing switched off here.  With it
+    on (the default), the late node waits for the bootstrap keys of the new
+    round, which the old rank 0 never writes (it keeps its first round's
+    bootstrap info), and fails after the store timeout: 60 s for c10d, 300 s
+    for etcd-v2.  The report says so; timing that would time only the bug.
+    """
+    out = []
+    for rep in range(reps):
+        nodes = node_names(n + 1)
+        late = nodes[-1]
+        run = backend.new_run(Timing(n, n + 1, keep_alive=60), nodes)
+        if backend.name != "k8s":
+            run.env = {SHARE_STORE_OFF: "1"}
+        late_worker = extra.get()
+        build(pool, run, nodes[:-1])
+        late_worker.call("build", nodes=[late], **_build_fields(run))
+        _form(pool, pool.workers, n, f"{backend.name} scale-up set-up")
+        window = backend.open_window(run, pool)
+        pool.all("watch", until=time.monotonic() + 30, interval=DETECT_POLL, rejoin=True)
+        t_arrive = time.monotonic() + 0.05
+        late_worker.call("rendezvous", start_at=t_arrive)
+        results = collect([*pool.workers, late_worker])
+        _check(results, n + 1, f"{backend.name} scale-up")
+        seen = [r["t_seen"] - t_arrive for r in results if r.get("t_seen") is not None]
+        time.sleep(SETTLE)
+        row: dict[str, Any] = {
+            "n": n, "rep": rep, "members": n, "signalled": len(seen),
+            "seen_first_s": min(seen) if seen else None,
+            "seen_all_s": max(seen) if len(seen) == n else None,
+            "new_round_s": max(r["t_done"] for r in results) - t_arrive,
+            **backend.close_window(window, pool)}
+        _teardown(backend, run, [*pool.workers, late_worker])
+        out.append(row)
+    return out
+
+
+# --------------------------------------------------------------------------- steady state
+
+
+def steady_state(backend: Backend, pool: Pool, n: int, seconds: float, timing: Timing,
+                 ) -> dict[str, Any]:
+    """Members of a formed round idle for ``seconds``, polling like torch's agent (0.1 s)."""
+    nodes = node_names(n)
+    run = backend.new_run(timing, nodes)
+    build(pool, run, nodes)
+    _form(pool, pool.workers, n, f"{backend.name} steady-state set-up")
+    window = backend.open_window(run, pool)
+    begun = time.monotonic()
+    pool.all("watch", until=begun + seconds, interval=0.1, rejoin=False)
+    results = collect(pool.workers, seconds + 60)
+    elapsed = time.monotonic() - begun
+    measured = backend.close_window(window, pool)
+    _teardown(backend, run, pool.workers)
+    signalled = sum(1 for r in results if r.get("t_seen") is not None)
+    errors = [r["watch_error"] for r in results if "watch_error" in r]
+    if signalled or errors:
+        raise WorkerError(f"{backend.name} idle: {signalled} spurious signals, errors {errors[:1]}")
+    minutes = elapsed / 60
+    return {"n": n, "seconds": elapsed, "keep_alive_s": timing.keep_alive,
+            "watch_timeout_s": timing.watch_timeout,
+            "requests_per_member_minute": measured["requests"] / n / minutes,
+            "server_cpu_s_per_minute": measured["server_cpu_s"] / minutes, **measured}
