@@ -1,0 +1,93 @@
+"""``make bench-quick`` works: all three backends measured, output well formed.
+
+This runs the real benchmark in its quick mode (its own control plane, Debian's
+etcd for torch's etcd-v2 backend, worker processes), so a change that breaks
+the benchmark is caught in CI rather than at the next ``make bench``.  Timings
+are never asserted: only that every number is there and positive.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BACKENDS = ("k8s", "c10d", "etcd-v2")
+FORMATION_KEYS = ("n", "rep", "latency_s", "requests", "writes", "lost_cas", "server_cpu_s",
+                  "client_cpu_s")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    setup = subprocess.run(["bash", str(ROOT / "bench" / "setup.sh")], capture_output=True,
+                           text=True, timeout=600)
+    if setup.returncode != 0:
+        pytest.fail("bench/setup.sh could not provide an etcd with the v2 API (it installs "
+                    f"Debian's etcd-server with apt-get, as root):\n{setup.stderr[-2000:]}")
+    out = tmp_path_factory.mktemp("bench-quick")
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--no-setup",
+                          "--out", str(out)], capture_output=True, text=True, timeout=840,
+                         cwd=ROOT)
+    assert run.returncode == 0, f"bench/run.py --quick failed:\n{run.stderr[-4000:]}"
+    return out, json.loads((out / "benchmarks.json").read_text())
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and value > 0
+
+
+def test_all_backends_measured_without_errors(quick_run: tuple[Path, dict[str, Any]]) -> None:
+    _, data = quick_run
+    assert {"command", "machine", "versions", "plan", "backends", "seconds"} <= set(data)
+    assert set(data["backends"]) == set(BACKENDS)
+    for name in BACKENDS:
+        assert data["backends"][name]["errors"] == [], name
+
+
+def test_formation_numbers_are_positive(quick_run: tuple[Path, dict[str, Any]]) -> None:
+    _, data = quick_run
+    sizes = data["plan"]["sizes"]
+    for name in BACKENDS:
+        rows = data["backends"][name]["formation"]
+        assert sorted({r["n"] for r in rows}) == sorted(sizes), name
+        for row in rows:
+            assert set(FORMATION_KEYS) <= set(row), (name, row)
+            assert _positive(row["latency_s"]) and _positive(row["requests"]), (name, row)
+            assert row["lost_cas"] >= 0, (name, row)
+    for row in data["backends"]["k8s"]["formation"]:
+        # one watch event per node and round: the narrow watch at work
+        assert _positive(row["watch_events"]) and _positive(row["watch_bytes"]), row
+        assert _positive(row["writes"]), row
+
+
+def test_events_and_steady_state_are_reported(quick_run: tuple[Path, dict[str, Any]]) -> None:
+    _, data = quick_run
+    for name in BACKENDS:
+        result = data["backends"][name]
+        recovery, scale = result["recovery"], result["scale_up"]
+        assert recovery and scale, name
+        assert all(_positive(r["new_round_s"]) for r in scale), name
+        if name == "k8s":
+            assert all(_positive(r["seen_all_s"]) and _positive(r["new_round_s"])
+                       for r in recovery)
+        else:
+            assert all(_positive(r["reentry_to_round_s"]) for r in recovery), name
+        assert _positive(result["steady_state"]["requests_per_member_minute"]), name
+
+
+def test_report_and_plots_written(quick_run: tuple[Path, dict[str, Any]]) -> None:
+    out, _ = quick_run
+    text = (out / "benchmarks.md").read_text()
+    for heading in ("## Formation latency", "## Requests per round", "## Watch traffic",
+                    "## Recovery", "## Scale-up", "## Steady state", "## Targets"):
+        assert heading in text
+    for png in ("bench-formation-latency.png", "bench-requests.png", "bench-recovery.png"):
+        data = (out / png).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) < 200_000, png
