@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -112,6 +113,17 @@ def run_backend(name: str, plan: Plan, work: Path, log_dir: Path) -> dict[str, A
     return result
 
 
+def commit() -> str:
+    """The commit measured (``BENCH_COMMIT`` when run from an exported tree)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                           capture_output=True, check=False)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           text=True, capture_output=True, check=False).stdout.strip()
+    return (found.stdout.strip() or "unknown") + (" + uncommitted changes" if dirty else "")
+
+
 def versions() -> dict[str, str]:
     found = {"python": platform.python_version()}
     for dist in ("torch", "kubernetes", "python-etcd", "elasticrun"):
@@ -144,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is not None or sys.argv[1:] not in ([], ["--quick"]):
         command = "python bench/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
     data: dict[str, Any] = {"command": command, "quick": args.quick, "plan": asdict(plan),
-                            "machine": machine(), "versions": versions(),
+                            "machine": machine(), "versions": versions(), "commit": commit(),
                             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "backends": {}}
     began = time.monotonic()
     failed = False
