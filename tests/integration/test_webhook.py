@@ -90,7 +90,7 @@ def operator_kubeconfig(cluster: Cluster, helm_template: Any, namespace: str,
     return token_kubeconfig(cluster, token, workdir / "operator.kubeconfig", namespace), docs
 
 
-@pytest.fixture(scope="module", params=["given-cert", "self-signed"])
+@pytest.fixture(scope="module", params=["given-cert", "self-signed", "operator"])
 def served(request: pytest.FixtureRequest, cluster: Cluster, crds: None,
            helm_binary: Path) -> Iterator[Served]:
     """kopf serving the webhook, registered by URL, for this module's namespace.
@@ -98,6 +98,8 @@ def served(request: pytest.FixtureRequest, cluster: Cluster, crds: None,
     ``given-cert``: the test CA's certificate, as with cert-manager. ``self-signed``:
     the chart's default; the configuration is registered without a caBundle and
     the operator writes its own CA into it at start, with the chart's RBAC.
+    ``operator``: the whole operator (``python -m elasticrun.operator``) with the
+    chart's default flags, webhook included.
     """
     local = cluster.require_local()
     from chartkit import Helm  # noqa: PLC0415 - module-scoped helm (the `helm` fixture is per test)
@@ -113,7 +115,7 @@ def served(request: pytest.FixtureRequest, cluster: Cluster, crds: None,
     flags = ["--webhook-port", str(port), "--webhook-addr", "127.0.0.1",
              "--webhook-host", "127.0.0.1"]
     ca_bundle: str | None = base64.b64encode((local.dir / "ca.crt").read_bytes()).decode()
-    if request.param == "self-signed":
+    if request.param in ("self-signed", "operator"):
         flags += ["--webhook-self-signed", "127.0.0.1", "--webhook-cert-dir",
                   str(workdir / "certs"), "--webhook-configuration", name]
         ca_bundle = None
@@ -144,11 +146,14 @@ def served(request: pytest.FixtureRequest, cluster: Cluster, crds: None,
     proc: subprocess.Popen[bytes] | None = None
     try:
         cluster.apply(configuration)  # before the operator starts, as with helm install
+        argv = [sys.executable, "-m", "kopf", "run", "--standalone", "-n", namespace,
+                "--verbose", str(OPERATOR_MODULE)]
+        if request.param == "operator":
+            argv = [sys.executable, "-m", "elasticrun.operator", "--namespace", namespace,
+                    "--health-port", "0", "--metrics-port", "0", "--verbose", *flags]
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kopf", "run", "--standalone", "-n", namespace,
-                 "--verbose", str(OPERATOR_MODULE)], stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, cwd=workdir)
+            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True, cwd=workdir)
         probe = pod_manifest("probe", namespace, {crd.RUN_LABEL: "probe"})
         running = proc
 
@@ -159,7 +164,7 @@ def served(request: pytest.FixtureRequest, cluster: Cluster, crds: None,
             return result.returncode == 0 and "PET_RDZV_ID" in result.stdout
 
         wait_for(serving, 60, "the webhook to answer the API server", interval=0.5)
-        if request.param == "self-signed":
+        if request.param in ("self-signed", "operator"):
             stored = cluster.client.request(
                 "GET", f"/apis/admissionregistration.k8s.io/v1/"
                        f"mutatingwebhookconfigurations/{name}")
