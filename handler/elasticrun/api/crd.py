@@ -22,6 +22,8 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 
 #: Label carried by every object that belongs to a run (Leases, Pods).
 RUN_LABEL = f"{GROUP}/run"
+#: Annotation on a Lease naming the node that holds it (the full name, unhashed).
+NODE_ANNOTATION = f"{GROUP}/node"
 #: Annotation that asks the operator to start a new round now.
 RESTART_ANNOTATION = f"{GROUP}/restart"
 #: Annotation listing node names to keep out of the next rounds (comma separated).

@@ -85,10 +85,10 @@ def load_credentials(kubeconfig: str | None = None, context: str | None = None) 
 
     cfg = client.Configuration()
     if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config(client_configuration=cfg)
+        config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
     else:
-        config.load_kube_config(config_file=kubeconfig, context=context,
-                                client_configuration=cfg)
+        config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=kubeconfig, context=context, client_configuration=cfg)
     return Credentials(host=cfg.host.rstrip("/"), ca_file=cfg.ssl_ca_cert, cert_file=cfg.cert_file,
                        key_file=cfg.key_file, verify=bool(cfg.verify_ssl), config=cfg)
 

@@ -112,7 +112,8 @@ def _time(obj: Mapping[str, Any], key: str, path: str) -> dt.datetime | None:
     try:
         parsed = dt.datetime.fromisoformat(value)
     except ValueError:
-        raise InvalidRunError(f"{path}.{key}", f"expected an RFC 3339 time, found {value!r}") from None
+        raise InvalidRunError(f"{path}.{key}",
+                              f"expected an RFC 3339 time, found {value!r}") from None
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=dt.UTC)
     return parsed
@@ -425,8 +426,8 @@ class RunStatus:
             raise InvalidRunError("status.waiting", f"duplicate node names {dup}")
         ranks = sorted(p.rank for p in self.participants)
         if len(set(ranks)) != len(ranks):
-            dup = sorted({r for r in ranks if ranks.count(r) > 1})
-            raise InvalidRunError("status.participants", f"duplicate ranks {dup}")
+            dup_ranks = sorted({r for r in ranks if ranks.count(r) > 1})
+            raise InvalidRunError("status.participants", f"duplicate ranks {dup_ranks}")
         if self.participants and self.round == 0:
             raise InvalidRunError("status.round", "is 0 but the round has participants")
         if self.participants and not self.degraded and ranks != list(range(len(ranks))):
@@ -489,6 +490,9 @@ class ElasticRun:
     @property
     def closed(self) -> bool:
         return self.spec.closed or self.status.phase in FINISHED_PHASES
+
+    def replace_status(self, status: RunStatus) -> ElasticRun:
+        return dataclasses.replace(self, status=status)
 
     @property
     def drained(self) -> frozenset[str]:

@@ -38,14 +38,16 @@ def eligible_waiting(run: ElasticRun) -> list[WaitingNode]:
 
 
 def decide_seal(run: ElasticRun, now: dt.datetime) -> SealDecision:
-    """torch's rules, plus one fast path: seal at once when every survivor is back.
+    """torch's rules, with survivors first and one fast path.
 
-    * ``maxNodes`` waiting: seal at once.
-    * the round lost or asked for nodes and every remaining member of it is waiting
-      again (and there are at least ``minNodes``): seal at once; waiting out the
-      last call here would only add the full window to every recovery.
-    * ``minNodes`` waiting: seal once the last-call window, counted from the moment
-      the ``minNodes``-th node arrived, has passed.
+    * every remaining member of the current round is waiting again, and there are
+      at least ``minNodes``: seal at once.  Waiting out the last call here would
+      only add the whole window to every recovery and scale-up.
+    * no current round (or none of it left) and ``maxNodes`` waiting: seal at once.
+    * otherwise, with ``minNodes`` waiting: seal once the last-call window, counted
+      from the moment the ``minNodes``-th node arrived, has passed.  While members
+      of the current round are still on their way back, spares do not take their
+      places just because they were quicker: survivors keep priority.
     """
     spec, status = run.spec, run.status
     if run.closed:
@@ -54,13 +56,13 @@ def decide_seal(run: ElasticRun, now: dt.datetime) -> SealDecision:
     count = len(eligible)
     if count < spec.min_nodes:
         return SealDecision(False, f"{count} of at least {spec.min_nodes} nodes waiting")
-    if count >= spec.max_nodes:
-        return SealDecision(True, f"maxNodes ({spec.max_nodes}) reached")
-    members = status.member_names - run.drained
+    members = status.member_names - run.drained if status.round > 0 else frozenset()
     names = {w.name for w in eligible}
-    if status.round > 0 and members and members <= names:
+    if members and members <= names:
         return SealDecision(True, f"all {len(members)} remaining members of round "
                                   f"{status.round} are back")
+    if not members and count >= spec.max_nodes:
+        return SealDecision(True, f"maxNodes ({spec.max_nodes}) reached")
     arrivals = sorted(w.since or now for w in eligible)
     deadline = arrivals[spec.min_nodes - 1] + dt.timedelta(seconds=spec.last_call_timeout)
     if now >= deadline:

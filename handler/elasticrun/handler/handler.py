@@ -230,8 +230,11 @@ class K8sRendezvousHandler(RendezvousHandler):
             lease = LeaseKeeper(self._api(), self.settings.namespace, self.settings.run_name,
                                 self.settings.node_name, run.spec.heartbeat_timeout,
                                 run.spec.lease_renew_interval, run.uid)
+            def acquire() -> None:
+                lease.acquire()
+
             try:
-                self._call("take the node's Lease", lambda: (lease.acquire(), {})[1])
+                self._call("take the node's Lease", acquire)
             except NodeNameInUseError as exc:
                 raise RendezvousError(f"{self._who()}: {exc}") from exc
             lease.start()
@@ -245,7 +248,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         raw: dict[str, Any] | None
         try:
             raw = self._call("read the run", lambda: client.request("GET", path))
-        except _NotFound:
+        except _NotFoundError:
             raw = None
         if raw is None:
             if not s.create_run:
@@ -259,7 +262,7 @@ class K8sRendezvousHandler(RendezvousHandler):
                     "POST", runs_path(s.namespace), body=manifest))
                 log.info("%s: created ElasticRun from the command line (%s)", self._who(),
                          s.requested_spec)
-            except _Conflict:
+            except _ConflictError:
                 raw = self._call("read the run", lambda: client.request("GET", path))
         self._log_spec_mismatch(self._parse(raw))
         return raw
@@ -321,7 +324,7 @@ class K8sRendezvousHandler(RendezvousHandler):
             raw = self._call("announce a waiting node", lambda: self._api().request(
                 "PATCH", run_path(self.settings.namespace, self.settings.run_name, "status"),
                 body=patch, content_type=JSON_PATCH))
-        except _Rejected:
+        except _RejectedError:
             # A test failed: the signal moved after our entry was written, so the
             # members hear about us with that change.
             return self._read_or_raise()
@@ -337,7 +340,7 @@ class K8sRendezvousHandler(RendezvousHandler):
                 "PATCH", run_path(s.namespace, s.run_name, "status"), body=body,
                 query={"fieldManager": s.field_manager, "force": "true"},
                 content_type=APPLY_PATCH), self.settings.close_timeout)
-        except (_NotFound, RendezvousError) as exc:
+        except (_NotFoundError, RendezvousError) as exc:
             log.debug("leaving the waiting list: %s", exc)
 
     def _leave_membership(self) -> None:
@@ -446,7 +449,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         try:
             raw = self._call("read the run", lambda: self._api().request(
                 "GET", run_path(self.settings.namespace, self.settings.run_name)))
-        except _NotFound:
+        except _NotFoundError:
             return None
         return self._accept(raw)
 
@@ -468,7 +471,7 @@ class K8sRendezvousHandler(RendezvousHandler):
             raw = self._call("update the run status", lambda: self._api().request(
                 "PUT", run_path(s.namespace, s.run_name, "status"), body=body,
                 query={"fieldManager": SEAL_MANAGER}))
-        except _Conflict:
+        except _ConflictError:
             return None
         return self._accept(raw)
 
@@ -505,11 +508,11 @@ class K8sRendezvousHandler(RendezvousHandler):
                 error: Exception = exc
             except ApiError as exc:
                 if exc.not_found:
-                    raise _NotFound(str(exc)) from exc
+                    raise _NotFoundError(str(exc)) from exc
                 if exc.conflict:
-                    raise _Conflict(str(exc)) from exc
+                    raise _ConflictError(str(exc)) from exc
                 if exc.status == 422 and "test" in exc.message.lower():
-                    raise _Rejected(str(exc)) from exc
+                    raise _RejectedError(str(exc)) from exc
                 if exc.forbidden:
                     raise ElasticRunForbiddenError(
                         f"{self._who()}: not allowed to {what}: {exc.message}. Bind the pod's "
@@ -530,15 +533,15 @@ class K8sRendezvousHandler(RendezvousHandler):
             attempt += 1
 
 
-class _NotFound(Exception):
+class _NotFoundError(Exception):
     pass
 
 
-class _Conflict(Exception):
+class _ConflictError(Exception):
     pass
 
 
-class _Rejected(Exception):
+class _RejectedError(Exception):
     pass
 
 

@@ -9,9 +9,7 @@ pod object may look healthy for minutes.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
 import logging
-import re
 import threading
 import uuid
 from typing import Any
@@ -19,35 +17,13 @@ from typing import Any
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, lease_path, leases_path
 from elasticrun.api.model import now
+from elasticrun.api.naming import label_value, lease_name
 
 log = logging.getLogger(__name__)
 
-NODE_ANNOTATION = f"{crd.GROUP}/node"
-_LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
-
-
 def micro_time(value: dt.datetime) -> str:
+    """A Lease's MicroTime: RFC 3339 with microseconds."""
     return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def label_value(text: str) -> str:
-    """A label value (<= 63 safe characters) that identifies ``text``."""
-    if len(text) <= 63 and not _LABEL_UNSAFE.search(text) and text[0].isalnum() \
-            and text[-1].isalnum():
-        return text
-    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
-    safe = _LABEL_UNSAFE.sub("-", text)[:50].strip("-._") or "x"
-    return f"{safe}-{digest}"
-
-
-def lease_name(run: str, node: str) -> str:
-    """``<run>.<node>``, hashed down when it would not be a valid object name."""
-    name = f"{run}.{node}".lower()
-    if len(name) <= 253 and re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name) \
-            and ".." not in name:
-        return name
-    digest = hashlib.sha256(f"{run}\0{node}".encode()).hexdigest()[:16]
-    return f"{run[:200]}.{digest}"
 
 
 class NodeNameInUseError(RuntimeError):
@@ -76,7 +52,7 @@ class LeaseKeeper:
         meta: dict[str, Any] = {
             "name": self.name,
             "labels": {crd.RUN_LABEL: label_value(self.run)},
-            "annotations": {NODE_ANNOTATION: self.node, crd.RUN_LABEL: self.run},
+            "annotations": {crd.NODE_ANNOTATION: self.node, crd.RUN_LABEL: self.run},
         }
         if self.owner_uid:
             meta["ownerReferences"] = [{

@@ -105,14 +105,14 @@ def _default_namespace(kubeconfig: str | None, context: str | None) -> str:
     try:
         from kubernetes import config  # noqa: PLC0415
 
-        _, active = config.list_kube_config_contexts(config_file=kubeconfig)
+        contexts, active = config.list_kube_config_contexts(  # type: ignore[no-untyped-call]
+            config_file=kubeconfig)
         if context:
-            contexts, _ = config.list_kube_config_contexts(config_file=kubeconfig)
             active = next((c for c in contexts if c["name"] == context), active)
         ns = (active or {}).get("context", {}).get("namespace")
         if ns:
             return str(ns)
-    except Exception:  # noqa: BLE001 - no kubeconfig is fine: fall back to "default"
+    except Exception:
         log.debug("no namespace in the kubeconfig", exc_info=True)
     return "default"
 

@@ -101,6 +101,7 @@ class RunWatcher:
                 self._version += 1
                 self._cond.notify_all()
             accepted = self._latest
+        assert accepted is not None
         if accepted is run and self.on_change:
             self.on_change(run)
         return accepted

@@ -1,0 +1,113 @@
+"""``python -m elasticrun.operator`` / ``elasticrun-operator``: run the operator.
+
+One replica by default, without kopf peering: every decision is a
+compare-and-set on the API server, so a second replica would only race, and
+nothing is lost while the single one restarts (nodes keep sealing rounds by
+themselves; the operator catches up from the API server's state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import kopf
+
+from elasticrun.api.kube import KubeClient
+from elasticrun.operator import handlers
+from elasticrun.operator.controller import Controller
+from elasticrun.operator.metrics import Metrics
+
+log = logging.getLogger("elasticrun.operator")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="elasticrun-operator", description=__doc__)
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[],
+                       help="watch this namespace (repeatable; globs allowed)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true",
+                       help="watch the whole cluster (the default when no namespace is given)")
+    parser.add_argument("--metrics-port", type=int,
+                        default=int(os.environ.get("ELASTICRUN_METRICS_PORT", "8080")),
+                        help="Prometheus metrics port (0 disables; default 8080)")
+    parser.add_argument("--metrics-addr", default="0.0.0.0")
+    parser.add_argument("--health-port", type=int,
+                        default=int(os.environ.get("ELASTICRUN_HEALTH_PORT", "8081")),
+                        help="liveness/readiness endpoint port, /healthz (0 disables)")
+    parser.add_argument("--health-addr", default="0.0.0.0")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="runs reconciled in parallel (default 2)")
+    parser.add_argument("--kubeconfig", default=None,
+                        help="kubeconfig for the operator's own writes (default: in-cluster, "
+                             "else KUBECONFIG)")
+    parser.add_argument("--webhook-port", type=int, default=0,
+                        help="serve the pod mutating webhook on this port (0: no webhook)")
+    parser.add_argument("--webhook-addr", default="0.0.0.0")
+    parser.add_argument("--webhook-host", default=None,
+                        help="host name or IP the API server uses to reach the webhook")
+    parser.add_argument("--webhook-cert", default=None)
+    parser.add_argument("--webhook-key", default=None)
+    parser.add_argument("--webhook-ca", default=None)
+    parser.add_argument("--webhook-managed", default=None,
+                        help="name of the MutatingWebhookConfiguration kopf keeps up to date")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.verbose:
+        # kopf logs every handled event at INFO; the controller logs what matters.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    metrics = Metrics()
+    controller = Controller(KubeClient.from_config(args.kubeconfig, timeout=15), metrics,
+                            workers=args.workers)
+    handlers.install(controller)
+
+    @kopf.on.startup()
+    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.posting.level = logging.WARNING
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+        settings.watching.connect_timeout = 10
+        settings.networking.request_timeout = 30
+        settings.persistence.finalizer = "elasticrun.dev/operator"
+        if args.webhook_port:
+            from elasticrun.operator import webhook  # noqa: PLC0415 - optional feature
+
+            webhook.configure_webhook(
+                settings, addr=args.webhook_addr, port=args.webhook_port,
+                host=args.webhook_host, certfile=args.webhook_cert, pkeyfile=args.webhook_key,
+                cafile=args.webhook_ca, managed=args.webhook_managed)
+        if args.metrics_port:
+            metrics.serve(args.metrics_port, args.metrics_addr)
+            log.info("metrics on %s:%d/metrics", args.metrics_addr, args.metrics_port)
+        controller.start()
+
+    @kopf.on.cleanup()
+    async def cleanup(**_: Any) -> None:
+        await controller.stop()
+
+    liveness = (f"http://{args.health_addr}:{args.health_port}/healthz"
+                if args.health_port else None)
+    clusterwide = args.all_namespaces or not args.namespace
+    try:
+        kopf.run(standalone=True, clusterwide=clusterwide,
+                 namespaces=() if clusterwide else tuple(args.namespace),
+                 liveness_endpoint=liveness)
+    except KeyboardInterrupt:  # pragma: no cover - interactive use
+        return 130
+    finally:
+        controller.client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

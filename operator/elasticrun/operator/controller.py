@@ -1,0 +1,328 @@
+"""The operator's work queue: one reconcile at a time per run, woken by events and deadlines.
+
+kopf delivers the watch events (ElasticRuns, Pods, Leases); this module keeps
+the newest ElasticRun bodies, queues runs to reconcile, runs the pure
+:func:`~elasticrun.operator.reconcile.reconcile`, and carries out its plan:
+one compare-and-set of the status, Events, annotation clean-up, deletion.
+A run is never reconciled by two workers at once (the queue holds each key at
+most once), and a lost compare-and-set is simply reconciled again from the
+next event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import socket
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from elasticrun.api import crd
+from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, leases_path, run_path
+from elasticrun.api.model import (
+    ElasticRun,
+    InvalidRunError,
+    RunStatus,
+    format_time,
+    now,
+    parse_run,
+)
+from elasticrun.api.naming import label_value
+from elasticrun.operator.liveness import LeaseState, Loss, pod_loss, restart_count
+from elasticrun.operator.metrics import Metrics
+from elasticrun.operator.reconcile import Members, lost_since, reconcile, repair
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, run)
+COMPONENT = "elasticrun-operator"
+
+
+class Controller:
+    def __init__(self, client: KubeClient, metrics: Metrics, workers: int = 2) -> None:
+        self.client = client
+        self.metrics = metrics
+        self.workers = workers
+        self.runs: dict[Key, dict[str, Any]] = {}
+        self.pod_losses: dict[Key, dict[str, Loss]] = {}
+        self.pod_restarts: dict[tuple[str, str], int] = {}
+        self.lease_index: Mapping[Key, Iterable[tuple[str, LeaseState]]] | None = None
+        self._seen: dict[Key, RunStatus] = {}
+        self._invalid_reported: dict[Key, str] = {}
+        self._queue: asyncio.Queue[Key] | None = None
+        self._queued: set[Key] = set()
+        self._timers: dict[Key, asyncio.TimerHandle] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._posting: set[asyncio.Task[None]] = set()
+        self._instance = socket.gethostname()
+
+    # ------------------------------------------------------------------ queue
+
+    def start(self) -> None:
+        self._queue = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._worker(), name=f"elasticrun-worker-{i}")
+                       for i in range(self.workers)]
+
+    async def stop(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def enqueue(self, key: Key) -> None:
+        if self._queue is None or key in self._queued:
+            return
+        self._queued.add(key)
+        self._queue.put_nowait(key)
+
+    def schedule(self, key: Key, when: dt.datetime) -> None:
+        delay = max(0.0, (when - now()).total_seconds())
+        timer = self._timers.pop(key, None)
+        if timer is not None:
+            timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._timers[key] = loop.call_later(delay, self.enqueue, key)
+
+    async def _worker(self) -> None:
+        assert self._queue is not None
+        while True:
+            key = await self._queue.get()
+            self._queued.discard(key)
+            try:
+                await self.reconcile(key)
+            except (ApiError, ApiConnectionError) as exc:
+                log.warning("reconciling %s/%s failed: %s; retrying in 1s", *key, exc)
+                self.schedule(key, now() + dt.timedelta(seconds=1))
+            except Exception:
+                log.exception("reconciling %s/%s failed; retrying in 5s", *key)
+                self.schedule(key, now() + dt.timedelta(seconds=5))
+
+    # ------------------------------------------------------------------ inputs from kopf
+
+    def run_event(self, event_type: str, body: Mapping[str, Any]) -> None:
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        if event_type == "DELETED":
+            self.runs.pop(key, None)
+            self._seen.pop(key, None)
+            self.pod_losses.pop(key, None)
+            self.metrics.forget(*key)
+            return
+        raw = dict(body)
+        current = self.runs.get(key)
+        if current is not None and _rv(current) > _rv(raw) > 0:
+            return  # our own write already gave us something newer
+        self.runs[key] = raw
+        self.observe(key, raw)
+        self.enqueue(key)
+
+    def pod_event(self, event_type: str, body: Mapping[str, Any]) -> None:
+        meta = body.get("metadata") or {}
+        namespace, pod = meta.get("namespace", ""), meta.get("name", "")
+        labels = meta.get("labels") or {}
+        run = (meta.get("annotations") or {}).get(crd.RUN_LABEL) or labels.get(crd.RUN_LABEL)
+        if not run:
+            return
+        key = (namespace, run)
+        first = self.pod_restarts.setdefault((namespace, pod), restart_count(body))
+        loss = pod_loss(body, event_type, first)
+        if event_type == "DELETED":
+            self.pod_restarts.pop((namespace, pod), None)
+        losses = self.pod_losses.setdefault(key, {})
+        if loss is None:
+            losses.pop(pod, None)
+            return
+        if pod not in losses:
+            log.info("%s/%s: %s", namespace, run, loss.message)
+        losses[pod] = loss
+        self.enqueue(key)
+
+    def lease_event(self, body: Mapping[str, Any]) -> None:
+        meta = body.get("metadata") or {}
+        run = (meta.get("annotations") or {}).get(crd.RUN_LABEL)
+        if run:
+            self.enqueue((meta.get("namespace", ""), run))
+
+    # ------------------------------------------------------------------ reconcile
+
+    def _members(self, key: Key) -> Members:
+        leases: dict[str, LeaseState] = {}
+        if self.lease_index is not None and key in self.lease_index:
+            for node, state in self.lease_index[key]:
+                leases[node] = state
+        return Members(leases=leases, pod_losses=dict(self.pod_losses.get(key, {})))
+
+    async def reconcile(self, key: Key) -> None:
+        raw = self.runs.get(key)
+        if raw is None:
+            return
+        try:
+            run = parse_run(raw)
+        except InvalidRunError as exc:
+            await self._repair(key, raw, exc)
+            return
+        self._invalid_reported.pop(key, None)
+        plan = reconcile(run, self._members(key), now())
+        if plan.delete_run:
+            await self._delete(run)
+            return
+        if plan.status is not None:
+            written = await self._write_status(run, plan.status)
+            if written is None:
+                return  # lost the race; the winner's event re-queues us
+            run = written
+        if plan.remove_annotations:
+            # Only after the status write took: a lost race must not eat the request.
+            patch = {"metadata": {"annotations": dict.fromkeys(plan.remove_annotations)}}
+            await asyncio.to_thread(self.client.request, "PATCH", run_path(*key), body=patch,
+                                    content_type="application/merge-patch+json")
+        for type_, reason, message in plan.events:
+            await self._post_event(run, type_, reason, message)
+        self._forget_stale_losses(key, run)
+        if plan.wake_at is not None:
+            self.schedule(key, plan.wake_at)
+
+    async def _write_status(self, run: ElasticRun, status: RunStatus) -> ElasticRun | None:
+        key = (run.namespace, run.name)
+        body = {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                "metadata": {"name": run.name, "namespace": run.namespace,
+                             "resourceVersion": run.resource_version},
+                "status": status.to_dict()}
+        try:
+            raw = await asyncio.to_thread(
+                self.client.request, "PUT", run_path(*key, "status"), body=body,
+                query={"fieldManager": COMPONENT})
+        except ApiError as exc:
+            if exc.conflict or exc.not_found:
+                return None
+            raise
+        self.runs[key] = raw
+        self.observe(key, raw)
+        return parse_run(raw)
+
+    async def _repair(self, key: Key, raw: Mapping[str, Any], error: InvalidRunError) -> None:
+        """A hand-edited status the model cannot read: make every node re-form a round."""
+        if self._invalid_reported.get(key) == str(error):
+            return
+        self._invalid_reported[key] = str(error)
+        meta = raw.get("metadata") or {}
+        log.warning("%s/%s: invalid status (%s); repairing", *key, error)
+        status = repair(raw.get("status"), error, now(), int(meta.get("generation") or 0))
+        body = {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                "metadata": {"name": key[1], "namespace": key[0],
+                             "resourceVersion": meta.get("resourceVersion")},
+                "status": status}
+        try:
+            written = await asyncio.to_thread(self.client.request, "PUT",
+                                              run_path(*key, "status"), body=body,
+                                              query={"fieldManager": COMPONENT})
+        except ApiError as exc:
+            if exc.conflict:
+                self._invalid_reported.pop(key, None)
+                return
+            raise
+        self.runs[key] = written
+        await self._post_event(parse_run(written), "Warning", "InvalidStatus",
+                               f"status could not be read ({error}); the round is re-formed")
+
+    async def _delete(self, run: ElasticRun) -> None:
+        key = (run.namespace, run.name)
+        await self._post_event(run, "Normal", "Deleted",
+                               "TTL after finishing passed; deleting the run and its Leases")
+        with contextlib.suppress(ApiError):
+            await asyncio.to_thread(self.client.request, "DELETE", run_path(*key))
+        for lease in await self._run_leases(run.namespace, run.name):
+            with contextlib.suppress(ApiError):
+                await asyncio.to_thread(self.client.request, "DELETE",
+                                        f"{leases_path(run.namespace)}/{lease}")
+
+    async def _run_leases(self, namespace: str, run: str) -> list[str]:
+        listed = await asyncio.to_thread(
+            self.client.request, "GET", leases_path(namespace),
+            query={"labelSelector": f"{crd.RUN_LABEL}={label_value(run)}"})
+        return [item["metadata"]["name"] for item in listed.get("items") or []
+                if (item["metadata"].get("annotations") or {}).get(crd.RUN_LABEL) == run]
+
+    def _forget_stale_losses(self, key: Key, run: ElasticRun) -> None:
+        losses = self.pod_losses.get(key)
+        if not losses:
+            return
+        referenced = {p.pod or p.name for p in run.status.participants}
+        referenced |= {w.pod or w.name for w in run.status.waiting}
+        for pod in list(losses):
+            if pod not in referenced:
+                del losses[pod]
+
+    # ------------------------------------------------------------------ observation
+
+    def observe(self, key: Key, raw: Mapping[str, Any]) -> None:
+        """Events and metrics for what changed, whoever wrote it (node or operator)."""
+        try:
+            run = parse_run(raw)
+        except InvalidRunError:
+            return
+        status = run.status
+        old = self._seen.get(key)
+        self._seen[key] = status
+        labels = {"namespace": key[0], "run": key[1]}
+        self.metrics.members.labels(**labels).set(len(status.participants))
+        self.metrics.waiting.labels(**labels).set(len(status.waiting))
+        self.metrics.round.labels(**labels).set(status.round)
+        if old is None:
+            return  # first sight (e.g. after a restart): nothing to report twice
+        if status.round > old.round and status.participants:
+            self.metrics.rounds.labels(**labels).inc()
+            started = [w.since for w in old.waiting if w.since and
+                       w.name in status.member_names]
+            if started and status.sealed_at:
+                self.metrics.round_duration.labels(**labels).observe(
+                    max(0.0, (status.sealed_at - min(started)).total_seconds()))
+            leader = status.participants[0].name
+            self._post_soon(run, "Normal", "RoundSealed",
+                            f"round {status.round}: {len(status.participants)} members, "
+                            f"rank 0 = {leader}")
+        for lost in lost_since(old, status):
+            self.metrics.lost.labels(**labels, reason=lost.reason).inc()
+            if lost.detection_seconds is not None:
+                self.metrics.detection.labels(**labels, reason=lost.reason).observe(
+                    lost.detection_seconds)
+            self._post_soon(run, "Warning" if lost.reason != "Left" else "Normal", "MemberLost",
+                            f"round {lost.round}: {lost.name} removed ({lost.reason}"
+                            f"{': ' + lost.message if lost.message else ''})")
+
+    def _post_soon(self, run: ElasticRun, type_: str, reason: str, message: str) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._post_event(run, type_, reason, message))
+        self._posting.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._posting.discard)
+
+    async def _post_event(self, run: ElasticRun, type_: str, reason: str, message: str) -> None:
+        stamp = format_time(now())
+        event = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{run.name}.", "namespace": run.namespace},
+            "involvedObject": {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                               "name": run.name, "namespace": run.namespace, "uid": run.uid,
+                               "resourceVersion": run.resource_version},
+            "type": type_, "reason": reason, "message": message[:1024],
+            "firstTimestamp": stamp.split(".")[0] + "Z", "lastTimestamp":
+                stamp.split(".")[0] + "Z", "count": 1,
+            "source": {"component": COMPONENT},
+            "reportingComponent": f"{crd.GROUP}/operator", "reportingInstance": self._instance,
+        }
+        try:
+            await asyncio.to_thread(self.client.request, "POST",
+                                    f"/api/v1/namespaces/{run.namespace}/events", body=event)
+        except (ApiError, ApiConnectionError) as exc:
+            log.warning("posting event %s for %s/%s failed: %s", reason, run.namespace,
+                        run.name, exc)
+
+
+def _rv(raw: Mapping[str, Any]) -> int:
+    value = str((raw.get("metadata") or {}).get("resourceVersion") or "0")
+    return int(value) if value.isdigit() else 0

@@ -1,0 +1,61 @@
+"""kopf registrations: thin handlers that hand events to the controller.
+
+Nothing here decides anything.  The handlers are coroutines so that they run
+on the operator's event loop, where the controller's queue lives (kopf runs
+plain functions in worker threads).  The ElasticRun handler is an ``on.event``
+handler on purpose: kopf's daemons and change handlers would put a finalizer
+and progress annotations on every run, so deleting a run would hang whenever
+the operator is down, and every node would pay for the operator's bookkeeping
+writes.  The Lease index is pre-populated by kopf before any ElasticRun event
+is handled, so a restarted operator never mistakes "not listed yet" for "gone".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kopf
+
+from elasticrun.api import crd
+from elasticrun.operator.controller import Controller, Key
+from elasticrun.operator.liveness import LeaseState, lease_state
+
+CONTROLLER: Controller | None = None
+
+
+def install(controller: Controller) -> None:
+    global CONTROLLER  # noqa: PLW0603 - kopf handlers are module-level functions
+    CONTROLLER = controller
+
+
+def _controller() -> Controller:
+    if CONTROLLER is None:  # pragma: no cover - wiring error
+        raise kopf.PermanentError("the elasticrun controller is not installed")
+    return CONTROLLER
+
+
+@kopf.index("coordination.k8s.io", "v1", "leases", labels={crd.RUN_LABEL: kopf.PRESENT})
+def leases_by_run(*, body: kopf.Body, namespace: str | None, **_: Any
+                  ) -> dict[Key, tuple[str, LeaseState]] | None:
+    annotations = body.metadata.annotations
+    run, node = annotations.get(crd.RUN_LABEL), annotations.get(crd.NODE_ANNOTATION)
+    if not run or not node:
+        return None
+    return {(namespace or "", run): (node, lease_state(body))}
+
+
+@kopf.on.event("coordination.k8s.io", "v1", "leases", labels={crd.RUN_LABEL: kopf.PRESENT})
+async def lease_changed(*, body: kopf.Body, **_: Any) -> None:
+    _controller().lease_event(body)
+
+
+@kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL)
+async def run_changed(*, type: str, body: kopf.Body, **kwargs: Any) -> None:
+    controller = _controller()
+    controller.lease_index = kwargs["leases_by_run"]
+    controller.run_event(type or "", body)
+
+
+@kopf.on.event("", "v1", "pods", labels={crd.RUN_LABEL: kopf.PRESENT})
+async def pod_changed(*, type: str, body: kopf.Body, **_: Any) -> None:
+    _controller().pod_event(type or "", body)

@@ -1,0 +1,123 @@
+"""When is a member gone?  Read from Pods and Leases, never guessed from timeouts alone.
+
+Kubernetes knows first that a node is gone: a Pod deleted, evicted (the
+``DisruptionTarget`` condition), failed, or whose container died or restarted.
+A Lease that stops being renewed catches the rest (a lost machine, a network
+partition), where the Pod object can look healthy for minutes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Loss:
+    """Why a member is gone, and since when (for failure-detection latency)."""
+
+    reason: str
+    message: str
+    since: dt.datetime | None = None
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    holder: str | None
+    renewed: dt.datetime | None
+    duration: float
+
+    def expired(self, now: dt.datetime) -> bool:
+        if self.renewed is None:
+            return False
+        return (now - self.renewed).total_seconds() > self.duration
+
+    def expired_at(self) -> dt.datetime | None:
+        if self.renewed is None:
+            return None
+        return self.renewed + dt.timedelta(seconds=self.duration)
+
+
+def _time(value: Any) -> dt.datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
+def lease_state(lease: Mapping[str, Any]) -> LeaseState:
+    spec = lease.get("spec") or {}
+    return LeaseState(holder=spec.get("holderIdentity"), renewed=_time(spec.get("renewTime")),
+                      duration=float(spec.get("leaseDurationSeconds") or 0))
+
+
+def pod_loss(pod: Mapping[str, Any], event_type: str | None = None,
+             first_restart_count: int | None = None) -> Loss | None:
+    """The loss a Pod event reveals, or None while the Pod looks alive.
+
+    ``first_restart_count`` is the container restart count the operator saw when
+    it first met the pod; a higher count means the training container restarted
+    (the agent inside lost its state and will join again as a new node).
+    """
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    name = meta.get("name", "?")
+    if event_type == "DELETED":
+        return Loss("PodDeleted", f"pod {name} was deleted", _deletion_requested(meta))
+    if meta.get("deletionTimestamp"):
+        return Loss("PodDeleted", f"pod {name} is being deleted", _deletion_requested(meta))
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
+            return Loss("PodDisrupted", f"pod {name}: {condition.get('reason', 'disruption')}: "
+                        f"{condition.get('message', '')}".rstrip(": "),
+                        _time(condition.get("lastTransitionTime")))
+    if status.get("phase") == "Failed":
+        return Loss("PodFailed", f"pod {name} failed: {status.get('reason') or ''} "
+                    f"{status.get('message') or ''}".strip(), _finished_at(status))
+    if status.get("phase") == "Succeeded":
+        return Loss("PodSucceeded", f"pod {name} completed", _finished_at(status))
+    for container in status.get("containerStatuses") or []:
+        terminated = (container.get("state") or {}).get("terminated")
+        if terminated:
+            return Loss("ContainerTerminated",
+                        f"pod {name}: container {container.get('name')} terminated "
+                        f"(exit code {terminated.get('exitCode')}, "
+                        f"{terminated.get('reason') or 'no reason'})",
+                        _time(terminated.get("finishedAt")))
+    if first_restart_count is not None and restart_count(pod) > first_restart_count:
+        last = _last_termination(status)
+        return Loss("ContainerRestarted", f"pod {name}: a container restarted "
+                    f"({restart_count(pod)} restarts)", last)
+    return None
+
+
+def restart_count(pod: Mapping[str, Any]) -> int:
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    return sum(int(c.get("restartCount") or 0) for c in statuses)
+
+
+def _deletion_requested(meta: Mapping[str, Any]) -> dt.datetime | None:
+    deleted = _time(meta.get("deletionTimestamp"))
+    if deleted is None:
+        return None
+    grace = float(meta.get("deletionGracePeriodSeconds") or 0)
+    return deleted - dt.timedelta(seconds=grace)
+
+
+def _finished_at(status: Mapping[str, Any]) -> dt.datetime | None:
+    times = [_time(((c.get("state") or {}).get("terminated") or {}).get("finishedAt"))
+             for c in status.get("containerStatuses") or []]
+    known = [t for t in times if t is not None]
+    return max(known) if known else None
+
+
+def _last_termination(status: Mapping[str, Any]) -> dt.datetime | None:
+    times = [_time(((c.get("lastState") or {}).get("terminated") or {}).get("finishedAt"))
+             for c in status.get("containerStatuses") or []]
+    known = [t for t in times if t is not None]
+    return max(known) if known else None

@@ -1,0 +1,45 @@
+"""Prometheus metrics of the operator (served on ``--metrics-port``, default 8080).
+
+Names follow Prometheus conventions; every series is labelled by namespace and
+run so a dashboard can follow one training job.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        labels = ("namespace", "run")
+        self.rounds = Counter("elasticrun_rounds_total", "Rounds sealed.", labels,
+                              registry=self.registry)
+        self.round_duration = Histogram(
+            "elasticrun_round_duration_seconds",
+            "From the first node waiting to the round sealed.", labels,
+            buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.detection = Histogram(
+            "elasticrun_failure_detection_seconds",
+            "From a member's loss (pod deleted/failed, lease expired) to its removal.",
+            ("namespace", "run", "reason"), buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.members = Gauge("elasticrun_members", "Members of the current round.", labels,
+                             registry=self.registry)
+        self.waiting = Gauge("elasticrun_waiting_nodes", "Nodes waiting for the next round.",
+                             labels, registry=self.registry)
+        self.lost = Counter("elasticrun_members_lost_total", "Members removed, by reason.",
+                            ("namespace", "run", "reason"), registry=self.registry)
+        self.round = Gauge("elasticrun_round", "The current round number.", labels,
+                           registry=self.registry)
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)
+
+    def forget(self, namespace: str, run: str) -> None:
+        for gauge in (self.members, self.waiting, self.round):
+            try:
+                gauge.remove(namespace, run)
+            except KeyError:
+                pass

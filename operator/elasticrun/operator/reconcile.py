@@ -1,0 +1,299 @@
+"""What the operator should do with one ElasticRun, as a pure function.
+
+``reconcile`` takes the run, what Kubernetes says about its members, and the
+time, and returns a :class:`Plan`: at most one compare-and-set of the status,
+plus Events, annotation clean-up and deletion.  The controller executes plans;
+everything decided here is unit-testable without a cluster, and an operator
+restarted mid-round decides from the API server's state alone.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from elasticrun.api import crd, rounds
+from elasticrun.api.model import Condition, ElasticRun, LostMember, RunStatus
+from elasticrun.operator.liveness import LeaseState, Loss
+
+#: The handlers seal within milliseconds of the write that made a round
+#: sealable; the operator waits this long before doing it itself, so it is a
+#: backstop (operator-less rounds still form) rather than a racing writer.
+SEAL_GRACE = 1.0
+#: How long a waiting or sealed entry may lack a Lease before it counts as gone
+#: (covers a node that died between joining and creating its Lease, without
+#: misreading a Lease the operator's watch has not delivered yet).
+MISSING_LEASE_GRACE_FACTOR = 1.0
+
+
+@dataclass(frozen=True)
+class Members:
+    """What Kubernetes says about the nodes of one run."""
+
+    leases: Mapping[str, LeaseState] = field(default_factory=dict)
+    #: Losses seen on Pods, by pod name.
+    pod_losses: Mapping[str, Loss] = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    status: RunStatus | None = None
+    events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
+    remove_annotations: list[str] = field(default_factory=list)
+    delete_run: bool = False
+    wake_at: dt.datetime | None = None
+    sealed: bool = False
+
+    def wake(self, when: dt.datetime | None) -> None:
+        if when is not None and (self.wake_at is None or when < self.wake_at):
+            self.wake_at = when
+
+
+def set_condition(conditions: tuple[Condition, ...], type_: str, status: bool, reason: str,
+                  message: str, now: dt.datetime, generation: int) -> tuple[Condition, ...]:
+    """Replace one condition, keeping lastTransitionTime unless its status flips."""
+    value = "True" if status else "False"
+    old = next((c for c in conditions if c.type == type_), None)
+    since = old.last_transition_time if old and old.status == value else now
+    new = Condition(type=type_, status=value, reason=reason, message=message,
+                    last_transition_time=since, observed_generation=generation)
+    if old == new:
+        return conditions
+    rest = tuple(c for c in conditions if c.type != type_)
+    return (*rest, new)
+
+
+def _losses(run: ElasticRun, members: Members, now: dt.datetime
+            ) -> list[tuple[str, Loss]]:
+    """Members and waiting nodes that Kubernetes says are gone."""
+    status, spec = run.status, run.spec
+    found: list[tuple[str, Loss]] = []
+    entries: list[tuple[str, str | None, dt.datetime | None]] = [
+        (p.name, p.pod, status.sealed_at) for p in status.participants]
+    entries += [(w.name, w.pod, w.since) for w in status.waiting]
+    grace = dt.timedelta(seconds=spec.heartbeat_timeout * MISSING_LEASE_GRACE_FACTOR)
+    for name, pod, since in entries:
+        pod_loss = members.pod_losses.get(pod or name)
+        if pod_loss is not None:
+            found.append((name, pod_loss))
+            continue
+        lease = members.leases.get(name)
+        if lease is not None and lease.expired(now):
+            found.append((name, Loss("LeaseExpired", f"{name} did not renew its Lease for "
+                                     f"{spec.heartbeat_timeout}s", lease.expired_at())))
+        elif lease is None and since is not None and now - since > grace:
+            found.append((name, Loss("LeaseMissing", f"{name} has no Lease",
+                                     since + grace)))
+    return found
+
+
+def _phase(status: RunStatus) -> str:
+    if status.round == 0:
+        return "Forming" if status.waiting else "Pending"
+    return "Degraded" if status.degraded else "Running"
+
+
+def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
+    plan = Plan()
+    spec, status = run.spec, run.status
+    generation = run.generation
+
+    # ---------------------------------------------------------------- finished runs
+    if (status.phase in ("Closed", "Succeeded") and spec.closed) or status.phase == "Succeeded":
+        if spec.ttl_seconds_after_finished is not None and status.finished_at is not None:
+            expiry = status.finished_at + dt.timedelta(seconds=spec.ttl_seconds_after_finished)
+            if now >= expiry:
+                plan.delete_run = True
+                ttl = spec.ttl_seconds_after_finished
+                plan.events.append(("Normal", "Deleted",
+                                    f"TTL of {ttl}s after {status.phase.lower()} passed"))
+            else:
+                plan.wake(expiry)
+        return plan
+
+    new = status
+    if spec.closed:
+        new = new.replace(phase="Closed", signal=new.signal + 1, finished_at=now)
+        conditions = set_condition(new.conditions, "Closed", True, "ClosedBySpec",
+                                   "spec.closed is true: waiting and late nodes are refused",
+                                   now, generation)
+        conditions = set_condition(conditions, "RoundComplete", False, "Closed",
+                                   "the run is closed", now, generation)
+        plan.status = new.replace(conditions=conditions, observed_generation=generation)
+        plan.events.append(("Normal", "Closed", "run closed (spec.closed=true)"))
+        plan.wake(now)  # TTL bookkeeping on the next pass
+        return plan
+    if status.phase == "Closed":
+        # Reopened by the user: every node must form a new round.
+        new = new.replace(phase="Forming", finished_at=None, signal=new.signal + 1,
+                          restart_round=new.round if new.round and not new.degraded
+                          else new.restart_round)
+        new = new.replace(conditions=set_condition(new.conditions, "Closed", False, "Reopened",
+                                                   "spec.closed was set back to false", now,
+                                                   generation))
+        plan.events.append(("Normal", "Reopened", "run reopened (spec.closed=false)"))
+
+    # ---------------------------------------------------------------- lost members
+    for name, loss in _losses(run.replace_status(new), members, now):
+        detection = (now - loss.since).total_seconds() if loss.since else None
+        removed = rounds.remove_member(new, name, loss.reason, now, message=loss.message,
+                                       detection_seconds=max(0.0, detection)
+                                       if detection is not None else None)
+        if removed is not None:
+            new = removed  # the MemberLost Event is posted when the removal is observed
+    for name in sorted(run.drained & new.member_names):
+        removed = rounds.remove_member(new, name, "Drained", now,
+                                       message=f"drained by annotation {crd.DRAIN_ANNOTATION}")
+        if removed is not None:
+            new = removed
+
+    # ---------------------------------------------------------------- forced round
+    if crd.RESTART_ANNOTATION in run.annotations:
+        plan.remove_annotations.append(crd.RESTART_ANNOTATION)
+        restarted = rounds.request_restart(new)
+        if restarted is not None:
+            new = restarted
+            plan.events.append(("Normal", "RoundRestart",
+                                f"round {new.round} restart requested by annotation"))
+
+    # ---------------------------------------------------------------- success
+    current_lost = [m for m in new.lost_members if m.round == new.round]
+    if new.round > 0 and not new.participants and not new.waiting and current_lost \
+            and all(m.reason in ("Left", "PodSucceeded") for m in current_lost):
+        new = new.replace(phase="Succeeded", finished_at=now, signal=new.signal + 1)
+        conditions = set_condition(new.conditions, "Succeeded", True, "AllMembersLeft",
+                                   f"all {len(current_lost)} members of round {new.round} "
+                                   "finished", now, generation)
+        conditions = set_condition(conditions, "RoundComplete", False, "Finished",
+                                   "the run finished", now, generation)
+        plan.status = _finish(new.replace(conditions=conditions), status, generation)
+        plan.events.append(("Normal", "Succeeded", f"all members of round {new.round} left "
+                            "after finishing"))
+        plan.wake(now)
+        return plan
+
+    # ---------------------------------------------------------------- sealing (backstop)
+    candidate = run.replace_status(new)
+    decision = rounds.decide_seal(candidate, now)
+    if decision.seal_now:
+        newest = max((w.since for w in new.waiting if w.since), default=None)
+        ready_at = (newest + dt.timedelta(seconds=SEAL_GRACE)) if newest else now
+        if decision.deadline is None and now < ready_at:
+            plan.wake(ready_at)
+        else:
+            new = rounds.seal_round(candidate, now)
+            plan.sealed = True
+    elif decision.deadline is not None:
+        plan.wake(decision.deadline + dt.timedelta(seconds=SEAL_GRACE))
+
+    # ---------------------------------------------------------------- wake-ups for leases
+    for lease in members.leases.values():
+        plan.wake(lease.expired_at())
+    for w in new.waiting:
+        if w.since is not None:
+            plan.wake(w.since + dt.timedelta(seconds=spec.heartbeat_timeout + 0.5))
+            plan.wake(w.since + dt.timedelta(seconds=spec.join_timeout))
+
+    # ---------------------------------------------------------------- phase and conditions
+    material = new
+    new = new.replace(phase=_phase(new))
+    conditions = new.conditions
+    if new.phase == "Running":
+        leader = new.participants[0].name if new.participants else "-"
+        conditions = set_condition(conditions, "RoundComplete", True, "Sealed",
+                                   f"round {new.round}: {len(new.participants)} members, "
+                                   f"rank 0 = {leader}", now, generation)
+        conditions = set_condition(conditions, "Degraded", False, "AllMembersAlive",
+                                   f"all members of round {new.round} are alive", now, generation)
+    elif new.phase == "Degraded":
+        last = new.lost_members[-1] if new.lost_members else None
+        why = f"{last.name}: {last.reason}" if last and last.round == new.round \
+            else "restart requested"
+        conditions = set_condition(conditions, "RoundComplete", False, "Reforming",
+                                   f"round {new.round} is being re-formed ({why})", now,
+                                   generation)
+        conditions = set_condition(conditions, "Degraded", True, "MemberLost"
+                                   if last and last.round == new.round else "RestartRequested",
+                                   f"round {new.round}: {why}", now, generation)
+    stalled = [w for w in new.waiting
+               if w.since and (now - w.since).total_seconds() > spec.join_timeout]
+    if stalled or new.condition("Stalled"):
+        conditions = set_condition(
+            conditions, "Stalled", bool(stalled), "JoinTimeout" if stalled else "Progressing",
+            f"{len(stalled)} node(s) waited longer than joinTimeoutSeconds "
+            f"({spec.join_timeout}s) for a round of at least {spec.min_nodes}" if stalled
+            else "no node waits past the join timeout", now, generation)
+    new = _finish(new.replace(conditions=conditions), status, generation)
+    if new == status:
+        return plan
+    if material != status:
+        plan.status = new
+        return plan
+    # Only bookkeeping changed (phase, counts, conditions).  While nodes are
+    # still joining, writing it would bump the resourceVersion under their
+    # seal; wait until the waiting set has been quiet for a moment.
+    newest = max((w.since for w in new.waiting if w.since), default=None)
+    quiet_at = newest + dt.timedelta(seconds=SEAL_GRACE) if newest else now
+    if now >= quiet_at:
+        plan.status = new
+    else:
+        plan.wake(quiet_at)
+    return plan
+
+
+def _finish(new: RunStatus, old: RunStatus, generation: int) -> RunStatus:
+    """Counts and observedGeneration, which every status write carries."""
+    return new.replace(observed_generation=generation, waiting_count=len(new.waiting))
+
+
+def lost_since(old: RunStatus, new: RunStatus) -> list[LostMember]:
+    """Lost-member records in ``new`` that ``old`` did not have (for Events and metrics)."""
+    seen = {(m.name, m.round, m.reason, m.time) for m in old.lost_members}
+    return [m for m in new.lost_members if (m.name, m.round, m.reason, m.time) not in seen]
+
+
+def repair(raw_status: object, error: Exception, now: dt.datetime, generation: int
+           ) -> dict[str, object]:
+    """A readable status to replace one the model rejects, losing nothing that is safe.
+
+    The round number and signal move forward (never back), waiting entries that
+    are readable are kept, and the current round is marked for restart, so every
+    member re-joins and a consistent round is sealed again.  The error goes into
+    the ``Degraded`` condition for ``kubectl describe``.
+    """
+    from elasticrun.api.model import WaitingNode  # noqa: PLC0415
+
+    status = raw_status if isinstance(raw_status, dict) else {}
+
+    def count(key: str) -> int:
+        value = status.get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) \
+            and value >= 0 else 0
+
+    round_ = count("round")
+    waiting: dict[str, dict[str, object]] = {}
+    for item in status.get("waiting") or [] if isinstance(status.get("waiting"), list) else []:
+        try:
+            node = WaitingNode.from_dict(item, "status.waiting[]")
+        except ValueError:
+            continue
+        waiting.setdefault(node.name, node.to_dict())
+    condition = Condition(type="Degraded", status="True", reason="InvalidStatus",
+                          message=f"status could not be read ({error}); round {round_} is "
+                                  "re-formed", last_transition_time=now,
+                          observed_generation=generation)
+    return {
+        "phase": "Degraded" if round_ else "Forming",
+        "round": round_,
+        "signal": count("signal") + 1,
+        "joinNotice": round_,
+        "restartRound": round_,
+        "memberCount": 0,
+        "waitingCount": len(waiting),
+        "participants": [],
+        "waiting": list(waiting.values()),
+        "lostMembers": [],
+        "conditions": [condition.to_dict()],
+        "observedGeneration": generation,
+    }

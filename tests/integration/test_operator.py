@@ -1,0 +1,246 @@
+"""The operator as a real process against the real API server; the tests play kubelet."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
+
+from conftest import Cluster, OperatorProcess, Pods, wait_for
+from elasticrun.api import crd
+from elasticrun.api.kube import ApiError, leases_path, run_path
+from rdzv import is_waiting, metric, read_run, rendezvous_all, start_rendezvous
+
+
+def _ok(outcomes: dict[str, Any]) -> None:
+    errors = {n: o.error for n, o in outcomes.items() if o.error}
+    assert not errors, errors
+
+
+def _pod_nodes(make_handler: Any, pods: Pods, run: str, names: list[str], **kw: Any) -> list[Any]:
+    for name in names:
+        pods.create(name, run)
+    return [make_handler(run, name, pod=name, **kw) for name in names]
+
+
+def _lost(cluster: Cluster, namespace: str, run: str, name: str) -> Any:
+    for lost in read_run(cluster.client, namespace, run).status.lost_members:
+        if lost.name == name:
+            return lost
+    return None
+
+
+def _events(cluster: Cluster, namespace: str, reason: str) -> list[str]:
+    got = cluster.client.request("GET", f"/api/v1/namespaces/{namespace}/events",
+                                 query={"fieldSelector": f"reason={reason}"})
+    return [e["message"] for e in got.get("items") or []]
+
+
+LOSSES = {
+    "PodDeleted": lambda pods, name: pods.delete(name),
+    "PodFailed": lambda pods, name: pods.set_status(name, {"phase": "Failed",
+                                                           "reason": "Error"}),
+    "ContainerTerminated": lambda pods, name: pods.set_status(name, {"containerStatuses": [{
+        "name": "trainer", "image": "trainer:latest", "imageID": "", "ready": False,
+        "restartCount": 0, "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled",
+                                                    "finishedAt": "2026-01-01T00:00:01Z"}}}]}),
+    "ContainerRestarted": lambda pods, name: pods.set_status(name, {"containerStatuses": [{
+        "name": "trainer", "image": "trainer:latest", "imageID": "", "ready": True,
+        "restartCount": 1, "state": {"running": {"startedAt": "2026-01-01T00:00:02Z"}},
+        "lastState": {"terminated": {"exitCode": 1, "finishedAt": "2026-01-01T00:00:01Z"}}}]}),
+    "PodDisrupted": lambda pods, name: pods.set_status(name, {"conditions": [
+        {"type": "Ready", "status": "True"},
+        {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
+         "message": "evicted for node maintenance"}]}),
+}
+
+
+@pytest.mark.parametrize("reason", list(LOSSES))
+def test_pod_loss_removes_member_and_signals_survivors(
+        reason: str, operator: OperatorProcess, make_handler: Any, pods: Pods,
+        cluster: Cluster, namespace: str) -> None:
+    nodes = _pod_nodes(make_handler, pods, "pods", ["p0", "p1", "p2"], min_nodes=2,
+                       max_nodes=3)
+    first = rendezvous_all(nodes)
+    _ok(first)
+    victim = nodes[2]
+    started = time.monotonic()
+    LOSSES[reason](pods, "p2")
+    survivors = nodes[:2]
+    wait_for(lambda: all(h.num_nodes_waiting() >= 1 for h in survivors), 15,
+             f"survivors to see the {reason}")
+    seen = time.monotonic() - started
+    lost = _lost(cluster, namespace, "pods", "p2")
+    assert lost is not None and lost.reason == reason, lost
+    assert lost.round == 1
+    victim._lease._stop.set()  # the dead node stops renewing, as it would
+    second = rendezvous_all(survivors)
+    _ok(second)
+    formed = time.monotonic() - started
+    print(f"\n{reason}: survivors saw it after {seen:.3f}s, new round after {formed:.3f}s")
+    assert {o.rank for o in second.values()} == {0, 1}
+    run = read_run(cluster.client, namespace, "pods")
+    assert run.status.round == 2 and "p2" not in run.status.member_names
+    wait_for(lambda: any("p2" in m and reason in m
+                         for m in _events(cluster, namespace, "MemberLost")), 10,
+             f"a MemberLost event naming p2 and {reason}")
+
+
+def test_expired_lease_removes_a_silent_member(operator: OperatorProcess, make_handler: Any,
+                                               cluster: Cluster, namespace: str) -> None:
+    nodes = [make_handler("quiet", f"n{i}", min_nodes=3, heartbeat_timeout=2,
+                          lease_renew_interval=1) for i in range(3)]
+    _ok(rendezvous_all(nodes))
+    nodes[1]._lease._stop.set()  # a partitioned node: alive, silent
+    started = time.monotonic()
+    wait_for(lambda: nodes[0].num_nodes_waiting() >= 1 and nodes[2].num_nodes_waiting() >= 1,
+             15, "survivors to see the expired lease")
+    print(f"\nlease expiry seen after {time.monotonic() - started:.2f}s (heartbeat 2s)")
+    lost = _lost(cluster, namespace, "quiet", "n1")
+    assert lost is not None and lost.reason == "LeaseExpired"
+    assert lost.detection_seconds is not None and lost.detection_seconds >= 0
+
+
+def test_round_completes_with_operator_killed_and_restart_loses_nothing(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str) -> None:
+    nodes = [make_handler("restart", f"n{i}", min_nodes=2, max_nodes=3) for i in range(2)]
+    _ok(rendezvous_all(nodes))
+    operator.kill()
+    # With the operator gone, a late node still gets a round: the nodes seal it.
+    late = make_handler("restart", "n2", min_nodes=2, max_nodes=3)
+    thread, box = start_rendezvous(late)
+    wait_for(lambda: all(h.num_nodes_waiting() >= 1 for h in nodes), 10,
+             "members to see the late node without an operator")
+    _ok(rendezvous_all(nodes))
+    thread.join(30)
+    assert box.get("info") is not None and box["info"].world_size == 3, box
+    before = read_run(cluster.client, namespace, "restart")
+    operator.start()
+    # Let the restarted operator see everything; it must not remove anyone.
+    wait_for(lambda: metric(operator.metrics(), "elasticrun_members", run="restart") == 3, 15,
+             "the restarted operator to report 3 members")
+    time.sleep(2)  # a few lease renewals' worth of reconciles
+    after = read_run(cluster.client, namespace, "restart")
+    assert after.status.member_names == before.status.member_names
+    assert after.status.round == before.status.round == 2
+    assert after.status.lost_members == before.status.lost_members
+    assert all(h.num_nodes_waiting() == 0 for h in [*nodes, late])
+
+
+def test_kubectl_close_fails_waiting_and_late_nodes(operator: OperatorProcess,
+                                                    make_handler: Any, cluster: Cluster,
+                                                    namespace: str) -> None:
+    waiting = make_handler("close", "w", min_nodes=2)
+    thread, box = start_rendezvous(waiting)
+    wait_for(lambda: is_waiting(cluster.client, namespace, "close", "w"), 10, "a waiting node")
+    cluster.kubectl("patch", "er", "close", "-n", namespace, "--type", "merge", "-p",
+                    '{"spec":{"closed":true}}')
+    thread.join(20)
+    assert isinstance(box.get("error"), RendezvousClosedError), box
+    with pytest.raises(RendezvousClosedError):
+        make_handler("close", "late", min_nodes=2).next_rendezvous()
+    run = read_run(cluster.client, namespace, "close")
+    assert run.status.phase == "Closed"
+    assert run.status.condition("Closed").status == "True"  # type: ignore[union-attr]
+
+
+def test_force_round_drain_and_live_resize(operator: OperatorProcess, make_handler: Any,
+                                          cluster: Cluster, namespace: str) -> None:
+    nodes = [make_handler("ops", f"n{i}", min_nodes=2, max_nodes=3) for i in range(3)]
+    first = rendezvous_all(nodes)
+    _ok(first)
+    # 1. Force a new round.
+    cluster.kubectl("annotate", "er", "ops", "-n", namespace, f"{crd.RESTART_ANNOTATION}=now")
+    wait_for(lambda: all(h.num_nodes_waiting() >= 1 for h in nodes), 10,
+             "members to be asked for a new round")
+    second = rendezvous_all(nodes)
+    _ok(second)
+    assert {n: o.rank for n, o in second.items()} == {n: o.rank for n, o in first.items()}
+    wait_for(lambda: crd.RESTART_ANNOTATION not in read_run(
+        cluster.client, namespace, "ops").annotations, 10, "the annotation to be consumed")
+    # 2. Drain n1: it leaves the round and, joining again, waits without being admitted.
+    cluster.kubectl("annotate", "er", "ops", "-n", namespace, f"{crd.DRAIN_ANNOTATION}=n1")
+    wait_for(lambda: nodes[0].num_nodes_waiting() >= 1, 10, "the drain to restart the round")
+    thread, box = start_rendezvous(nodes[1])
+    third = rendezvous_all([nodes[0], nodes[2]])
+    _ok(third)
+    assert {o.world_size for o in third.values()} == {2}
+    assert read_run(cluster.client, namespace, "ops").status.waiting_node("n1") is not None
+    assert _lost(cluster, namespace, "ops", "n1").reason == "Drained"
+    # 3. Undrain and lower maxNodes live: the next round takes 2, n1 stays a spare.
+    cluster.kubectl("annotate", "er", "ops", "-n", namespace, f"{crd.DRAIN_ANNOTATION}-")
+    cluster.kubectl("patch", "er", "ops", "-n", namespace, "--type", "merge", "-p",
+                    '{"spec":{"maxNodes":2}}')
+    cluster.kubectl("annotate", "er", "ops", "-n", namespace, f"{crd.RESTART_ANNOTATION}=again")
+    wait_for(lambda: nodes[0].num_nodes_waiting() >= 1, 10, "the forced round")
+    fourth = rendezvous_all([nodes[0], nodes[2]])
+    _ok(fourth)
+    assert {o.world_size for o in fourth.values()} == {2}
+    assert "info" not in box  # n1 is still a spare
+    run = read_run(cluster.client, namespace, "ops")
+    assert run.status.member_names == {"n0", "n2"} and run.status.waiting_node("n1")
+
+
+def test_conditions_events_and_kubectl_wait(operator: OperatorProcess, make_handler: Any,
+                                            cluster: Cluster, namespace: str) -> None:
+    nodes = [make_handler("visible", f"n{i}", min_nodes=2) for i in range(2)]
+    outcomes = rendezvous_all(nodes)
+    _ok(outcomes)
+    cluster.kubectl("wait", "--for=condition=RoundComplete", "er/visible", "-n", namespace,
+                    "--timeout=20s")
+    leader = next(n for n, o in outcomes.items() if o.rank == 0)
+    wait_for(lambda: _events(cluster, namespace, "RoundSealed"), 10, "a RoundSealed event")
+    assert f"round 1: 2 members, rank 0 = {leader}" in _events(cluster, namespace,
+                                                               "RoundSealed")
+    run = read_run(cluster.client, namespace, "visible")
+    cond = run.status.condition("RoundComplete")
+    assert cond is not None and cond.observed_generation == run.generation
+    table = cluster.kubectl("get", "er", "visible", "-n", namespace, "--no-headers").stdout
+    assert table.split()[1:5] == ["Running", "1", "2", "0"], table
+    described = cluster.kubectl("describe", "er", "visible", "-n", namespace).stdout
+    assert "RoundSealed" in described
+
+
+def test_succeeded_after_all_members_leave_then_ttl_cleanup(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str) -> None:
+    cluster.client.request("POST", f"/apis/{crd.API_VERSION}/namespaces/{namespace}/"
+                           f"{crd.PLURAL}", body={
+                               "apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                               "metadata": {"name": "done"},
+                               "spec": {"minNodes": 2, "ttlSecondsAfterFinished": 2}})
+    nodes = [make_handler("done", f"n{i}", min_nodes=2) for i in range(2)]
+    _ok(rendezvous_all(nodes))
+    for h in nodes:
+        h.shutdown()
+    wait_for(lambda: read_run(cluster.client, namespace, "done").status.phase == "Succeeded",
+             10, "the run to succeed")
+    assert read_run(cluster.client, namespace, "done").closed
+
+    def deleted() -> bool:
+        try:
+            cluster.client.request("GET", run_path(namespace, "done"))
+        except ApiError as exc:
+            return exc.not_found
+        return False
+
+    wait_for(deleted, 15, "the TTL to delete the run")
+    leases = cluster.client.request("GET", leases_path(namespace))["items"]
+    assert [lease["metadata"]["name"] for lease in leases] == []
+
+
+def test_metrics_endpoint_serves_named_series(operator: OperatorProcess, make_handler: Any,
+                                              cluster: Cluster, namespace: str) -> None:
+    nodes = [make_handler("metered", f"n{i}", min_nodes=3) for i in range(3)]
+    _ok(rendezvous_all(nodes))
+    nodes[2].shutdown()
+    wait_for(lambda: metric(operator.metrics(), "elasticrun_members_lost_total",
+                            run="metered", reason="Left") == 1, 10, "the loss to be counted")
+    text = operator.metrics()
+    assert metric(text, "elasticrun_rounds_total", run="metered") == 1
+    assert metric(text, "elasticrun_members", run="metered") == 2
+    assert metric(text, "elasticrun_waiting_nodes", run="metered") == 0
+    assert metric(text, "elasticrun_round", run="metered") == 1
+    assert metric(text, "elasticrun_round_duration_seconds_count", run="metered") == 1
+    assert 0 <= metric(text, "elasticrun_round_duration_seconds_sum", run="metered") < 60
