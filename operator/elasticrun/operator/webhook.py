@@ -349,9 +349,15 @@ def setup_webhook(settings: kopf.OperatorSettings, args: argparse.Namespace,
     With ``--webhook-self-signed`` it makes the certificate first and, with
     ``--webhook-configuration``, writes the new CA into that configuration, so
     the API server trusts the fresh certificate of every operator start.
+    ``client`` (the operator's own, honouring its ``--kubeconfig``) is used for
+    that and for creating missing ElasticRuns; default: in-cluster or KUBECONFIG.
+    It blocks on the API server: call it from a thread in an async startup handler.
     """
+    global _client  # noqa: PLW0603 - the operator's own client, shared with mutate_pod
     if not args.webhook_port:
         return
+    if client is not None:
+        _client = client
     from elasticrun.operator import webhookcert  # noqa: PLC0415 - only when self-signing
 
     certfile, pkeyfile, cafile = args.webhook_cert, args.webhook_key, args.webhook_ca
