@@ -9,6 +9,7 @@ themselves; the operator catches up from the API server's state).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
@@ -18,7 +19,7 @@ from typing import Any
 import kopf
 
 from elasticrun.api.kube import KubeClient
-from elasticrun.operator import handlers
+from elasticrun.operator import handlers, webhook
 from elasticrun.operator.controller import Controller
 from elasticrun.operator.metrics import Metrics
 
@@ -45,16 +46,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kubeconfig", default=None,
                         help="kubeconfig for the operator's own writes (default: in-cluster, "
                              "else KUBECONFIG)")
-    parser.add_argument("--webhook-port", type=int, default=0,
-                        help="serve the pod mutating webhook on this port (0: no webhook)")
-    parser.add_argument("--webhook-addr", default="0.0.0.0")
-    parser.add_argument("--webhook-host", default=None,
-                        help="host name or IP the API server uses to reach the webhook")
-    parser.add_argument("--webhook-cert", default=None)
-    parser.add_argument("--webhook-key", default=None)
-    parser.add_argument("--webhook-ca", default=None)
-    parser.add_argument("--webhook-managed", default=None,
-                        help="name of the MutatingWebhookConfiguration kopf keeps up to date")
+    webhook.add_webhook_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser.parse_args(argv)
 
@@ -80,12 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.networking.request_timeout = 30
         settings.persistence.finalizer = "elasticrun.dev/operator"
         if args.webhook_port:
-            from elasticrun.operator import webhook  # noqa: PLC0415 - optional feature
-
-            webhook.configure_webhook(
-                settings, addr=args.webhook_addr, port=args.webhook_port,
-                host=args.webhook_host, certfile=args.webhook_cert, pkeyfile=args.webhook_key,
-                cafile=args.webhook_ca, managed=args.webhook_managed)
+            # Making the certificate and patching the webhook configuration block.
+            await asyncio.to_thread(webhook.setup_webhook, settings, args, controller.client)
         if args.metrics_port:
             metrics.serve(args.metrics_port, args.metrics_addr)
             log.info("metrics on %s:%d/metrics", args.metrics_addr, args.metrics_port)

@@ -262,8 +262,6 @@ def _run_client() -> KubeClient:
     return _client
 
 
-@kopf.on.mutate("pods", id=HANDLER_ID, labels={RUN_LABEL: kopf.PRESENT},
-                operations=["CREATE"], side_effects=True)
 async def mutate_pod(body: kopf.Body, patch: kopf.Patch, dryrun: bool, warnings: list[str],
                      logger: logging.Logger | kopf.Logger, **_: Any) -> None:
     """Inject the torchrun environment; create the ElasticRun when the pod sizes it."""
@@ -314,6 +312,21 @@ def configure_webhook(settings: kopf.OperatorSettings, *, addr: str, port: int,
     settings.admission.server = kopf.WebhookServer(
         addr=addr, port=port, host=host, certfile=certfile, pkeyfile=pkeyfile, cafile=cafile)
     settings.admission.managed = managed
+    register_handler()
+
+
+def register_handler(registry: kopf.OperatorRegistry | None = None) -> None:
+    """Register :func:`mutate_pod` with kopf, once.
+
+    Not done at import time: kopf refuses to start when admission handlers are
+    registered but no webhook server is configured, and the operator serves the
+    webhook only when asked to (``--webhook-port``).
+    """
+    registry = registry or kopf.get_default_registry()
+    if any(h.id == HANDLER_ID for h in registry._webhooks.get_all_handlers()):
+        return
+    kopf.on.mutate("pods", id=HANDLER_ID, labels={RUN_LABEL: kopf.PRESENT},
+                   operations=["CREATE"], side_effects=True, registry=registry)(mutate_pod)
 
 
 def add_webhook_arguments(parser: argparse.ArgumentParser) -> None:
@@ -377,5 +390,6 @@ __all__: Sequence[str] = (
     "HANDLER_ID", "NNODES_ANNOTATION", "NPROC_ANNOTATION", "RUN_LABEL", "WEBHOOK_PATH",
     "Mutation", "OptIn", "OptInError", "add_webhook_arguments", "configure_webhook",
     "desired_env", "ensure_run", "mutate_pod", "mutated", "mutation_for", "parse_nnodes",
-    "parse_nproc_per_node", "plan_mutation", "read_opt_in", "run_manifest_for", "setup_webhook",
+    "parse_nproc_per_node", "plan_mutation", "read_opt_in", "register_handler",
+    "run_manifest_for", "setup_webhook",
 )
