@@ -48,6 +48,8 @@ class Plan:
     event_n: int = 8
     idle_seconds: float = 20.0
     workers: int = 4
+    #: A formation not done by then is reported as not formed.
+    formation_bound: float = 90.0
 
     @classmethod
     def quick(cls) -> Plan:
@@ -93,7 +95,9 @@ def run_backend(name: str, plan: Plan, work: Path, log_dir: Path) -> dict[str, A
         formation: list[dict[str, Any]] = []
         for n in plan.sizes:
             formation.extend(step(f"formation N={n}", functools.partial(
-                scenarios.formation, backend, pool, n, plan.reps)) or [])
+                scenarios.formation, backend, pool, n, plan.reps, plan.formation_bound)) or [])
+            if formation and not formation[-1]["formed"]:
+                break  # larger N would not form either; the report says where it stopped
         result["formation"] = formation
         recovery_timing = backends.Timing(plan.event_n - 1, plan.event_n,
                                           keep_alive=RECOVERY_KEEP_ALIVE)

@@ -106,6 +106,7 @@ def _form(pool: Pool, workers: Sequence[WorkerProcess], world: int, what: str) -
 
 
 def _teardown(backend: Backend, run: Run, workers: Sequence[WorkerProcess]) -> None:
+    """Delete the run (its nodes stop waiting), then shut every node down."""
     backend.end_run(run)
     ids = [w.send("teardown") for w in workers if w.alive()]
     for worker, msg_id in zip([w for w in workers if w.alive()], ids, strict=True):
@@ -115,25 +116,49 @@ def _teardown(backend: Backend, run: Run, workers: Sequence[WorkerProcess]) -> N
 # --------------------------------------------------------------------------- formation
 
 
-def formation(backend: Backend, pool: Pool, n: int, reps: int) -> list[dict[str, Any]]:
-    """From all N nodes built to the last ``next_rendezvous()`` returning; min = max = N."""
+def formation(backend: Backend, pool: Pool, n: int, reps: int, bound: float = ROUND_BOUND
+              ) -> list[dict[str, Any]]:
+    """From all N nodes built to the last ``next_rendezvous()`` returning; min = max = N.
+
+    A round that has not formed within ``bound`` seconds is a result, not a crash:
+    the row says so (``formed: false``, with the requests the server saw meanwhile),
+    the run is deleted so that its nodes give up, and no further repetition at
+    this N is attempted.
+    """
     out = []
     for rep in range(reps):
         nodes = node_names(n)
         run = backend.new_run(Timing(n, n), nodes)
-        build(pool, run, nodes)
-        window = backend.open_window(run, pool)
-        start = time.monotonic() + START_DELAY
-        pool.all("rendezvous", start_at=start)
-        results = collect(pool.workers)
-        done = max(r["t_done"] for r in results)
-        _check(results, n, f"{backend.name} formation of {n}")
-        time.sleep(SETTLE)
-        measured = backend.close_window(window, pool)
-        _teardown(backend, run, pool.workers)
-        out.append({"n": n, "rep": rep, "latency_s": done - start,
+        try:
+            build(pool, run, nodes)
+            window = backend.open_window(run, pool)
+            start = time.monotonic() + START_DELAY
+            pool.all("rendezvous", start_at=start)
+            try:
+                results = collect(pool.workers, bound)
+            except ScenarioError as exc:
+                measured = backend.close_window(window, pool)
+                backend.end_run(run)
+                _drain(pool.workers)
+                out.append({"n": n, "rep": rep, "formed": False, "bound_s": bound,
+                            "latency_s": None, "why": str(exc), **measured})
+                break
+            done = max(r["t_done"] for r in results)
+            _check(results, n, f"{backend.name} formation of {n}")
+            time.sleep(SETTLE)
+            measured = backend.close_window(window, pool)
+        finally:
+            _teardown(backend, run, pool.workers)
+        out.append({"n": n, "rep": rep, "formed": True, "latency_s": done - start,
                     "first_done_s": min(r["t_done"] for r in results) - start, **measured})
     return out
+
+
+def _drain(workers: Sequence[WorkerProcess], bound: float = 120.0) -> None:
+    """Wait (bounded) for nodes that are giving up after their run was deleted."""
+    ids = [w.send("collect", timeout=bound) for w in workers]
+    for worker, msg_id in zip(workers, ids, strict=True):
+        worker.receive(msg_id, bound + 30)
 
 
 # --------------------------------------------------------------------------- recovery
