@@ -26,7 +26,9 @@ from typing import Any
 import pytest
 import yaml
 
+from controlplane.kubelet import Kubelet
 from controlplane.localcluster import LocalControlPlane, stop_pid
+from controlplane.operatorproc import OperatorProcess
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiError, KubeClient, load_credentials
 
@@ -226,87 +228,10 @@ def make_handler(cluster: Cluster, namespace: str) -> Iterator[Callable[..., Any
 # --------------------------------------------------------------------------- operator
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class OperatorProcess:
-    """``python -m elasticrun.operator`` as a real process, scoped to namespaces."""
-
-    def __init__(self, cluster: Cluster, namespaces: list[str], log_dir: Path,
-                 extra_args: tuple[str, ...] = ()) -> None:
-        self.cluster = cluster
-        self.namespaces = namespaces
-        self.log_path = log_dir / "operator.log"
-        self.extra_args = extra_args
-        self.metrics_port = free_port()
-        self.health_port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> OperatorProcess:
-        import urllib.request
-
-        argv = [sys.executable, "-m", "elasticrun.operator", "--kubeconfig",
-                str(self.cluster.kubeconfig), "--metrics-addr", "127.0.0.1",
-                "--metrics-port", str(self.metrics_port), "--health-addr", "127.0.0.1",
-                "--health-port", str(self.health_port), *self.extra_args]
-        for ns in self.namespaces:
-            argv += ["--namespace", ns]
-        env = {**os.environ, "KUBECONFIG": str(self.cluster.kubeconfig)}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
-
-        def healthy() -> bool:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise AssertionError(f"operator exited:\n{self.log_tail()}")
-            try:
-                opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-                with opener.open(f"http://127.0.0.1:{self.health_port}/healthz", timeout=1):
-                    return True
-            except OSError:
-                return False
-
-        wait_for(healthy, 60, "the operator's /healthz", interval=0.2)
-        return self
-
-    def kill(self) -> None:
-        """SIGKILL: no clean-up at all, as when its node dies."""
-        if self.proc is not None:
-            stop_pid(self.proc.pid, timeout=0)
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_pid(self.proc.pid, timeout=10)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=5)
-            self.proc = None
-
-    def metrics(self) -> str:
-        import urllib.request
-
-        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-        with opener.open(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
-            return str(r.read().decode())
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
-
-
 @pytest.fixture
 def operator(cluster: Cluster, namespace: str, tmp_path: Path,
              request: pytest.FixtureRequest) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(cluster, [namespace], tmp_path).start()
+    op = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path).start()
     try:
         yield op
     finally:
@@ -326,39 +251,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 # --------------------------------------------------------------------------- pods (no kubelet)
 
 
-class Pods:
-    """Plays kubelet for Pod objects: create, mark Running, fail, delete."""
-
-    def __init__(self, cluster: Cluster, namespace: str) -> None:
-        self.client = cluster.client
-        self.namespace = namespace
-
-    def path(self, name: str, sub: str = "") -> str:
-        base = f"/api/v1/namespaces/{self.namespace}/pods/{name}"
-        return f"{base}/{sub}" if sub else base
-
-    def create(self, name: str, run: str) -> dict[str, Any]:
-        body = {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "labels": {crd.RUN_LABEL: run}},
-                "spec": {"containers": [{"name": "trainer", "image": "trainer:latest",
-                                         "command": ["torchrun", "train.py"]}]}}
-        self.client.request("POST", f"/api/v1/namespaces/{self.namespace}/pods", body=body)
-        return self.set_status(name, {
-            "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
-            "conditions": [{"type": "Ready", "status": "True"}],
-            "containerStatuses": [{"name": "trainer", "image": "trainer:latest",
-                                   "imageID": "", "ready": True, "restartCount": 0,
-                                   "started": True, "state": {"running": {
-                                       "startedAt": "2026-01-01T00:00:00Z"}}}]})
-
-    def set_status(self, name: str, status: dict[str, Any]) -> dict[str, Any]:
-        return self.client.request("PATCH", self.path(name, "status"), body={"status": status},
-                                   content_type="application/merge-patch+json")
-
-    def delete(self, name: str) -> None:
-        self.client.request("DELETE", self.path(name), query={"gracePeriodSeconds": 0})
-
-
 @pytest.fixture
-def pods(cluster: Cluster, namespace: str) -> Pods:
-    return Pods(cluster, namespace)
+def pods(cluster: Cluster, namespace: str) -> Kubelet:
+    """Pod objects in the test's namespace, with the test as their kubelet."""
+    return Kubelet(cluster.client, namespace)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-from conftest import Cluster, OperatorProcess, Pods, wait_for
+from conftest import Cluster, Kubelet, OperatorProcess, wait_for
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiError, leases_path, run_path
 from rdzv import is_waiting, metric, read_run, rendezvous_all, start_rendezvous
@@ -19,7 +19,7 @@ def _ok(outcomes: dict[str, Any]) -> None:
     assert not errors, errors
 
 
-def _pod_nodes(make_handler: Any, pods: Pods, run: str, names: list[str], **kw: Any) -> list[Any]:
+def _pod_nodes(make_handler: Any, pods: Kubelet, run: str, names: list[str], **kw: Any) -> list[Any]:
     for name in names:
         pods.create(name, run)
     return [make_handler(run, name, pod=name, **kw) for name in names]
@@ -59,7 +59,7 @@ LOSSES = {
 
 @pytest.mark.parametrize("reason", list(LOSSES))
 def test_pod_loss_removes_member_and_signals_survivors(
-        reason: str, operator: OperatorProcess, make_handler: Any, pods: Pods,
+        reason: str, operator: OperatorProcess, make_handler: Any, pods: Kubelet,
         cluster: Cluster, namespace: str) -> None:
     nodes = _pod_nodes(make_handler, pods, "pods", ["p0", "p1", "p2"], min_nodes=2,
                        max_nodes=3)

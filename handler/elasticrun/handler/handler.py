@@ -90,6 +90,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         self._watcher: RunWatcher | None = None
         self._lease: LeaseKeeper | None = None
         self._store_host: StoreHost | None = None
+        self._retired_store: StoreHost | None = None
         self._store_clients: dict[tuple[str, int], Store] = {}
         self._round = 0
         self._rank: int | None = None
@@ -114,6 +115,7 @@ class K8sRendezvousHandler(RendezvousHandler):
             run = self._start()
             join_deadline = time.monotonic() + run.spec.join_timeout
             previous_round = self._round
+            self._fresh_store()
             run = self._join(run)
             # Watch from our own join on: its response carries the (defaulted) signal.
             assert self._watcher is not None
@@ -187,6 +189,10 @@ class K8sRendezvousHandler(RendezvousHandler):
                 self._lease.release(self.settings.close_timeout)
             if self._watcher is not None:
                 self._watcher.stop()
+            for host in (self._retired_store, self._store_host):
+                if host is not None:
+                    host.close()
+            self._retired_store = self._store_host = None
             self._round = 0
             return True
 
@@ -224,8 +230,6 @@ class K8sRendezvousHandler(RendezvousHandler):
             self._watcher = RunWatcher(self._api(), self.settings.namespace,
                                        self.settings.run_name, self.settings.watch_timeout)
         run = self._accept(raw)
-        if self._store_host is None:
-            self._store_host = StoreHost(self.settings.address, self.settings.store_port)
         if self._lease is None:
             lease = LeaseKeeper(self._api(), self.settings.namespace, self.settings.run_name,
                                 self.settings.node_name, run.spec.heartbeat_timeout,
@@ -240,6 +244,27 @@ class K8sRendezvousHandler(RendezvousHandler):
             lease.start()
             self._lease = lease
         return run
+
+    def _fresh_store(self) -> None:
+        """A new TCPStore server for every round this node may lead.
+
+        torchrun's workers share the agent's store and key their process group
+        by restart count only (``/worker/attempt_N``).  A node restarted because
+        a peer was lost keeps its count while a node whose workers failed bumps
+        it, so a store that outlives a round hands new workers the addresses of
+        dead ones (pytorch/pytorch#135712).  A fresh server per round starts
+        every worker group from an empty store; the previous one is kept until
+        the next round so nothing still holding it breaks mid-call.
+        """
+        old, self._store_host = self._store_host, None
+        if old is not None and self.settings.store_port:
+            old.close()  # a pinned port can serve one store at a time
+            old = None
+        if self._retired_store is not None:
+            self._retired_store.close()
+        self._retired_store = old
+        self._store_host = StoreHost(self.settings.address, self.settings.store_port)
+        self._store_clients.clear()
 
     def _ensure_run(self) -> dict[str, Any]:
         s = self.settings

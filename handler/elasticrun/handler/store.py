@@ -1,9 +1,9 @@
 """The data-plane store: a TCPStore hosted by the rank-0 node.
 
-The API server carries membership only.  Every node starts its TCPStore server
-before it joins and publishes the port in its waiting entry, so whichever node
-becomes rank 0 already serves the store when the round is sealed: nobody waits
-an extra round trip.  The server binds to the node's own address, not to every
+The API server carries membership only.  Every node starts a TCPStore server
+before it joins a round and publishes the port in its waiting entry, so
+whichever node becomes rank 0 already serves the store when the round is
+sealed: nobody waits an extra round trip.  The server binds to the node's own address, not to every
 interface: TCPStore has no authentication.
 """
 
@@ -19,10 +19,10 @@ log = logging.getLogger(__name__)
 
 
 class StoreHost:
-    """This node's TCPStore server, alive for the whole lifetime of the agent.
+    """This node's TCPStore server for one round.
 
-    torch's workers connect to it as clients for as long as the job runs when
-    the agent store is shared (``use_agent_store``), so it must outlive rounds.
+    torch's workers connect to it as clients for as long as their round runs
+    (``use_agent_store``); the handler replaces it when the next round starts.
     """
 
     def __init__(self, address: str, port: int = 0, timeout: float = 300.0) -> None:
@@ -38,10 +38,14 @@ class StoreHost:
             address, self.port, is_master=True, wait_for_workers=False, multi_tenant=True,
             master_listen_fd=self._socket.fileno(), use_libuv=True,
             timeout=dt.timedelta(seconds=timeout))
+        # The server owns the listening descriptor from here on and closes it
+        # when it is destroyed.
+        self._socket.detach()
         log.debug("TCPStore server on %s:%d", bind_host, self.port)
 
     def close(self) -> None:
-        self._socket.close()
+        """Stop serving: dropping the server closes its socket (idempotent)."""
+        self.__dict__.pop("store", None)
 
 
 def _bind_address(address: str) -> str:
