@@ -40,7 +40,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from controlplane.kubelet import Kubelet  # noqa: E402
-from controlplane.localcluster import LocalControlPlane, clean_env, stop_pid  # noqa: E402
+from controlplane.localcluster import (  # noqa: E402
+    LocalControlPlane,
+    clean_env,
+    kill_tree,
+    stop_pid,
+)
 from controlplane.operatorproc import OperatorProcess  # noqa: E402
 from elasticrun.api import crd  # noqa: E402
 from elasticrun.api.kube import (  # noqa: E402
@@ -271,8 +276,7 @@ class Demo:
         victim = max(run.status.participants, key=lambda p: p.rank).name
         node = self.nodes[victim]
         self.console.step(f"killing {victim}: SIGKILL to its agent and workers, Pod deleted")
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(node.proc.pid, signal.SIGKILL)
+        kill_tree(node.proc.pid)
         node.killed_at = time.monotonic()
         self.kubelet.delete(victim)
         self.story.killed, self.story.killed_at = victim, node.killed_at
@@ -393,13 +397,11 @@ class Demo:
             self._watch.close()
         for node in self.nodes.values():
             if node.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(node.proc.pid, signal.SIGTERM)
+                kill_tree(node.proc.pid, signal.SIGTERM)
                 try:
                     node.proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(node.proc.pid, signal.SIGKILL)
+                    kill_tree(node.proc.pid)
                     stop_pid(node.proc.pid, timeout=5)
         if self.operator is not None:
             self.operator.stop()

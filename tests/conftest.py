@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from controlplane.kubelet import Kubelet
-from controlplane.localcluster import LocalControlPlane, stop_pid
+from controlplane.localcluster import LocalControlPlane, descendants, kill_tree, stop_pid
 from controlplane.operatorproc import OperatorProcess
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiError, KubeClient, load_credentials
@@ -175,8 +175,18 @@ class ProcessGroup:
         return proc
 
     def stop_all(self) -> None:
+        """SIGTERM each process tree (torchrun's workers live in sessions of their own),
+        then SIGKILL whatever is left."""
+        import signal
+
         for proc in self.procs:
+            if proc.poll() is None:
+                kill_tree(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            leftovers = descendants(proc.pid)
             stop_pid(proc.pid, timeout=10)
+            for pid in leftovers:
+                stop_pid(pid, timeout=2)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5)
 

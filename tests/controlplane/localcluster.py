@@ -179,6 +179,40 @@ def stop_pid(pid: int, timeout: float = STOP_TIMEOUT) -> None:
         time.sleep(0.05)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc), children before grandchildren."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        parents.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        children = parents.get(todo.pop(0), [])
+        found += children
+        todo += children
+    return found
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal ``pid`` and all its descendants, even those in sessions of their own.
+
+    torchrun starts each worker in a new session, so killing the agent's process
+    group would leave its workers training on as orphans; a node that dies takes
+    everything it ran with it.
+    """
+    for target in [pid, *descendants(pid)]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(target, sig)
+
+
 class LocalControlPlane:
     """Start, restart and stop one etcd + kube-apiserver pair in a directory."""
 

@@ -1,0 +1,134 @@
+"""torchrun end to end: real agents with ``--rdzv-backend=k8s``, gloo on the CPU, no operator.
+
+Without the operator nobody removes a killed node at once: the survivors'
+collectives fail, their agents restart the workers, and the round re-forms
+once the last-call window has passed.  This is the floor users get when the
+operator is down; test_demo.py shows the fast path with it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import ROOT, Cluster, ProcessGroup, wait_for
+from controlplane.localcluster import clean_env, kill_tree
+from elasticrun.api.kube import ApiConnectionError, ApiError, runs_path
+from elasticrun.api.model import parse_run
+
+pytestmark = pytest.mark.torchrun
+TRAIN = ROOT / "deploy" / "examples" / "train.py"
+EPOCHS = 30
+
+
+class RoundLog:
+    """Watches the run and records when each round was sealed and with whom."""
+
+    def __init__(self, cluster: Cluster, namespace: str, run: str) -> None:
+        self.cluster, self.namespace, self.run = cluster, namespace, run
+        self.rounds: dict[int, tuple[float, frozenset[str]]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        rv = ""
+        while not self._stop.is_set():
+            try:
+                for event in self.cluster.client.watch(
+                        runs_path(self.namespace),
+                        {"fieldSelector": f"metadata.name={self.run}", "resourceVersion": rv},
+                        5):
+                    if event.get("type") in ("ADDED", "MODIFIED"):
+                        run = parse_run(event["object"])
+                        rv = run.resource_version
+                        if run.status.participants and run.status.round not in self.rounds:
+                            self.rounds[run.status.round] = (time.monotonic(),
+                                                             run.status.member_names)
+            except (ApiError, ApiConnectionError):
+                self._stop.wait(0.2)
+
+    def first_round_after(self, moment: float, without: str) -> tuple[int, float] | None:
+        for number, (sealed, members) in sorted(self.rounds.items()):
+            if sealed > moment and without not in members:
+                return number, sealed - moment
+        return None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def start_agent(processes: ProcessGroup, cluster: Cluster, namespace: str, node: str,
+                workdir: Path) -> subprocess.Popen[Any]:
+    env = {**clean_env(), "KUBECONFIG": str(cluster.kubeconfig), "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1"}
+    conf = (f"namespace={namespace},node_name={node},last_call_timeout=3,"
+            "heartbeat_timeout=4,lease_interval=1")
+    argv = [str(Path(sys.executable).parent / "torchrun"), "--nnodes=2:3", "--nproc-per-node=1",
+            "--rdzv-backend=k8s", "--rdzv-id=e2e", f"--rdzv-conf={conf}", "--max-restarts=10",
+            "--monitor-interval=0.1", "--local-addr=127.0.0.1", str(TRAIN),
+            "--epochs", str(EPOCHS), "--steps-per-epoch", "300",
+            "--checkpoint", str(workdir / "checkpoint.pt")]
+    log = open(workdir / f"{node}.log", "wb")  # noqa: SIM115 - closed with the process
+    return processes.start(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                           cwd=workdir)
+
+
+def last_epoch(workdir: Path) -> int:
+    best = 0
+    for log in workdir.glob("node-*.log"):
+        for line in log.read_text(errors="replace").splitlines():
+            if " epoch " in line and " done, loss " in line and "rank 0/" in line:
+                best = max(best, int(line.split(" epoch ")[1].split()[0]))
+    return best
+
+
+def test_three_agents_train_lose_one_and_admit_a_fresh_one(
+        cluster: Cluster, namespace: str, processes: ProcessGroup, tmp_path: Path) -> None:
+    rounds = RoundLog(cluster, namespace, "e2e")
+    try:
+        agents = {f"node-{i}": start_agent(processes, cluster, namespace, f"node-{i}", tmp_path)
+                  for i in range(3)}
+        wait_for(lambda: last_epoch(tmp_path) >= 3, 180, "training to reach epoch 3", 0.2)
+        first = rounds.rounds[min(rounds.rounds)]
+        assert first[1] == frozenset(agents)
+        # Kill a member that is not rank 0: agent and workers, no clean-up at all.
+        run = parse_run(cluster.client.request(
+            "GET", f"{runs_path(namespace)}/e2e"))
+        victim = max(run.status.participants, key=lambda p: p.rank).name
+        killed_at = time.monotonic()
+        kill_tree(agents[victim].pid)
+        reformed = wait_for(lambda: rounds.first_round_after(killed_at, victim), 120,
+                            "a round without the killed node")
+        print(f"\nkilled {victim}; round {reformed[0]} re-formed without it after "
+              f"{reformed[1]:.2f}s (no operator: gloo failure + last call of 3s)")
+        epoch_at_kill = last_epoch(tmp_path)
+        wait_for(lambda: last_epoch(tmp_path) >= epoch_at_kill + 2, 180,
+                 "training to go on after the loss", 0.2)
+        started = time.monotonic()
+        fresh = start_agent(processes, cluster, namespace, "node-3", tmp_path)
+        admitted = wait_for(lambda: next((n for n, (t, m) in rounds.rounds.items()
+                                          if t > started and "node-3" in m), None), 180,
+                            "the fresh node to be admitted")
+        print(f"node-3 admitted in round {admitted} {rounds.rounds[admitted][0] - started:.2f}s "
+              "after it started")
+        survivors = [p for name, p in agents.items() if name != victim] + [fresh]
+        for proc in survivors:
+            assert proc.wait(timeout=240) == 0, [
+                (log.name, log.read_text(errors="replace")[-2000:])
+                for log in tmp_path.glob("node-*.log")]
+    finally:
+        rounds.stop()
+    assert last_epoch(tmp_path) == EPOCHS
+    final = parse_run(cluster.client.request("GET", f"{runs_path(namespace)}/e2e"))
+    assert final.status.round >= 3
+    assert rounds.rounds[admitted][1] == frozenset(agents) - {victim} | {"node-3"}
+    left = {m.name for m in final.status.lost_members if m.round == final.status.round}
+    assert left == frozenset(agents) - {victim} | {"node-3"}
+    assert not final.spec.closed  # the agents' shutdown left the run open for others
