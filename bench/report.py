@@ -495,7 +495,11 @@ def render(data: dict[str, Any], plots: list[str]) -> str:
              "worker processes (one more for the lost or late node).",
              "* All backends share the same 2 cores with their clients and servers; client CPU "
              "of many nodes is serialised per process. Every server keeps its data in memory "
-             "(control-plane etcd with `--unsafe-no-fsync`, Debian's etcd in `/dev/shm`).", ""]
+             "(control-plane etcd with `--unsafe-no-fsync`, Debian's etcd in `/dev/shm`).",
+             "* 1-minute load average after each step (this benchmark alone keeps it near "
+             f"{m['nproc']}; more means other work shared the machine): " + "; ".join(
+                 f"{b} {min(loads):.1f}–{max(loads):.1f}" for b in ORDER
+                 if (loads := (data["backends"].get(b) or {}).get("load"))) + ".", ""]
     if data.get("quick"):
         lines += ["> **Quick mode** (CI smoke test): small N and 1–2 repetitions; the numbers "
                   "show that the benchmark works, not how the backends compare.", ""]

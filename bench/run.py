@@ -49,7 +49,7 @@ class Plan:
     idle_seconds: float = 20.0
     workers: int = 4
     #: A formation not done by then is reported as not formed.
-    formation_bound: float = 90.0
+    formation_bound: float = 60.0
 
     @classmethod
     def quick(cls) -> Plan:
@@ -72,7 +72,7 @@ def ensure_setup() -> None:
 
 def run_backend(name: str, plan: Plan, work: Path, log_dir: Path) -> dict[str, Any]:
     backend = backends.make(name, work)
-    result: dict[str, Any] = {"counted_how": backend.counted_how, "errors": []}
+    result: dict[str, Any] = {"counted_how": backend.counted_how, "errors": [], "load": []}
     started = time.monotonic()
     backend.start(log_dir)
     pool = Pool(plan.workers, log_dir, name)
@@ -87,6 +87,8 @@ def run_backend(name: str, plan: Plan, work: Path, log_dir: Path) -> dict[str, A
             traceback.print_exc()
             return None
         finally:
+            # Other work on the machine skews every number: keep the load next to them.
+            result["load"].append(round(os.getloadavg()[0], 2))
             print(f"  {name} {key}: {time.monotonic() - began:.1f}s", file=sys.stderr,
                   flush=True)
 

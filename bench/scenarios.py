@@ -138,8 +138,6 @@ def formation(backend: Backend, pool: Pool, n: int, reps: int, bound: float = RO
                 results = collect(pool.workers, bound)
             except ScenarioError as exc:
                 measured = backend.close_window(window, pool)
-                backend.end_run(run)
-                _drain(pool.workers)
                 out.append({"n": n, "rep": rep, "formed": False, "bound_s": bound,
                             "latency_s": None, "why": str(exc), **measured})
                 break
@@ -152,13 +150,6 @@ def formation(backend: Backend, pool: Pool, n: int, reps: int, bound: float = RO
         out.append({"n": n, "rep": rep, "formed": True, "latency_s": done - start,
                     "first_done_s": min(r["t_done"] for r in results) - start, **measured})
     return out
-
-
-def _drain(workers: Sequence[WorkerProcess], bound: float = 120.0) -> None:
-    """Wait (bounded) for nodes that are giving up after their run was deleted."""
-    ids = [w.send("collect", timeout=bound) for w in workers]
-    for worker, msg_id in zip(workers, ids, strict=True):
-        worker.receive(msg_id, bound + 30)
 
 
 # --------------------------------------------------------------------------- recovery
@@ -182,44 +173,54 @@ def recovery(backend: Backend, pool: Pool, extra: Extra, n: int, reps: int,
     out = []
     for rep in range(reps):
         nodes = node_names(n)
-        victim_name = nodes[-1]
         run = backend.new_run(timing, nodes)
         victim = extra.get()
-        build(pool, run, nodes[:-1])
-        victim.call("build", nodes=[victim_name], **_build_fields(run))
-        _form(pool, [*pool.workers, victim], n, f"{backend.name} recovery set-up")
-        window = backend.open_window(run, pool)
-        until = time.monotonic() + window_s
-        pool.all("watch", until=until, interval=DETECT_POLL, rejoin=graceful)
-        t_lost = time.monotonic()
-        if graceful:
-            victim.call("shutdown", nodes=[victim_name], forget=True)
-        else:
-            os.kill(victim.pid, signal.SIGKILL)
-        watched = collect(pool.workers, window_s + ROUND_BOUND)
-        seen = [r["t_seen"] - t_lost for r in watched if r.get("t_seen") is not None]
-        row: dict[str, Any] = {"n": n, "rep": rep, "survivors": n - 1, "signalled": len(seen),
-                               "window_s": window_s, "trigger": "shutdown()" if graceful
-                               else "SIGKILL"}
-        if seen:
-            row["seen_first_s"], row["seen_all_s"] = min(seen), max(seen)
-        if graceful:
-            _check(watched, n - 1, f"{backend.name} recovery")
-            row["new_round_s"] = max(r["t_done"] for r in watched) - t_lost
-        else:
-            start = time.monotonic() + START_DELAY
-            pool.all("rendezvous", start_at=start)
-            rejoined = collect(pool.workers)
-            _check(rejoined, n - 1, f"{backend.name} recovery re-entry")
-            row["reentry_to_round_s"] = max(r["t_done"] for r in rejoined) - start
-            row["reentered_after_s"] = start - t_lost
-        time.sleep(SETTLE)
-        row.update(backend.close_window(window, pool))
-        _teardown(backend, run, [*pool.workers, victim])
-        if not graceful:
-            extra.stop()  # its process was killed; the next repetition gets a new one
-        out.append(row)
+        try:
+            out.append(_recover_once(backend, pool, victim, run, nodes, rep, graceful,
+                                     window_s))
+        finally:
+            _teardown(backend, run, [*pool.workers, victim])
+            if not graceful:
+                extra.stop()  # its process was killed; the next repetition gets a new one
     return out
+
+
+def _recover_once(backend: Backend, pool: Pool, victim: WorkerProcess, run: Run,
+                  nodes: list[str], rep: int, graceful: bool, window_s: float
+                  ) -> dict[str, Any]:
+    n = len(nodes)
+    victim_name = nodes[-1]
+    build(pool, run, nodes[:-1])
+    victim.call("build", nodes=[victim_name], **_build_fields(run))
+    _form(pool, [*pool.workers, victim], n, f"{backend.name} recovery set-up")
+    window = backend.open_window(run, pool)
+    until = time.monotonic() + window_s
+    pool.all("watch", until=until, interval=DETECT_POLL, rejoin=graceful)
+    t_lost = time.monotonic()
+    if graceful:
+        victim.call("shutdown", nodes=[victim_name], forget=True)
+    else:
+        os.kill(victim.pid, signal.SIGKILL)
+    watched = collect(pool.workers, window_s + ROUND_BOUND)
+    seen = [r["t_seen"] - t_lost for r in watched if r.get("t_seen") is not None]
+    row: dict[str, Any] = {"n": n, "rep": rep, "survivors": n - 1, "signalled": len(seen),
+                           "window_s": window_s, "trigger": "shutdown()" if graceful
+                           else "SIGKILL"}
+    if seen:
+        row["seen_first_s"], row["seen_all_s"] = min(seen), max(seen)
+    if graceful:
+        _check(watched, n - 1, f"{backend.name} recovery")
+        row["new_round_s"] = max(r["t_done"] for r in watched) - t_lost
+    else:
+        start = time.monotonic() + START_DELAY
+        pool.all("rendezvous", start_at=start)
+        rejoined = collect(pool.workers)
+        _check(rejoined, n - 1, f"{backend.name} recovery re-entry")
+        row["reentry_to_round_s"] = max(r["t_done"] for r in rejoined) - start
+        row["reentered_after_s"] = start - t_lost
+    time.sleep(SETTLE)
+    row.update(backend.close_window(window, pool))
+    return row
 
 
 # --------------------------------------------------------------------------- scale-up
@@ -238,31 +239,39 @@ def scale_up(backend: Backend, pool: Pool, extra: Extra, n: int, reps: int
     out = []
     for rep in range(reps):
         nodes = node_names(n + 1)
-        late = nodes[-1]
         run = backend.new_run(Timing(n, n + 1, keep_alive=60), nodes)
         if backend.name != "k8s":
             run.env = {SHARE_STORE_OFF: "1"}
         late_worker = extra.get()
-        build(pool, run, nodes[:-1])
-        late_worker.call("build", nodes=[late], **_build_fields(run))
-        _form(pool, pool.workers, n, f"{backend.name} scale-up set-up")
-        window = backend.open_window(run, pool)
-        pool.all("watch", until=time.monotonic() + 30, interval=DETECT_POLL, rejoin=True)
-        t_arrive = time.monotonic() + 0.05
-        late_worker.call("rendezvous", start_at=t_arrive)
-        results = collect([*pool.workers, late_worker])
-        _check(results, n + 1, f"{backend.name} scale-up")
-        seen = [r["t_seen"] - t_arrive for r in results if r.get("t_seen") is not None]
-        time.sleep(SETTLE)
-        row: dict[str, Any] = {
-            "n": n, "rep": rep, "members": n, "signalled": len(seen),
-            "seen_first_s": min(seen) if seen else None,
-            "seen_all_s": max(seen) if len(seen) == n else None,
-            "new_round_s": max(r["t_done"] for r in results) - t_arrive,
-            **backend.close_window(window, pool)}
-        _teardown(backend, run, [*pool.workers, late_worker])
-        out.append(row)
+        try:
+            out.append(_scale_once(backend, pool, late_worker, run, nodes, rep))
+        finally:
+            _teardown(backend, run, [*pool.workers, late_worker])
     return out
+
+
+def _scale_once(backend: Backend, pool: Pool, late_worker: WorkerProcess, run: Run,
+                nodes: list[str], rep: int) -> dict[str, Any]:
+    n = len(nodes) - 1
+    late = nodes[-1]
+    build(pool, run, nodes[:-1])
+    late_worker.call("build", nodes=[late], **_build_fields(run))
+    _form(pool, pool.workers, n, f"{backend.name} scale-up set-up")
+    window = backend.open_window(run, pool)
+    pool.all("watch", until=time.monotonic() + 30, interval=DETECT_POLL, rejoin=True)
+    t_arrive = time.monotonic() + 0.05
+    late_worker.call("rendezvous", start_at=t_arrive)
+    results = collect([*pool.workers, late_worker])
+    _check(results, n + 1, f"{backend.name} scale-up")
+    seen = [r["t_seen"] - t_arrive for r in results if r.get("t_seen") is not None]
+    time.sleep(SETTLE)
+    row: dict[str, Any] = {
+        "n": n, "rep": rep, "members": n, "signalled": len(seen),
+        "seen_first_s": min(seen) if seen else None,
+        "seen_all_s": max(seen) if len(seen) == n else None,
+        "new_round_s": max(r["t_done"] for r in results) - t_arrive,
+        **backend.close_window(window, pool)}
+    return row
 
 
 # --------------------------------------------------------------------------- steady state
@@ -273,15 +282,17 @@ def steady_state(backend: Backend, pool: Pool, n: int, seconds: float, timing: T
     """Members of a formed round idle for ``seconds``, polling like torch's agent (0.1 s)."""
     nodes = node_names(n)
     run = backend.new_run(timing, nodes)
-    build(pool, run, nodes)
-    _form(pool, pool.workers, n, f"{backend.name} steady-state set-up")
-    window = backend.open_window(run, pool)
-    begun = time.monotonic()
-    pool.all("watch", until=begun + seconds, interval=0.1, rejoin=False)
-    results = collect(pool.workers, seconds + 60)
-    elapsed = time.monotonic() - begun
-    measured = backend.close_window(window, pool)
-    _teardown(backend, run, pool.workers)
+    try:
+        build(pool, run, nodes)
+        _form(pool, pool.workers, n, f"{backend.name} steady-state set-up")
+        window = backend.open_window(run, pool)
+        begun = time.monotonic()
+        pool.all("watch", until=begun + seconds, interval=0.1, rejoin=False)
+        results = collect(pool.workers, seconds + 60)
+        elapsed = time.monotonic() - begun
+        measured = backend.close_window(window, pool)
+    finally:
+        _teardown(backend, run, pool.workers)
     signalled = sum(1 for r in results if r.get("t_seen") is not None)
     errors = [r["watch_error"] for r in results if "watch_error" in r]
     if signalled or errors:

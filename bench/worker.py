@@ -179,9 +179,19 @@ class Worker:
         return {"times": times}
 
     def teardown(self, _msg: dict[str, Any]) -> dict[str, Any]:
+        """Shut every node down and forget it, with whatever its threads still report.
+
+        Nothing of one repetition may leak into the next: results that arrive
+        after a failed repetition are dropped here, not handed to the next one.
+        """
         times = _parallel(list(self.nodes.values()), lambda n: n.handler.shutdown())
         self.nodes.clear()
+        deadline = time.monotonic() + 30
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
         self._threads = [t for t in self._threads if t.is_alive()]
+        with self._lock:
+            self._results = []
         gc.collect()
         return {"shut_down": len(times), "lingering_threads": len(self._threads)}
 
