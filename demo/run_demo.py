@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
-import os
 import re
 import shutil
 import signal
@@ -39,6 +37,17 @@ from typing import Any, TextIO
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from elasticrun.api import crd  # noqa: E402
+from elasticrun.api.kube import (  # noqa: E402
+    APPLY_PATCH,
+    ApiConnectionError,
+    ApiError,
+    KubeClient,
+    load_credentials,
+    runs_path,
+)
+from elasticrun.api.model import ElasticRun, RunSpec, new_run_manifest, parse_run  # noqa: E402
+
 from controlplane.kubelet import Kubelet  # noqa: E402
 from controlplane.localcluster import (  # noqa: E402
     LocalControlPlane,
@@ -47,17 +56,6 @@ from controlplane.localcluster import (  # noqa: E402
     stop_pid,
 )
 from controlplane.operatorproc import OperatorProcess  # noqa: E402
-from elasticrun.api import crd  # noqa: E402
-from elasticrun.api.kube import (  # noqa: E402
-    APPLY_PATCH,
-    ApiConnectionError,
-    ApiError,
-    KubeClient,
-    load_credentials,
-    run_path,
-    runs_path,
-)
-from elasticrun.api.model import ElasticRun, RunSpec, new_run_manifest, parse_run  # noqa: E402
 
 NAMESPACE = "demo"
 RUN = "demo"
@@ -182,7 +180,7 @@ class Demo:
             "PATCH", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd.CRD_NAME}",
             body=crd_manifest, query={"fieldManager": "elasticrun-demo", "force": "true"},
             content_type=APPLY_PATCH)
-        self._wait(lambda: self._served(), 30, "the ElasticRun CRD")
+        self._wait(self._served, 30, "the ElasticRun CRD")
         self.client.request("POST", "/api/v1/namespaces", body={
             "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
         spec = RunSpec(min_nodes=2, max_nodes=3, join_timeout=300, last_call_timeout=5,
@@ -310,16 +308,15 @@ class Demo:
 
     def _report(self, old: ElasticRun | None, new: ElasticRun) -> None:
         c, s, o = self.console, new.status, old.status if old else None
-        if o is None or s.round > o.round:
-            if s.round and s.participants:
-                ranks = ", ".join(f"rank {p.rank} {p.name}" for p in s.participants)
-                store = f"{s.store.host}:{s.store.port}" if s.store else "?"
-                c.line("round", f"round {s.round} sealed: {len(s.participants)} members "
-                                f"({ranks}); store on {store}")
-                self.story.rounds.append({"round": s.round, "members": sorted(s.member_names),
-                                          "ranks": {p.name: p.rank for p in s.participants}})
-                self.story.world_sizes.append(len(s.participants))
-                self._timings(s.round, set(s.member_names), s.sealed_at)
+        if (o is None or s.round > o.round) and s.round and s.participants:
+            ranks = ", ".join(f"rank {p.rank} {p.name}" for p in s.participants)
+            store = f"{s.store.host}:{s.store.port}" if s.store else "?"
+            c.line("round", f"round {s.round} sealed: {len(s.participants)} members "
+                            f"({ranks}); store on {store}")
+            self.story.rounds.append({"round": s.round, "members": sorted(s.member_names),
+                                      "ranks": {p.name: p.rank for p in s.participants}})
+            self.story.world_sizes.append(len(s.participants))
+            self._timings(set(s.member_names))
         if o is not None and s.phase != o.phase and s.phase in ("Succeeded", "Closed"):
             c.line("round", f"run {s.phase}: every member left after finishing")
         known = o.waiting_names if o else frozenset()
@@ -345,7 +342,7 @@ class Demo:
             self.story.lost.append({"name": m.name, "round": m.round, "reason": m.reason,
                                     "detection_seconds": m.detection_seconds})
 
-    def _timings(self, round_: int, members: set[str], sealed_at: dt.datetime | None) -> None:
+    def _timings(self, members: set[str]) -> None:
         now = time.monotonic()
         if self.story.killed_at and self.story.recovery_seconds is None \
                 and self.story.killed not in members:

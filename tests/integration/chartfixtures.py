@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
 from chartkit import Helm, build_helm, create_namespace
 from conftest import Cluster
 

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import ROOT, Cluster
 
 from elasticrun.api.kube import ApiError
+
+from conftest import ROOT, Cluster
 
 CHART = ROOT / "charts" / "elasticrun"
 HELM_BUILD = ROOT / "tests" / "helmtool" / "build.sh"

@@ -34,7 +34,7 @@ def rendezvous_all(handlers: Sequence[Any], timeout: float = 60) -> dict[str, Ou
         try:
             info = handler.next_rendezvous()
             result = Outcome(name, info.rank, info.world_size, info)
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
+        except BaseException as exc:
             result = Outcome(name, error=exc)
         with lock:
             outcomes[name] = result
@@ -56,7 +56,7 @@ def start_rendezvous(handler: Any) -> tuple[threading.Thread, dict[str, Any]]:
     def run() -> None:
         try:
             box["info"] = handler.next_rendezvous()
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             box["error"] = exc
 
     thread = threading.Thread(target=run, daemon=True)
@@ -139,7 +139,7 @@ def watch_events(metrics_text: Callable[[], str]) -> float:
 
 def is_waiting(client: KubeClient, namespace: str, run: str, node: str) -> bool:
     """Whether ``node`` has a waiting entry (False while the run does not exist yet)."""
-    from elasticrun.api.kube import ApiError  # noqa: PLC0415
+    from elasticrun.api.kube import ApiError
 
     try:
         return read_run(client, namespace, run).status.waiting_node(node) is not None

@@ -18,6 +18,9 @@ from typing import Any
 
 import pytest
 import yaml
+
+from elasticrun.api import crd
+
 from chartkit import (
     CHART,
     Helm,
@@ -27,8 +30,6 @@ from chartkit import (
     one,
 )
 from conftest import CRD_FILE, ROOT, Cluster
-
-from elasticrun.api import crd
 
 #: The fixtures helm, helm_binary and extra_namespace.
 pytest_plugins = ("chartfixtures",)

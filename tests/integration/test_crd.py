@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from conftest import Cluster
 from elasticrun.api import crd
 from elasticrun.api.kube import APPLY_PATCH, ApiError, run_path, runs_path
 from elasticrun.api.model import RunSpec, parse_run
+
+from conftest import Cluster
 
 
 def er(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
@@ -118,7 +119,7 @@ def test_concurrent_server_side_applies_to_waiting_both_survive(cluster: Cluster
             cluster.client.request("PATCH", run_path(namespace, "ssa", "status"), body=body,
                                    query={"fieldManager": f"node-{node}", "force": "true"},
                                    content_type=APPLY_PATCH)
-        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+        except Exception as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=join, args=(f"n{i}",)) for i in range(16)]

@@ -21,13 +21,14 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from chartkit import Helm, apply, request_token, token_kubeconfig
-from conftest import ROOT, Cluster, ProcessGroup, wait_for
-from controlplane.localcluster import clean_env
 
 from elasticrun.api import crd
 from elasticrun.api.kube import run_path
 from elasticrun.operator import webhook
+
+from chartkit import Helm, apply, request_token, token_kubeconfig
+from conftest import ROOT, Cluster, ProcessGroup, wait_for
+from controlplane.localcluster import clean_env
 
 pytest_plugins = ("chartfixtures",)
 

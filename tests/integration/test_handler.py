@@ -15,10 +15,11 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from conftest import Cluster, wait_for
 from elasticrun.api import rounds
 from elasticrun.api.kube import run_path
 from elasticrun.api.model import now
+
+from conftest import Cluster, wait_for
 from rdzv import (
     audit_entries,
     count_writes,
@@ -155,7 +156,8 @@ def test_set_closed_fails_waiting_and_late_nodes(make_handler: Any, cluster: Clu
                                                  namespace: str) -> None:
     waiting = make_handler("closing", "w", min_nodes=2)
     thread, box = start_rendezvous(waiting)
-    wait_for(lambda: is_waiting(cluster.client, namespace, "closing", "w"), 10, "the node to be waiting")
+    wait_for(lambda: is_waiting(cluster.client, namespace, "closing", "w"), 10,
+             "the node to be waiting")
     closer = make_handler("closing", "closer", min_nodes=2)
     closer.set_closed()
     thread.join(20)
@@ -202,7 +204,8 @@ def test_api_server_stopped_mid_wait_raises_connection_error(
     local = cluster.require_local()
     waiting = make_handler("outage", "w", min_nodes=2, api_timeout=3)
     thread, box = start_rendezvous(waiting)
-    wait_for(lambda: is_waiting(cluster.client, namespace, "outage", "w"), 10, "the node to be waiting")
+    wait_for(lambda: is_waiting(cluster.client, namespace, "outage", "w"), 10,
+             "the node to be waiting")
     local.stop_apiserver()
     try:
         thread.join(30)

@@ -8,9 +8,10 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-from conftest import Cluster, Kubelet, OperatorProcess, wait_for
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiError, leases_path, run_path
+
+from conftest import Cluster, Kubelet, OperatorProcess, wait_for
 from rdzv import is_waiting, metric, read_run, rendezvous_all, start_rendezvous
 
 
@@ -19,7 +20,8 @@ def _ok(outcomes: dict[str, Any]) -> None:
     assert not errors, errors
 
 
-def _pod_nodes(make_handler: Any, pods: Kubelet, run: str, names: list[str], **kw: Any) -> list[Any]:
+def _pod_nodes(make_handler: Any, pods: Kubelet, run: str, names: list[str],
+               **kw: Any) -> list[Any]:
     for name in names:
         pods.create(name, run)
     return [make_handler(run, name, pod=name, **kw) for name in names]
@@ -163,7 +165,7 @@ def test_force_round_drain_and_live_resize(operator: OperatorProcess, make_handl
     # 2. Drain n1: it leaves the round and, joining again, waits without being admitted.
     cluster.kubectl("annotate", "er", "ops", "-n", namespace, f"{crd.DRAIN_ANNOTATION}=n1")
     wait_for(lambda: nodes[0].num_nodes_waiting() >= 1, 10, "the drain to restart the round")
-    thread, box = start_rendezvous(nodes[1])
+    _thread, box = start_rendezvous(nodes[1])
     third = rendezvous_all([nodes[0], nodes[2]])
     _ok(third)
     assert {o.world_size for o in third.values()} == {2}

@@ -17,6 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from elasticrun.api import crd
+from elasticrun.api.kube import ApiError, run_path
+from elasticrun.handler.handler import ElasticRunForbiddenError
+
 from chartkit import (
     Helm,
     apply,
@@ -30,10 +35,6 @@ from chartkit import (
 from conftest import ROOT, Cluster, ProcessGroup, wait_for
 from controlplane.localcluster import clean_env, free_port
 from rdzv import rendezvous_all
-
-from elasticrun.api import crd
-from elasticrun.api.kube import ApiError, run_path
-from elasticrun.handler.handler import ElasticRunForbiddenError
 
 pytest_plugins = ("chartfixtures",)
 

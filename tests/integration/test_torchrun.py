@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT, Cluster, ProcessGroup, wait_for
-from controlplane.localcluster import clean_env, kill_tree
 from elasticrun.api.kube import ApiConnectionError, ApiError, runs_path
 from elasticrun.api.model import parse_run
+
+from conftest import ROOT, Cluster, ProcessGroup, wait_for
+from controlplane.localcluster import clean_env, kill_tree
 
 pytestmark = pytest.mark.torchrun
 TRAIN = ROOT / "deploy" / "examples" / "train.py"

@@ -26,13 +26,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chartkit import apply, by_kind, create_namespace, request_token, token_kubeconfig
-from conftest import ROOT, Cluster, wait_for
-from controlplane.localcluster import clean_env, free_port, stop_pid
 
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiError, run_path
 from elasticrun.operator import webhook
+
+from chartkit import apply, by_kind, create_namespace, request_token, token_kubeconfig
+from conftest import ROOT, Cluster, wait_for
+from controlplane.localcluster import clean_env, free_port, stop_pid
 
 pytest_plugins = ("chartfixtures",)
 
@@ -102,7 +103,7 @@ def served(request: pytest.FixtureRequest, cluster: Cluster, crds: None,
     chart's default flags, webhook included.
     """
     local = cluster.require_local()
-    from chartkit import Helm  # noqa: PLC0415 - module-scoped helm (the `helm` fixture is per test)
+    from chartkit import Helm
 
     workdir = Path(tempfile.mkdtemp(prefix="elasticrun-webhook-"))
     namespace = create_namespace(cluster, f"wh-{secrets.token_hex(4)}")

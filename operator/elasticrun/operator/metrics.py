@@ -6,6 +6,8 @@ run so a dashboard can follow one training job.
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -39,7 +41,5 @@ class Metrics:
 
     def forget(self, namespace: str, run: str) -> None:
         for gauge in (self.members, self.waiting, self.round):
-            try:
+            with contextlib.suppress(KeyError):
                 gauge.remove(namespace, run)
-            except KeyError:
-                pass
