@@ -138,12 +138,20 @@ def watch_events(metrics_text: Callable[[], str]) -> float:
 
 
 def is_waiting(client: KubeClient, namespace: str, run: str, node: str) -> bool:
-    """Whether ``node`` has a waiting entry (False while the run does not exist yet)."""
-    from elasticrun.api.kube import ApiError
+    """Whether ``node`` has asked to join and no round has answered it yet.
+
+    The request lives on the node's own Lease; False while there is none.
+    """
+    from elasticrun.api.kube import ApiError, lease_path
+    from elasticrun.api.leases import lease_state, pending_joins
+    from elasticrun.api.model import now
+    from elasticrun.api.naming import lease_name
 
     try:
-        return read_run(client, namespace, run).status.waiting_node(node) is not None
+        lease = client.request("GET", lease_path(namespace, lease_name(run, node)))
+        status = read_run(client, namespace, run).status
     except ApiError as exc:
         if exc.not_found:
             return False
         raise
+    return any(w.name == node for w in pending_joins([lease_state(lease)], status, now()))

@@ -204,6 +204,9 @@ class Participant:
     store_port: int | None = None
     joined_round: int = 0
     pod: str | None = None
+    #: The join request this membership answered (the node's ``since``): a node
+    #: whose Lease still carries it is a member, not waiting.
+    since: dt.datetime | None = None
 
     @classmethod
     def from_dict(cls, obj: Any, path: str) -> Participant:
@@ -215,12 +218,14 @@ class Participant:
             store_port=_port(item, "storePort", path),
             joined_round=_int(item, "joinedRound", path, 0),
             pod=_opt_str(item, "pod", path),
+            since=_time(item, "since", path),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return _drop_none({
             "name": self.name, "rank": self.rank, "address": self.address,
             "storePort": self.store_port, "joinedRound": self.joined_round, "pod": self.pod,
+            "since": format_time(self.since) if self.since else None,
         })
 
 
@@ -510,8 +515,8 @@ def parse_run(obj: Mapping[str, Any]) -> ElasticRun:
         spec=RunSpec.from_dict(obj.get("spec")),
         status=RunStatus.from_dict(obj.get("status")),
         resource_version=str(meta.get("resourceVersion", "")),
-        generation=int(meta.get("generation") or 0),
-        uid=meta.get("uid"),
+        generation=_int(meta, "generation", "metadata", 0),
+        uid=_opt_str(meta, "uid", "metadata"),
         annotations=dict(_mapping(annotations, "metadata.annotations")),
     )
 

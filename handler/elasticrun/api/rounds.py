@@ -106,6 +106,7 @@ def seal_round(run: ElasticRun, now: dt.datetime) -> RunStatus:
             store_port=w.store_port,
             joined_round=joined.get(w.name, new_round),
             pod=w.pod,
+            since=w.since,
         )
         for rank, w in enumerate(admitted)
     )
@@ -170,7 +171,9 @@ def nodes_waiting(run: ElasticRun, my_round: int) -> int:
     """
     status = run.status
     eligible = eligible_waiting(run)
-    if my_round and (status.round > my_round or status.restart_round >= my_round):
+    if my_round and (status.round > my_round or status.restart_round >= my_round
+                     or status.join_notice >= my_round):
+        # Superseded, lost a member, or a node announced that it is waiting.
         return max(1, len(eligible))
     members = status.member_names
     rejoining = sum(1 for w in eligible if w.name in members)

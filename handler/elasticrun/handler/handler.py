@@ -2,15 +2,17 @@
 
 One round, as a node sees it:
 
-1. **Join** — server-side apply of the node's own entry in ``status.waiting``,
-   under its own field manager.  Joins never conflict with each other; the
-   response is the whole object, so the node learns the waiting set for free.
+1. **Join** — the node writes its request (address, store port, time) into an
+   annotation of its own Lease: one write to an object nobody else writes, so
+   joins never contend (see :mod:`elasticrun.api.leases` for the measurement
+   that chose this over entries in the ElasticRun).  One consistent LIST of
+   the run's Leases then tells it who else is waiting.
 2. **Seal** — when the rules in :mod:`elasticrun.api.rounds` say so (max
    reached, all survivors back, last call passed), one compare-and-set replaces
-   the status: waiting nodes become participants with ranks, ``round`` and
-   ``signal`` move.  Whoever's write made the rule true tries; losers watch.
-   The operator does the same as a backstop, so a round completes with or
-   without it.
+   the ElasticRun's status: waiting nodes become participants with ranks,
+   ``round`` and ``signal`` move.  Whoever's request made the rule true tries;
+   losers watch.  The operator does the same from its Lease index as a
+   backstop, so a round completes with or without it.
 3. **Wait** — on the narrow watch of :mod:`.watcher`, never by polling.
 
 A node that joins beside a running round bumps ``signal`` once per round (a
@@ -42,15 +44,16 @@ from torch.distributed.elastic.rendezvous import (
 
 from elasticrun.api import crd, rounds
 from elasticrun.api.kube import (
-    APPLY_PATCH,
     JSON_PATCH,
     ApiConnectionError,
     ApiError,
     KubeClient,
+    leases_path,
     load_credentials,
     run_path,
     runs_path,
 )
+from elasticrun.api.leases import lease_state, pending_joins
 from elasticrun.api.model import (
     ElasticRun,
     InvalidRunError,
@@ -59,6 +62,7 @@ from elasticrun.api.model import (
     new_run_manifest,
     now,
 )
+from elasticrun.api.naming import label_value
 from elasticrun.handler import settings as settings_mod
 from elasticrun.handler.lease import LeaseKeeper, NodeNameInUseError
 from elasticrun.handler.settings import RendezvousSettings
@@ -116,38 +120,47 @@ class K8sRendezvousHandler(RendezvousHandler):
             join_deadline = time.monotonic() + run.spec.join_timeout
             previous_round = self._round
             self._fresh_store()
-            run = self._join(run)
-            # Watch from our own join on: its response carries the (defaulted) signal.
+            self._join(run)
+            pending = self._pending(run)
             assert self._watcher is not None
             self._watcher.start()
+            node = self.settings.node_name
             while True:
                 self._raise_if_closed(run)
-                me = run.status.participant(self.settings.node_name)
+                me = run.status.participant(node)
                 if me is not None and run.status.round > previous_round:
                     return self._complete(run, me.rank)
-                if run.status.waiting_node(self.settings.node_name) is None:
-                    # Removed while waiting (lease hiccup, drained, run repaired): ask again.
-                    run = self._join(run)
+                if all(w.name != node for w in pending):
+                    # Our request is gone (the Lease was removed or expired): ask again.
+                    self._join(run)
+                    pending = self._pending(run)
                     continue
-                decision = rounds.decide_seal(run, now())
+                view = run.replace_status(run.status.replace(waiting=pending))
+                decision = rounds.decide_seal(view, now())
                 if decision.seal_now:
-                    run = self._seal(run, decision.reason)
+                    run = self._seal(view, decision.reason) or self._read_or_raise()
+                    pending = self._pending(run)
                     continue
-                run = self._announce_if_needed(run)
+                run = self._announce_if_needed(view)
                 wake_at = join_deadline
                 if decision.deadline is not None:
-                    stagger = LAST_CALL_STAGGER * self._arrival_index(run)
+                    stagger = LAST_CALL_STAGGER * self._arrival_index(view)
                     wait = (decision.deadline - now()).total_seconds() + stagger
                     wake_at = min(wake_at, time.monotonic() + max(0.0, wait))
                 if time.monotonic() >= join_deadline:
                     self._leave_waiting()
                     raise RendezvousTimeoutError(
                         f"{self._who()}: no round formed within the join timeout "
-                        f"({run.spec.join_timeout}s); {len(run.status.waiting)} of at least "
+                        f"({run.spec.join_timeout}s); {len(pending)} of at least "
                         f"{run.spec.min_nodes} nodes were waiting. Check that the other nodes "
                         f"are starting (kubectl get er {self.settings.run_name} -n "
                         f"{self.settings.namespace})")
-                run = self._wait_for_change(run, wake_at)
+                changed = self._wait_for_change(run, wake_at)
+                if changed is not run:
+                    run = changed
+                    mine = run.status.participant(node)
+                    if mine is None or run.status.round <= previous_round:
+                        pending = self._pending(run)
 
     def is_closed(self) -> bool:
         run = self._cached_or_read()
@@ -231,18 +244,10 @@ class K8sRendezvousHandler(RendezvousHandler):
                                        self.settings.run_name, self.settings.watch_timeout)
         run = self._accept(raw)
         if self._lease is None:
-            lease = LeaseKeeper(self._api(), self.settings.namespace, self.settings.run_name,
-                                self.settings.node_name, run.spec.heartbeat_timeout,
-                                run.spec.lease_renew_interval, run.uid)
-            def acquire() -> None:
-                lease.acquire()
-
-            try:
-                self._call("take the node's Lease", acquire)
-            except NodeNameInUseError as exc:
-                raise RendezvousError(f"{self._who()}: {exc}") from exc
-            lease.start()
-            self._lease = lease
+            self._lease = LeaseKeeper(self._api(), self.settings.namespace,
+                                      self.settings.run_name, self.settings.node_name,
+                                      run.spec.heartbeat_timeout, run.spec.lease_renew_interval,
+                                      run.uid)
         return run
 
     def _fresh_store(self) -> None:
@@ -309,31 +314,49 @@ class K8sRendezvousHandler(RendezvousHandler):
                            store_port=self._store_host.port if self._store_host else None,
                            since=now(), pod=self.settings.pod)
 
-    def _join(self, run: ElasticRun) -> ElasticRun:
-        """Server-side apply of our own waiting entry: one write, no conflicts."""
-        s = self.settings
-        body = {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
-                "metadata": {"name": s.run_name, "namespace": s.namespace},
-                "status": {"waiting": [self._my_entry().to_dict()]}}
+    def _join(self, run: ElasticRun) -> None:
+        """Ask for the next round: one write to our own Lease, never contended."""
         self._raise_if_closed(run)
-        raw = self._call("join the run", lambda: self._api().request(
-            "PATCH", run_path(s.namespace, s.run_name, "status"), body=body,
-            query={"fieldManager": s.field_manager, "force": "true"},
-            content_type=APPLY_PATCH))
-        return self._accept(raw)
+        lease = self._lease
+        assert lease is not None
+        entry = self._my_entry()
+        try:
+            if lease.acquired:
+                self._call("join the run", lambda: lease.set_join(entry))
+            else:
+                self._call("take the node's Lease", lambda: lease.acquire(entry))
+                lease.start()
+        except NodeNameInUseError as exc:
+            raise RendezvousError(f"{self._who()}: {exc}") from exc
 
-    def _seal(self, run: ElasticRun, reason: str) -> ElasticRun:
-        """One compare-and-set; on conflict, re-read and let the loop decide again."""
-        status = rounds.seal_round(run, now())
-        written = self._replace_status(run, status)
+    def _pending(self, run: ElasticRun) -> tuple[WaitingNode, ...]:
+        """The join requests no round has answered yet, read from the run's Leases.
+
+        One consistent LIST, served by the API server's watch cache: the node
+        whose request completed the set sees every earlier one.
+        """
+        s = self.settings
+        listed = self._call("list the run's Leases", lambda: self._api().request(
+            "GET", leases_path(s.namespace),
+            query={"labelSelector": f"{crd.RUN_LABEL}={label_value(s.run_name)}"}))
+        states = [lease_state(item) for item in listed.get("items") or []
+                  if ((item.get("metadata") or {}).get("annotations") or {})
+                  .get(crd.RUN_LABEL) == s.run_name]
+        return pending_joins(states, run.status, now())
+
+    def _seal(self, view: ElasticRun, reason: str) -> ElasticRun | None:
+        """One compare-and-set; None when someone else wrote first."""
+        written = self._replace_status(view, rounds.seal_round(view, now()))
         if written is not None:
             log.info("%s: sealed round %d with %d nodes (%s)", self._who(), written.status.round,
                      len(written.status.participants), reason)
-            return written
-        return self._read_or_raise()
+        return written
 
     def _announce_if_needed(self, run: ElasticRun) -> ElasticRun:
-        """Tell the members of a running round, once per round, that a node is waiting."""
+        """Tell the members of a running round, once per round, that a node is waiting.
+
+        ``run`` is the view with the pending joins; the run returned is as stored.
+        """
         status = run.status
         if status.round == 0 or status.degraded or status.join_notice >= status.round:
             return run
@@ -356,22 +379,19 @@ class K8sRendezvousHandler(RendezvousHandler):
         return self._accept(raw)
 
     def _leave_waiting(self) -> None:
-        """Withdraw our waiting entry (apply an empty intent under our field manager)."""
-        s = self.settings
-        body = {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
-                "metadata": {"name": s.run_name, "namespace": s.namespace}, "status": {}}
+        """Withdraw our join request (clear the annotation on our Lease)."""
+        lease = self._lease
+        if lease is None or not lease.acquired:
+            return
         try:
-            self._call("leave the waiting list", lambda: self._api().request(
-                "PATCH", run_path(s.namespace, s.run_name, "status"), body=body,
-                query={"fieldManager": s.field_manager, "force": "true"},
-                content_type=APPLY_PATCH), self.settings.close_timeout)
+            self._call("leave the waiting list", lambda: lease.set_join(None),
+                       self.settings.close_timeout)
         except (_NotFoundError, RendezvousError) as exc:
             log.debug("leaving the waiting list: %s", exc)
 
     def _leave_membership(self) -> None:
         if self._client is None or self._watcher is None:
             return
-        self._leave_waiting()
         deadline = time.monotonic() + self.settings.close_timeout
         attempt = 0
         while time.monotonic() < deadline:

@@ -1,4 +1,4 @@
-"""The node's Lease: the liveness signal a pod's status cannot give.
+"""The node's Lease: its liveness signal, and where it asks to join a round.
 
 One ``coordination.k8s.io`` Lease per node, renewed from a background thread.
 The operator removes a member whose Lease stops being renewed ("lease
@@ -16,7 +16,8 @@ from typing import Any
 
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, lease_path, leases_path
-from elasticrun.api.model import now
+from elasticrun.api.leases import JOIN_ANNOTATION, join_value
+from elasticrun.api.model import WaitingNode, now
 from elasticrun.api.naming import label_value, lease_name
 
 log = logging.getLogger(__name__)
@@ -46,14 +47,17 @@ class LeaseKeeper:
         self.owner_uid = owner_uid
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.acquired = False
 
-    def _manifest(self) -> dict[str, Any]:
+    def _manifest(self, join: WaitingNode | None = None) -> dict[str, Any]:
         stamp = micro_time(now())
         meta: dict[str, Any] = {
             "name": self.name,
             "labels": {crd.RUN_LABEL: label_value(self.run)},
             "annotations": {crd.NODE_ANNOTATION: self.node, crd.RUN_LABEL: self.run},
         }
+        if join is not None:
+            meta["annotations"][JOIN_ANNOTATION] = join_value(join)
         if self.owner_uid:
             meta["ownerReferences"] = [{
                 "apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": self.run,
@@ -64,10 +68,11 @@ class LeaseKeeper:
                      "acquireTime": stamp, "renewTime": stamp},
         }
 
-    def acquire(self) -> None:
-        """Take the Lease, refusing a name that a live agent holds."""
+    def acquire(self, join: WaitingNode | None = None) -> None:
+        """Take the Lease (asking to join at once), refusing a name a live agent holds."""
         try:
-            self.client.request("POST", leases_path(self.namespace), body=self._manifest())
+            self.client.request("POST", leases_path(self.namespace), body=self._manifest(join))
+            self.acquired = True
             return
         except ApiError as exc:
             if exc.status != 409:
@@ -83,9 +88,24 @@ class LeaseKeeper:
                     f"node name {self.node!r} is already used by a live agent ({holder}, Lease "
                     f"{self.namespace}/{self.name} renewed {age:.1f}s ago); give every agent its "
                     "own name (POD_NAME, or --rdzv-conf node_name=...)")
-        manifest = self._manifest()
+        manifest = self._manifest(join)
         manifest["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
         self.client.request("PUT", lease_path(self.namespace, self.name), body=manifest)
+        self.acquired = True
+
+    def set_join(self, join: WaitingNode | None) -> None:
+        """Ask to join the next round (or withdraw): one write to our own object."""
+        value = join_value(join) if join is not None else None
+        try:
+            self.client.request(
+                "PATCH", lease_path(self.namespace, self.name),
+                body={"metadata": {"annotations": {JOIN_ANNOTATION: value}}},
+                content_type="application/merge-patch+json")
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            if join is not None:  # removed (e.g. by the operator as lost): take it again
+                self.acquire(join)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._renew_loop, daemon=True,

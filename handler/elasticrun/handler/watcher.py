@@ -43,7 +43,14 @@ def newer(candidate: str, current: str) -> bool:
 
 
 class RunWatcher:
-    """Keeps the newest known ElasticRun and wakes up whoever waits for a change."""
+    """Keeps the newest known ElasticRun and wakes up whoever waits for a change.
+
+    The narrow watch cannot see the run being deleted: a deleted object keeps
+    the signal the node has seen, so it never matched the selector and the API
+    server sends no DELETED event.  So whenever the server ends a quiet watch
+    (every ``watch_timeout`` seconds) the watcher reads the object once: one
+    read per node per timeout, and a deleted run is noticed within it.
+    """
 
     def __init__(self, client: KubeClient, namespace: str, name: str,
                  watch_timeout: int = 300, on_change: Callable[[ElasticRun], None] | None = None
@@ -63,6 +70,11 @@ class RunWatcher:
         self._current_watch: Any = None
         #: Events received (for tests and benchmarks of the fan-out).
         self.events_received = 0
+        #: Watch requests opened, and re-lists after 410 Gone (for the chaos tests).
+        self.watches_opened = 0
+        self.resyncs = 0
+        #: (uid, highest status.round seen of that object): rounds never go back.
+        self._highest_round: tuple[str | None, int] = (None, 0)
 
     # ------------------------------------------------------------------ cache
 
@@ -82,20 +94,23 @@ class RunWatcher:
     def offer(self, raw: dict[str, Any]) -> ElasticRun:
         """Accept an object read or written by anyone, if it is newer than the cache.
 
-        Raises InvalidRunError for a status that cannot be read; the error is
-        also kept, so a waiting node learns about it.
+        Raises InvalidRunError for a status that cannot be read, or whose round
+        went back; the error is also kept, so a waiting node learns about it.
         """
         try:
             run = parse_run(raw)
         except InvalidRunError as exc:
-            with self._cond:
-                self._error = exc
-                self._version += 1
-                self._cond.notify_all()
+            self._fail(exc)
             raise
         with self._cond:
             current = self._latest
             if current is None or newer(run.resource_version, current.resource_version):
+                error = self._round_went_back(run)
+                if error is not None:
+                    self._error = error
+                    self._version += 1
+                    self._cond.notify_all()
+                    raise error
                 self._latest = run
                 self._error = None
                 self._version += 1
@@ -105,6 +120,31 @@ class RunWatcher:
         if accepted is run and self.on_change:
             self.on_change(run)
         return accepted
+
+    def _fail(self, error: Exception) -> None:
+        with self._cond:
+            self._error = error
+            self._version += 1
+            self._cond.notify_all()
+
+    def _round_went_back(self, run: ElasticRun) -> InvalidRunError | None:
+        """Rounds only move forward; a newer write with a lower round is not to be trusted.
+
+        Each copy of the status reads fine on its own, so only a reader that
+        remembers can tell: a status restored from an old backup or edited by
+        hand would otherwise hand out ranks of a round the members already left.
+        The high-water mark is per object (uid): a re-created run starts at 0.
+        """
+        uid, highest = self._highest_round
+        if run.uid != uid:
+            highest = 0
+        if run.status.round < highest:
+            return InvalidRunError(
+                "status.round", f"went back from {highest} to {run.status.round} (resourceVersion "
+                f"{run.resource_version}); rounds only move forward, so the status was edited "
+                "by hand or restored from an old copy")
+        self._highest_round = (run.uid, max(highest, run.status.round))
+        return None
 
     def wait(self, seen_version: int, timeout: float) -> None:
         """Block until the cache changes after ``seen_version``, or ``timeout`` passes."""
@@ -144,11 +184,7 @@ class RunWatcher:
             return self.offer(self.client.request("GET", run_path(self.namespace, self.name)))
         except ApiError as exc:
             if exc.not_found:
-                with self._cond:
-                    self._error = RunDeletedError(
-                        f"ElasticRun {self.namespace}/{self.name} was deleted")
-                    self._version += 1
-                    self._cond.notify_all()
+                self._fail(RunDeletedError(f"ElasticRun {self.namespace}/{self.name} was deleted"))
                 return None
             raise
 
@@ -193,6 +229,7 @@ class RunWatcher:
 
     def _gone(self) -> None:
         """410 Gone: our resourceVersion was compacted; read the object afresh."""
+        self.resyncs += 1
         with self._cond:
             self._latest = None
         self._relist()
@@ -206,6 +243,7 @@ class RunWatcher:
                                    "resourceVersion": resource_version},
                                   self.watch_timeout)
         self._current_watch = watch
+        self.watches_opened += 1
         if self._stop.is_set():  # stop() ran while the request was being opened
             watch.close()
             return
@@ -230,3 +268,6 @@ class RunWatcher:
         finally:
             self._current_watch = None
             watch.close()
+        if not self._stop.is_set():
+            self._relist()  # the server ended a quiet watch: see whether the run still exists
+

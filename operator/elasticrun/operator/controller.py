@@ -21,6 +21,7 @@ from typing import Any
 
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, leases_path, run_path
+from elasticrun.api.leases import LeaseState
 from elasticrun.api.model import (
     ElasticRun,
     InvalidRunError,
@@ -29,8 +30,8 @@ from elasticrun.api.model import (
     now,
     parse_run,
 )
-from elasticrun.api.naming import label_value
-from elasticrun.operator.liveness import LeaseState, Loss, pod_loss, restart_count
+from elasticrun.api.naming import label_value, lease_name
+from elasticrun.operator.liveness import Loss, pod_loss, restart_count
 from elasticrun.operator.metrics import Metrics
 from elasticrun.operator.reconcile import Members, lost_since, reconcile, repair
 
@@ -176,6 +177,11 @@ class Controller:
             if written is None:
                 return  # lost the race; the winner's event re-queues us
             run = written
+        for node in plan.delete_leases:
+            with contextlib.suppress(ApiError):
+                await asyncio.to_thread(self.client.request, "DELETE",
+                                        f"{leases_path(run.namespace)}/"
+                                        f"{lease_name(run.name, node)}")
         if plan.remove_annotations:
             # Only after the status write took: a lost race must not eat the request.
             patch = {"metadata": {"annotations": dict.fromkeys(plan.remove_annotations)}}
@@ -277,8 +283,7 @@ class Controller:
             return  # first sight (e.g. after a restart): nothing to report twice
         if status.round > old.round and status.participants:
             self.metrics.rounds.labels(**labels).inc()
-            started = [w.since for w in old.waiting if w.since and
-                       w.name in status.member_names]
+            started = [p.since for p in status.participants if p.since]
             if started and status.sealed_at:
                 self.metrics.round_duration.labels(**labels).observe(
                     max(0.0, (status.sealed_at - min(started)).total_seconds()))

@@ -17,8 +17,8 @@ from typing import Any
 import kopf
 
 from elasticrun.api import crd
+from elasticrun.api.leases import LeaseState, lease_state
 from elasticrun.operator.controller import Controller, Key
-from elasticrun.operator.liveness import LeaseState, lease_state
 
 CONTROLLER: Controller | None = None
 

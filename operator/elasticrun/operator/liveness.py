@@ -23,23 +23,6 @@ class Loss:
     since: dt.datetime | None = None
 
 
-@dataclass(frozen=True)
-class LeaseState:
-    holder: str | None
-    renewed: dt.datetime | None
-    duration: float
-
-    def expired(self, now: dt.datetime) -> bool:
-        if self.renewed is None:
-            return False
-        return (now - self.renewed).total_seconds() > self.duration
-
-    def expired_at(self) -> dt.datetime | None:
-        if self.renewed is None:
-            return None
-        return self.renewed + dt.timedelta(seconds=self.duration)
-
-
 def _time(value: Any) -> dt.datetime | None:
     if not isinstance(value, str):
         return None
@@ -48,12 +31,6 @@ def _time(value: Any) -> dt.datetime | None:
     except ValueError:
         return None
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
-
-
-def lease_state(lease: Mapping[str, Any]) -> LeaseState:
-    spec = lease.get("spec") or {}
-    return LeaseState(holder=spec.get("holderIdentity"), renewed=_time(spec.get("renewTime")),
-                      duration=float(spec.get("leaseDurationSeconds") or 0))
 
 
 def pod_loss(pod: Mapping[str, Any], event_type: str | None = None,

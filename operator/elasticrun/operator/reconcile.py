@@ -14,8 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from elasticrun.api import crd, rounds
+from elasticrun.api.leases import LeaseState, pending_joins
 from elasticrun.api.model import Condition, ElasticRun, LostMember, RunStatus
-from elasticrun.operator.liveness import LeaseState, Loss
+from elasticrun.operator.liveness import Loss
 
 #: The handlers seal within milliseconds of the write that made a round
 #: sealable; the operator waits this long before doing it itself, so it is a
@@ -41,6 +42,9 @@ class Plan:
     status: RunStatus | None = None
     events: list[tuple[str, str, str]] = field(default_factory=list)  # (type, reason, message)
     remove_annotations: list[str] = field(default_factory=list)
+    #: Nodes whose Leases to delete: lost nodes, so that a stale join request
+    #: cannot bring them back, and a restarted agent can take its name again.
+    delete_leases: list[str] = field(default_factory=list)
     delete_run: bool = False
     wake_at: dt.datetime | None = None
     sealed: bool = False
@@ -134,6 +138,9 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
                                                    generation))
         plan.events.append(("Normal", "Reopened", "run reopened (spec.closed=false)"))
 
+    # ---------------------------------------------------------------- who is waiting
+    new = new.replace(waiting=pending_joins(members.leases.values(), new, now))
+
     # ---------------------------------------------------------------- lost members
     for name, loss in _losses(run.replace_status(new), members, now):
         detection = (now - loss.since).total_seconds() if loss.since else None
@@ -142,6 +149,7 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
                                        if detection is not None else None)
         if removed is not None:
             new = removed  # the MemberLost Event is posted when the removal is observed
+            plan.delete_leases.append(name)
     for name in sorted(run.drained & new.member_names):
         removed = rounds.remove_member(new, name, "Drained", now,
                                        message=f"drained by annotation {crd.DRAIN_ANNOTATION}")
@@ -227,10 +235,10 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
     new = _finish(new.replace(conditions=conditions), status, generation)
     if new == status:
         return plan
-    if material != status:
+    if material.replace(waiting=status.waiting) != status:
         plan.status = new
         return plan
-    # Only bookkeeping changed (phase, counts, conditions).  While nodes are
+    # Only bookkeeping changed (the waiting summary, phase, counts, conditions).  While nodes are
     # still joining, writing it would bump the resourceVersion under their
     # seal; wait until the waiting set has been quiet for a moment.
     newest = max((w.since for w in new.waiting if w.since), default=None)

@@ -1,0 +1,93 @@
+"""Each node's Lease: its liveness and its request to join the next round.
+
+Joining writes only the node's own object, an annotation on its Lease, so N
+nodes joining at once never contend.  Writing one shared object instead costs
+the API server O(N^2) work, because it re-applies every losing patch on the
+newer object: 128 simultaneous joins on one ElasticRun took over 30 s and hit
+the server's 504 request timeout, while 128 joins on their own Leases plus a
+consistent LIST each took 0.4 s on the same machine.  Whoever seals a round
+(a node, or the operator from its Lease index) reads the join requests from
+the run's Leases.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from elasticrun.api import crd
+from elasticrun.api.model import InvalidRunError, RunStatus, WaitingNode
+
+#: Annotation on a node's Lease: its join request, as JSON (a waiting entry without the name).
+JOIN_ANNOTATION = f"{crd.GROUP}/join"
+
+
+def _time(value: Any) -> dt.datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    node: str | None
+    holder: str | None
+    renewed: dt.datetime | None
+    duration: float
+    join: WaitingNode | None = None
+
+    def expired(self, now: dt.datetime) -> bool:
+        return self.renewed is not None and (now - self.renewed).total_seconds() > self.duration
+
+    def expired_at(self) -> dt.datetime | None:
+        return None if self.renewed is None else \
+            self.renewed + dt.timedelta(seconds=self.duration)
+
+
+def join_value(node: WaitingNode) -> str:
+    entry = node.to_dict()
+    entry.pop("name", None)
+    return json.dumps(entry, sort_keys=True)
+
+
+def lease_state(lease: Mapping[str, Any]) -> LeaseState:
+    """Read a Lease; a malformed join request counts as no request."""
+    meta = lease.get("metadata") or {}
+    spec = lease.get("spec") or {}
+    annotations = meta.get("annotations") or {}
+    node = annotations.get(crd.NODE_ANNOTATION)
+    join = None
+    raw = annotations.get(JOIN_ANNOTATION)
+    if node and raw:
+        try:
+            fields = json.loads(raw)
+            join = WaitingNode.from_dict({**fields, "name": node}, f"lease {meta.get('name')}")
+        except (ValueError, TypeError, InvalidRunError):
+            join = None
+    return LeaseState(node=node, holder=spec.get("holderIdentity"),
+                      renewed=_time(spec.get("renewTime")),
+                      duration=float(spec.get("leaseDurationSeconds") or 0), join=join)
+
+
+def pending_joins(leases: Iterable[LeaseState], status: RunStatus, now: dt.datetime
+                  ) -> tuple[WaitingNode, ...]:
+    """The nodes waiting for a round: live Leases whose join request no round answered yet."""
+    waiting: dict[str, WaitingNode] = {}
+    for lease in leases:
+        join = lease.join
+        if join is None or lease.expired(now):
+            continue
+        member = status.participant(join.name)
+        if member is not None and member.since is not None and member.since == join.since:
+            continue  # this request is the member's current membership
+        waiting[join.name] = join
+    return tuple(sorted(waiting.values(),
+                        key=lambda w: (w.since or dt.datetime.max.replace(tzinfo=dt.UTC),
+                                       w.name)))
