@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elasticrun.api.kube import ApiError, run_path, runs_path
+from elasticrun.api.model import RunSpec, new_run_manifest
+
 from bench import apiserver
 from bench.pool import Pool
 from bench.proc import cpu_seconds, free_port
 from bench.servers import ControlPlane, EtcdV2Server
-from elasticrun.api.kube import ApiError, run_path, runs_path
-from elasticrun.api.model import RunSpec, new_run_manifest
 
 BACKENDS = ("k8s", "c10d", "etcd-v2")
 #: torch's opt-out of sharing rank 0's TCPStore with the workers ("1" = off).
@@ -95,6 +96,20 @@ class Backend(ABC):
 
     def server_pids(self) -> dict[str, int]:
         return {}
+
+    def quiesce(self, bound: float = 120.0) -> float:
+        """Wait (bounded) until the servers are idle again; seconds waited.
+
+        A round that did not form leaves queued requests behind; the next
+        measurement must not pay for them.
+        """
+        began = time.monotonic()
+        while time.monotonic() - began < bound:
+            before = self.server_cpu()
+            time.sleep(1.0)
+            if self.server_cpu() - before < 0.1:
+                break
+        return time.monotonic() - began
 
     def versions(self) -> dict[str, str]:
         return {}

@@ -123,7 +123,21 @@ class Pool:
     """A fixed set of workers; nodes are dealt to them round-robin."""
 
     def __init__(self, size: int, log_dir: Path, prefix: str) -> None:
+        self._log_dir, self._prefix, self._restarts = log_dir, prefix, 0
         self.workers = [WorkerProcess(f"{prefix}-w{i}", log_dir) for i in range(size)]
+
+    def restart(self) -> None:
+        """Stop every worker by PID and start fresh ones.
+
+        For nodes stuck in a round that will not form: waiting for each of them
+        to give up costs minutes and measures nothing.
+        """
+        for worker in self.workers:
+            stop_pid(worker.pid, timeout=5)
+            worker.stop()
+        self._restarts += 1
+        self.workers = [WorkerProcess(f"{self._prefix}-w{i}.{self._restarts}", self._log_dir)
+                        for i in range(len(self.workers))]
 
     def deal(self, nodes: Sequence[str]) -> list[list[str]]:
         shares: list[list[str]] = [[] for _ in self.workers]

@@ -31,9 +31,13 @@ SCALE_SEEN_TARGET_S = 0.5
 # --------------------------------------------------------------------------- helpers
 
 
-def _rows(data: dict[str, Any], backend: str, key: str) -> list[Row]:
+def _rows(data: dict[str, Any], backend: str, key: str, unformed: bool = False) -> list[Row]:
+    """The repetitions of one scenario; a round that never formed has no per-round
+    numbers, so those rows are left out unless ``unformed`` asks for them alone."""
     rows = (data["backends"].get(backend) or {}).get(key)
-    return rows if isinstance(rows, list) else []
+    if not isinstance(rows, list):
+        return []
+    return [r for r in rows if (r.get("formed") is False) == unformed]
 
 
 def _by_n(rows: list[Row], field: str) -> dict[int, dict[str, float]]:
@@ -202,7 +206,7 @@ def _formation_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
     present = [b for b in ORDER if b in data["backends"]]
     lat = {b: _by_n(_rows(data, b, "formation"), "latency_s") for b in present}
     unformed = {(b, int(r["n"])): float(r["bound_s"]) for b in present
-                for r in _rows(data, b, "formation") if r.get("formed") is False}
+                for r in _rows(data, b, "formation", unformed=True)}
     sizes = sorted({n for b in present for n in lat[b]} | {n for _, n in unformed})
     facts: dict[str, Any] = {"lat": lat, "sizes": sizes, "unformed": unformed}
     lines += ["## Formation latency", "",
@@ -222,7 +226,7 @@ def _formation_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
             ratios = [_ratio(k8s, c10d), _ratio(k8s, etcd)]
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {ratios[0]} | {ratios[1]} |")
     for (b, n), bound in sorted(unformed.items()):
-        row = next(r for r in _rows(data, b, "formation") if r["n"] == n and not r["formed"])
+        row = next(r for r in _rows(data, b, "formation", unformed=True) if r["n"] == n)
         kinds = ", ".join(f"{v} × `{k}`" for k, v in sorted(row.get("by_kind", {}).items(),
                                                           key=lambda kv: -kv[1])[:6])
         lines += ["", f"{b} at N = {n}: the first repetition had not formed after "
@@ -461,8 +465,8 @@ def _targets(facts: dict[str, Any], lines: list[str]) -> list[str]:
                                  "in the API server and their retries add to the queue.")
     c10d_lost = stats.get(("c10d", "lost_cas"), {})
     k8s_lost = stats.get(("k8s", "lost_cas"), {})
-    top = max(sizes) if sizes else None
-    if top is not None and top in c10d_lost and top in writes:
+    top = max(writes) if writes else None  # the largest N at which k8s formed
+    if top is not None and top in c10d_lost:
         headlines.append(f"At N = {top}: {writes[top]['median']:.0f} API writes and "
                          f"{_med(k8s_lost, top) or 0:.0f} lost compare-and-sets per round, "
                          f"against {c10d_lost[top]['median']:.0f} lost compare-and-sets for "

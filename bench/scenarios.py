@@ -138,6 +138,9 @@ def formation(backend: Backend, pool: Pool, n: int, reps: int, bound: float = RO
                 results = collect(pool.workers, bound)
             except ScenarioError as exc:
                 measured = backend.close_window(window, pool)
+                pool.restart()
+                backend.end_run(run)
+                backend.quiesce()
                 out.append({"n": n, "rep": rep, "formed": False, "bound_s": bound,
                             "latency_s": None, "why": str(exc), **measured})
                 break

@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from controlplane.localcluster import LocalControlPlane
 
-from bench.proc import free_port, stop_pid
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiError, KubeClient, load_credentials
+
+from bench.proc import free_port, stop_pid
+from controlplane.localcluster import LocalControlPlane
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_FILE = ROOT / "deploy" / "crds" / "elasticrun.dev_elasticruns.yaml"

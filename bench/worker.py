@@ -184,7 +184,7 @@ class Worker:
         Nothing of one repetition may leak into the next: results that arrive
         after a failed repetition are dropped here, not handed to the next one.
         """
-        times = _parallel(list(self.nodes.values()), lambda n: n.handler.shutdown())
+        times = _parallel(list(self.nodes.values()), _release)
         self.nodes.clear()
         deadline = time.monotonic() + 30
         for thread in self._threads:
@@ -202,6 +202,21 @@ class Worker:
                 for key, value in node.counter.snapshot().items():
                     total[key] = total.get(key, 0) + value
         return {"counters": total}
+
+
+def _release(node: Node) -> None:
+    """End a node after a repetition without charging the next one for it.
+
+    k8s: ``shutdown()`` (its run is deleted first, so this is a few cheap
+    requests).  torch's handlers: ``shutdown()`` would close the run with a
+    compare-and-set storm on the shared state that nobody reads any more (every
+    repetition has its own run), so only their keep-alive timer is stopped.
+    """
+    stop_heartbeats = getattr(node.handler, "_stop_heartbeats", None)
+    if node.counter is not None and callable(stop_heartbeats):
+        stop_heartbeats()
+    else:
+        node.handler.shutdown()
 
 
 def _next_rendezvous(node: Node) -> dict[str, Any]:
