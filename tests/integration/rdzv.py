@@ -154,4 +154,6 @@ def is_waiting(client: KubeClient, namespace: str, run: str, node: str) -> bool:
         if exc.not_found:
             return False
         raise
-    return any(w.name == node for w in pending_joins([lease_state(lease)], status, now()))
+    run_uid = read_run(client, namespace, run).uid
+    return any(w.name == node
+               for w in pending_joins([lease_state(lease)], status, now(), run_uid))

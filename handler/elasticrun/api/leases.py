@@ -42,6 +42,8 @@ class LeaseState:
     renewed: dt.datetime | None
     duration: float
     join: WaitingNode | None = None
+    #: uid of the ElasticRun the Lease belongs to (its ownerReference).
+    owner_uid: str | None = None
 
     def expired(self, now: dt.datetime) -> bool:
         return self.renewed is not None and (now - self.renewed).total_seconds() > self.duration
@@ -71,22 +73,31 @@ def lease_state(lease: Mapping[str, Any]) -> LeaseState:
             join = WaitingNode.from_dict({**fields, "name": node}, f"lease {meta.get('name')}")
         except (ValueError, TypeError, InvalidRunError):
             join = None
+    owners = [ref.get("uid") for ref in meta.get("ownerReferences") or []
+              if ref.get("kind") == crd.KIND]
     return LeaseState(node=node, holder=spec.get("holderIdentity"),
                       renewed=_time(spec.get("renewTime")),
-                      duration=float(spec.get("leaseDurationSeconds") or 0), join=join)
+                      duration=float(spec.get("leaseDurationSeconds") or 0), join=join,
+                      owner_uid=owners[0] if owners else None)
 
 
-def pending_joins(leases: Iterable[LeaseState], status: RunStatus, now: dt.datetime
-                  ) -> tuple[WaitingNode, ...]:
-    """The nodes waiting for a round: live Leases whose join request no round answered yet."""
+def pending_joins(leases: Iterable[LeaseState], status: RunStatus, now: dt.datetime,
+                  run_uid: str | None = None) -> tuple[WaitingNode, ...]:
+    """The nodes waiting for a round: live Leases whose join request no round answered yet.
+
+    A request is answered when a member holds it, or when a membership that
+    held it ended (the node left or was removed, its Lease not yet deleted).
+    Leases of an earlier run of the same name (another owner uid) never count.
+    """
+    answered = {(p.name, p.since) for p in status.participants if p.since is not None}
+    answered |= {(m.name, m.since) for m in status.lost_members if m.since is not None}
     waiting: dict[str, WaitingNode] = {}
     for lease in leases:
         join = lease.join
-        if join is None or lease.expired(now):
+        if join is None or lease.expired(now) or (join.name, join.since) in answered:
             continue
-        member = status.participant(join.name)
-        if member is not None and member.since is not None and member.since == join.since:
-            continue  # this request is the member's current membership
+        if run_uid and lease.owner_uid and lease.owner_uid != run_uid:
+            continue
         waiting[join.name] = join
     return tuple(sorted(waiting.values(),
                         key=lambda w: (w.since or dt.datetime.max.replace(tzinfo=dt.UTC),

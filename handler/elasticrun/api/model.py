@@ -265,6 +265,9 @@ class LostMember:
     message: str | None = None
     time: dt.datetime | None = None
     detection_seconds: float | None = None
+    #: The join request of the membership that ended, so that a stale request
+    #: still on the node's Lease is never taken for a new one.
+    since: dt.datetime | None = None
 
     @classmethod
     def from_dict(cls, obj: Any, path: str) -> LostMember:
@@ -281,6 +284,7 @@ class LostMember:
             message=_opt_str(item, "message", path),
             time=_time(item, "time", path),
             detection_seconds=float(detection) if detection is not None else None,
+            since=_time(item, "since", path),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -288,6 +292,7 @@ class LostMember:
             "name": self.name, "round": self.round, "reason": self.reason,
             "message": self.message, "time": format_time(self.time) if self.time else None,
             "detectionSeconds": self.detection_seconds,
+            "since": format_time(self.since) if self.since else None,
         })
 
 

@@ -137,7 +137,9 @@ def remove_member(status: RunStatus, name: str, reason: str, now: dt.datetime,
     if member is None and waiting is None:
         return None
     lost = LostMember(name=name, round=status.round, reason=reason, message=message, time=now,
-                      detection_seconds=detection_seconds)
+                      detection_seconds=detection_seconds,
+                      since=member.since if member is not None else
+                      waiting.since if waiting is not None else None)
     remaining_waiting = tuple(w for w in status.waiting if w.name != name)
     if member is None:
         return status.replace(waiting=remaining_waiting)

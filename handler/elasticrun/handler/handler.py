@@ -191,23 +191,33 @@ class K8sRendezvousHandler(RendezvousHandler):
         return rounds.nodes_waiting(run, self._round)
 
     def shutdown(self) -> bool:
-        """Leave the membership; never close the run for the others."""
-        with self._lock:
-            self._closing = True
+        """Leave the membership; never close the run for the others.
+
+        A ``next_rendezvous()`` still blocked in this handler (a spare, say) is
+        woken and fails with RendezvousClosedError instead of holding us up.
+        """
+        self._closing = True
+        if self._watcher is not None:
+            self._watcher.stop()
+        locked = self._lock.acquire(timeout=self.settings.close_timeout)
+        try:
+            # The Lease goes first, and our join request with it: no node can
+            # take that request for a new one between our removal and its deletion.
+            if self._lease is not None:
+                self._lease.release(self.settings.close_timeout)
             try:
                 self._leave_membership()
             except RendezvousError as exc:
                 log.warning("%s: leaving the membership failed: %s", self._who(), exc)
-            if self._lease is not None:
-                self._lease.release(self.settings.close_timeout)
-            if self._watcher is not None:
-                self._watcher.stop()
             for host in (self._retired_store, self._store_host):
                 if host is not None:
                     host.close()
             self._retired_store = self._store_host = None
             self._round = 0
-            return True
+        finally:
+            if locked:
+                self._lock.release()
+        return True
 
     # ------------------------------------------------------------------ set-up
 
@@ -342,7 +352,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         states = [lease_state(item) for item in listed.get("items") or []
                   if ((item.get("metadata") or {}).get("annotations") or {})
                   .get(crd.RUN_LABEL) == s.run_name]
-        return pending_joins(states, run.status, now())
+        return pending_joins(states, run.status, now(), run.uid)
 
     def _seal(self, view: ElasticRun, reason: str) -> ElasticRun | None:
         """One compare-and-set; None when someone else wrote first."""
@@ -454,6 +464,8 @@ class K8sRendezvousHandler(RendezvousHandler):
         if latest is not None and newer(latest.resource_version, run.resource_version):
             return latest
         watcher.wait(seen, wake_at - time.monotonic())
+        if self._closing:
+            raise RendezvousClosedError(f"{self._who()}: the agent is shutting down")
         self._check_watcher(watcher)
         if time.monotonic() >= wake_at - 1e-3:
             # A timer (last call, join deadline) fired: look at the newest state once.

@@ -139,7 +139,7 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
         plan.events.append(("Normal", "Reopened", "run reopened (spec.closed=false)"))
 
     # ---------------------------------------------------------------- who is waiting
-    new = new.replace(waiting=pending_joins(members.leases.values(), new, now))
+    new = new.replace(waiting=pending_joins(members.leases.values(), new, now, run.uid))
 
     # ---------------------------------------------------------------- lost members
     for name, loss in _losses(run.replace_status(new), members, now):
