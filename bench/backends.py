@@ -57,6 +57,8 @@ class Run:
     timing: Timing
     host_node: str | None = None
     namespace: str | None = None
+    #: k8s: every node runs in a Pod of its own name, which the operator watches.
+    pods: bool = False
     #: Environment of the nodes' processes; torch reads its store-sharing switch per call.
     env: dict[str, str] = field(default_factory=lambda: {SHARE_STORE_OFF: "0"})
 

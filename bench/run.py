@@ -57,6 +57,7 @@ class Plan:
                    workers=2)
 
 
+OPERATOR = ROOT / "operator" / "elasticrun" / "operator" / "__main__.py"
 #: Lost-member settings for every backend: heartbeat every 1 s, dead after 3.
 RECOVERY_KEEP_ALIVE = 1
 #: Idle settings: k8s with a short Lease interval and watch timeout (extrapolated to
@@ -105,6 +106,11 @@ def run_backend(name: str, plan: Plan, work: Path, log_dir: Path) -> dict[str, A
                                           keep_alive=RECOVERY_KEEP_ALIVE)
         result["recovery"] = step("recovery", lambda: scenarios.recovery(
             backend, pool, extra, plan.event_n, plan.event_reps, recovery_timing))
+        if isinstance(backend, backends.K8sBackend) and OPERATOR.exists():
+            result["recovery_pod_deleted"] = step(
+                "recovery (pod deleted, operator)", lambda: scenarios.recovery_pod_deleted(
+                    backend, pool, extra, plan.event_n, plan.event_reps, recovery_timing,
+                    log_dir))
         result["scale_up"] = step("scale-up", lambda: scenarios.scale_up(
             backend, pool, extra, plan.event_n, plan.event_reps))
         idle = IDLE_K8S if name == "k8s" else IDLE_TORCH

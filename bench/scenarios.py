@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.backends import SHARE_STORE_OFF, Backend, Run, Timing
+from bench.backends import SHARE_STORE_OFF, Backend, K8sBackend, Run, Timing
 from bench.pool import Pool, WorkerError, WorkerProcess
+from bench.proc import cpu_seconds, rss_bytes
 
 #: Lead time between "go" and the start, so that every worker is waiting on it.
 START_DELAY = 0.3
@@ -59,7 +60,7 @@ def node_names(n: int, prefix: str = "node") -> list[str]:
 def _build_fields(run: Run) -> dict[str, Any]:
     return {"backend": run.backend, "run": run.name, "endpoint": run.endpoint,
             "min": run.timing.min_nodes, "max": run.timing.max_nodes, "conf": run.conf,
-            "host_node": run.host_node, "env": run.env}
+            "host_node": run.host_node, "env": run.env, "pods": run.pods}
 
 
 def build(pool: Pool, run: Run, nodes: Sequence[str]) -> list[list[str]]:
@@ -305,3 +306,62 @@ def steady_state(backend: Backend, pool: Pool, n: int, seconds: float, timing: T
             "watch_timeout_s": timing.watch_timeout,
             "requests_per_member_minute": measured["requests"] / n / minutes,
             "server_cpu_s_per_minute": measured["server_cpu_s"] / minutes, **measured}
+
+
+# --------------------------------------------------------------------------- pod deletion
+
+
+def recovery_pod_deleted(backend: K8sBackend, pool: Pool, extra: Extra, n: int, reps: int,
+                         timing: Timing, log_dir: Path) -> list[dict[str, Any]]:
+    """k8s with the operator: the lost member's Pod is deleted and its process killed.
+
+    Nothing in the handler says goodbye; the operator sees the Pod go (a watch
+    event), removes the member with one compare-and-set and bumps the signal.
+    Pods are real Pod objects whose status the benchmark sets, as a kubelet would.
+    """
+    from controlplane.kubelet import Kubelet  # noqa: PLC0415 - only this scenario needs it
+    from controlplane.operatorproc import OperatorProcess  # noqa: PLC0415
+
+    cp = backend.control_plane
+    operator = OperatorProcess(Path(cp.kubeconfig), [], log_dir, ["--workers", "4"])
+    operator.start()
+    op_pid = operator.proc.pid
+    out = []
+    try:
+        for rep in range(reps):
+            nodes = node_names(n)
+            run = backend.new_run(timing, nodes)
+            run.pods = True
+            assert run.namespace is not None
+            kubelet = Kubelet(cp.api, run.namespace)
+            for node in nodes:
+                kubelet.create(node, run.name)
+            victim = extra.get()
+            try:
+                build(pool, run, nodes[:-1])
+                victim.call("build", nodes=[nodes[-1]], **_build_fields(run))
+                _form(pool, [*pool.workers, victim], n, "k8s pod-deletion set-up")
+                window = backend.open_window(run, pool)
+                cpu_before = cpu_seconds(op_pid)
+                pool.all("watch", until=time.monotonic() + 10, interval=DETECT_POLL, rejoin=True)
+                t_lost = time.monotonic()
+                kubelet.delete(nodes[-1])
+                os.kill(victim.pid, signal.SIGKILL)
+                watched = collect(pool.workers, 10 + ROUND_BOUND)
+                _check(watched, n - 1, "k8s pod-deletion recovery")
+                seen = [r["t_seen"] - t_lost for r in watched if r.get("t_seen") is not None]
+                time.sleep(SETTLE)
+                out.append({"n": n, "rep": rep, "survivors": n - 1, "signalled": len(seen),
+                            "trigger": "Pod deleted", "window_s": 10.0,
+                            "seen_first_s": min(seen) if seen else None,
+                            "seen_all_s": max(seen) if len(seen) == n - 1 else None,
+                            "new_round_s": max(r["t_done"] for r in watched) - t_lost,
+                            "operator_cpu_s": cpu_seconds(op_pid) - cpu_before,
+                            "operator_rss_mib": rss_bytes(op_pid) / 2**20,
+                            **backend.close_window(window, pool)})
+            finally:
+                _teardown(backend, run, [*pool.workers, victim])
+                extra.stop()
+    finally:
+        operator.stop()
+    return out

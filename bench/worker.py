@@ -44,6 +44,8 @@ def _params(backend: str, spec: dict[str, Any], node: str) -> Any:
     conf = {k: str(v) for k, v in spec.get("conf", {}).items()}
     if backend == "k8s":
         conf["node_name"] = node
+        if spec.get("pods"):
+            conf["pod"] = node  # the node runs in the Pod of its own name
     elif backend == "c10d":
         conf["is_host"] = "1" if node == spec.get("host_node") else "0"
     return RendezvousParameters(backend=backend, endpoint=spec["endpoint"], run_id=spec["run"],
