@@ -19,20 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from elasticrun.api import crd
-from elasticrun.api.model import InvalidRunError, RunStatus, WaitingNode
+from elasticrun.api.model import InvalidRunError, RunStatus, WaitingNode, parse_time
 
 #: Annotation on a node's Lease: its join request, as JSON (a waiting entry without the name).
 JOIN_ANNOTATION = f"{crd.GROUP}/join"
-
-
-def _time(value: Any) -> dt.datetime | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        parsed = dt.datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
 
 
 @dataclass(frozen=True)
@@ -76,7 +66,7 @@ def lease_state(lease: Mapping[str, Any]) -> LeaseState:
     owners = [ref.get("uid") for ref in meta.get("ownerReferences") or []
               if ref.get("kind") == crd.KIND]
     return LeaseState(node=node, holder=spec.get("holderIdentity"),
-                      renewed=_time(spec.get("renewTime")),
+                      renewed=parse_time(spec.get("renewTime")),
                       duration=float(spec.get("leaseDurationSeconds") or 0), join=join,
                       owner_uid=owners[0] if owners else None)
 

@@ -42,6 +42,17 @@ def format_time(value: dt.datetime) -> str:
     return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def parse_time(value: Any) -> dt.datetime | None:
+    """An RFC 3339 time from an object we do not own (Pods, Leases); None if unreadable."""
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = dt.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+
+
 # --------------------------------------------------------------------------- readers
 
 _T = TypeVar("_T")

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from elasticrun.api.model import parse_time
+
 
 @dataclass(frozen=True)
 class Loss:
@@ -21,16 +23,6 @@ class Loss:
     reason: str
     message: str
     since: dt.datetime | None = None
-
-
-def _time(value: Any) -> dt.datetime | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        parsed = dt.datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
 
 
 def pod_loss(pod: Mapping[str, Any], event_type: str | None = None,
@@ -52,7 +44,7 @@ def pod_loss(pod: Mapping[str, Any], event_type: str | None = None,
         if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
             return Loss("PodDisrupted", f"pod {name}: {condition.get('reason', 'disruption')}: "
                         f"{condition.get('message', '')}".rstrip(": "),
-                        _time(condition.get("lastTransitionTime")))
+                        parse_time(condition.get("lastTransitionTime")))
     if status.get("phase") == "Failed":
         return Loss("PodFailed", f"pod {name} failed: {status.get('reason') or ''} "
                     f"{status.get('message') or ''}".strip(), _finished_at(status))
@@ -65,7 +57,7 @@ def pod_loss(pod: Mapping[str, Any], event_type: str | None = None,
                         f"pod {name}: container {container.get('name')} terminated "
                         f"(exit code {terminated.get('exitCode')}, "
                         f"{terminated.get('reason') or 'no reason'})",
-                        _time(terminated.get("finishedAt")))
+                        parse_time(terminated.get("finishedAt")))
     if first_restart_count is not None and restart_count(pod) > first_restart_count:
         last = _last_termination(status)
         return Loss("ContainerRestarted", f"pod {name}: a container restarted "
@@ -79,7 +71,7 @@ def restart_count(pod: Mapping[str, Any]) -> int:
 
 
 def _deletion_requested(meta: Mapping[str, Any]) -> dt.datetime | None:
-    deleted = _time(meta.get("deletionTimestamp"))
+    deleted = parse_time(meta.get("deletionTimestamp"))
     if deleted is None:
         return None
     grace = float(meta.get("deletionGracePeriodSeconds") or 0)
@@ -87,14 +79,14 @@ def _deletion_requested(meta: Mapping[str, Any]) -> dt.datetime | None:
 
 
 def _finished_at(status: Mapping[str, Any]) -> dt.datetime | None:
-    times = [_time(((c.get("state") or {}).get("terminated") or {}).get("finishedAt"))
+    times = [parse_time(((c.get("state") or {}).get("terminated") or {}).get("finishedAt"))
              for c in status.get("containerStatuses") or []]
     known = [t for t in times if t is not None]
     return max(known) if known else None
 
 
 def _last_termination(status: Mapping[str, Any]) -> dt.datetime | None:
-    times = [_time(((c.get("lastState") or {}).get("terminated") or {}).get("finishedAt"))
+    times = [parse_time(((c.get("lastState") or {}).get("terminated") or {}).get("finishedAt"))
              for c in status.get("containerStatuses") or []]
     known = [t for t in times if t is not None]
     return max(known) if known else None
