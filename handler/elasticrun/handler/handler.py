@@ -381,7 +381,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         try:
             raw = self._call("announce a waiting node", lambda: self._api().request(
                 "PATCH", run_path(self.settings.namespace, self.settings.run_name, "status"),
-                body=patch, content_type=JSON_PATCH))
+                body=patch, content_type=JSON_PATCH), test_patch=True)
         except _RejectedError:
             # A test failed: the signal moved after our entry was written, so the
             # members hear about us with that change.
@@ -550,10 +550,15 @@ class K8sRendezvousHandler(RendezvousHandler):
             raise RendezvousStateError(f"{self._who()}: cannot read the ElasticRun: {exc}. The "
                                        "status was probably edited by hand") from exc
 
-    def _call(self, what: str, action: Callable[[], _T], bound: float | None = None) -> _T:
+    def _call(self, what: str, action: Callable[[], _T], bound: float | None = None,
+              test_patch: bool = False) -> _T:
         """Run one API call, retrying outages for up to ``api_timeout`` seconds.
 
         The error raised says which run and node, what we were doing, and what to check.
+        ``test_patch``: the call is a JSON patch with ``test`` operations, and any 422
+        means a test failed.  The API server says so only as "the server rejected our
+        request due to an error in our request", with no details, so the message
+        alone cannot tell a failed test from a bad request.
         """
         bound = self.settings.api_timeout if bound is None else bound
         deadline = time.monotonic() + bound
@@ -568,7 +573,7 @@ class K8sRendezvousHandler(RendezvousHandler):
                     raise _NotFoundError(str(exc)) from exc
                 if exc.conflict:
                     raise _ConflictError(str(exc)) from exc
-                if exc.status == 422 and "test" in exc.message.lower():
+                if exc.status == 422 and (test_patch or "test" in exc.message.lower()):
                     raise _RejectedError(str(exc)) from exc
                 if exc.forbidden:
                     raise ElasticRunForbiddenError(
