@@ -52,6 +52,8 @@ class Controller:
         self.lease_index: Mapping[Key, Iterable[tuple[str, LeaseState]]] | None = None
         self._seen: dict[Key, RunStatus] = {}
         self._invalid_reported: dict[Key, str] = {}
+        #: (uid, highest status.round seen) per run: a round going back is repaired.
+        self._highest_round: dict[Key, tuple[str | None, int]] = {}
         self._queue: asyncio.Queue[Key] | None = None
         self._queued: set[Key] = set()
         self._timers: dict[Key, asyncio.TimerHandle] = {}
@@ -111,6 +113,7 @@ class Controller:
         if event_type == "DELETED":
             self.runs.pop(key, None)
             self._seen.pop(key, None)
+            self._highest_round.pop(key, None)
             self.pod_losses.pop(key, None)
             self.metrics.forget(*key)
             return
@@ -164,6 +167,7 @@ class Controller:
             return
         try:
             run = parse_run(raw)
+            self._check_round(key, run)
         except InvalidRunError as exc:
             await self._repair(key, raw, exc)
             return
@@ -211,6 +215,22 @@ class Controller:
         self.observe(key, raw)
         return parse_run(raw)
 
+    def _check_round(self, key: Key, run: ElasticRun) -> None:
+        """Rounds only move forward: a lower one (a status restored or edited) is invalid.
+
+        Each such status reads fine on its own; members that saw the higher
+        round refuse it, so it is repaired like an unreadable one, from the
+        highest round this operator saw (forgotten when it restarts; the
+        handlers still refuse).
+        """
+        uid, highest = self._highest_round.get(key, (None, 0))
+        if uid != run.uid:
+            highest = 0
+        if run.status.round < highest:
+            raise InvalidRunError("status.round", f"went back from {highest} to "
+                                  f"{run.status.round}; rounds only move forward")
+        self._highest_round[key] = (run.uid, max(highest, run.status.round))
+
     async def _repair(self, key: Key, raw: Mapping[str, Any], error: InvalidRunError) -> None:
         """A hand-edited status the model cannot read: make every node re-form a round."""
         if self._invalid_reported.get(key) == str(error):
@@ -218,7 +238,9 @@ class Controller:
         self._invalid_reported[key] = str(error)
         meta = raw.get("metadata") or {}
         log.warning("%s/%s: invalid status (%s); repairing", *key, error)
-        status = repair(raw.get("status"), error, now(), int(meta.get("generation") or 0))
+        uid, highest = self._highest_round.get(key, (None, 0))
+        status = repair(raw.get("status"), error, now(), int(meta.get("generation") or 0),
+                        min_round=highest if uid == meta.get("uid") else 0)
         body = {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
                 "metadata": {"name": key[1], "namespace": key[0],
                              "resourceVersion": meta.get("resourceVersion")},

@@ -261,11 +261,12 @@ def lost_since(old: RunStatus, new: RunStatus) -> list[LostMember]:
     return [m for m in new.lost_members if (m.name, m.round, m.reason, m.time) not in seen]
 
 
-def repair(raw_status: object, error: Exception, now: dt.datetime, generation: int
-           ) -> dict[str, object]:
+def repair(raw_status: object, error: Exception, now: dt.datetime, generation: int,
+           min_round: int = 0) -> dict[str, object]:
     """A readable status to replace one the model rejects, losing nothing that is safe.
 
-    The round number and signal move forward (never back), waiting entries that
+    The round number (at least ``min_round``, the highest the operator saw) and
+    the signal move forward (never back), waiting entries that
     are readable are kept, and the current round is marked for restart, so every
     member re-joins and a consistent round is sealed again.  The error goes into
     the ``Degraded`` condition for ``kubectl describe``.
@@ -279,7 +280,7 @@ def repair(raw_status: object, error: Exception, now: dt.datetime, generation: i
         return value if isinstance(value, int) and not isinstance(value, bool) \
             and value >= 0 else 0
 
-    round_ = count("round")
+    round_ = max(count("round"), min_round)
     waiting: dict[str, dict[str, object]] = {}
     for item in status.get("waiting") or [] if isinstance(status.get("waiting"), list) else []:
         try:
