@@ -1,0 +1,142 @@
+"""The operator's pure decisions: liveness from Pods, and reconcile's plans and repairs."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+
+from elasticrun.api.model import (
+    ElasticRun,
+    InvalidRunError,
+    Participant,
+    RunSpec,
+    RunStatus,
+    StoreAddress,
+)
+from elasticrun.operator.liveness import Loss, pod_loss, restart_count
+from elasticrun.operator.reconcile import Members, lost_since, reconcile, repair, set_condition
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+def pod(status: dict[str, Any] | None = None, **meta: Any) -> dict[str, Any]:
+    return {"metadata": {"name": "p0", **meta}, "status": status or {"phase": "Running"}}
+
+
+def container(state: dict[str, Any], restarts: int = 0, **extra: Any) -> dict[str, Any]:
+    return {"containerStatuses": [{"name": "trainer", "restartCount": restarts,
+                                   "state": state, **extra}], "phase": "Running"}
+
+
+# --------------------------------------------------------------------------- liveness
+
+
+def test_a_running_pod_is_alive() -> None:
+    assert pod_loss(pod(container({"running": {}})), "MODIFIED", 0) is None
+
+
+@pytest.mark.parametrize(("body", "event", "reason"), [
+    (pod(), "DELETED", "PodDeleted"),
+    (pod(deletionTimestamp="2026-01-01T00:00:30Z", deletionGracePeriodSeconds=30),
+     "MODIFIED", "PodDeleted"),
+    (pod({"phase": "Failed", "reason": "Evicted"}), "MODIFIED", "PodFailed"),
+    (pod({"phase": "Succeeded"}), "MODIFIED", "PodSucceeded"),
+    (pod(container({"terminated": {"exitCode": 137, "reason": "OOMKilled"}})), "MODIFIED",
+     "ContainerTerminated"),
+    (pod({"conditions": [{"type": "DisruptionTarget", "status": "True",
+                          "reason": "PreemptionByScheduler"}]}), "MODIFIED", "PodDisrupted"),
+])
+def test_pod_losses_are_named(body: dict[str, Any], event: str, reason: str) -> None:
+    loss = pod_loss(body, event, 0)
+    assert loss is not None and loss.reason == reason and "p0" in loss.message
+
+
+def test_deletion_is_dated_from_the_request_not_the_grace_period_end() -> None:
+    loss = pod_loss(pod(deletionTimestamp="2026-01-01T00:00:30Z",
+                        deletionGracePeriodSeconds=30), "MODIFIED")
+    assert loss is not None and loss.since == T0
+
+
+def test_a_restarted_container_is_a_loss_only_after_the_first_sight() -> None:
+    body = pod(container({"running": {}}, restarts=2, lastState={
+        "terminated": {"finishedAt": "2026-01-01T00:00:05Z"}}))
+    assert restart_count(body) == 2
+    assert pod_loss(body, "MODIFIED", first_restart_count=2) is None
+    loss = pod_loss(body, "MODIFIED", first_restart_count=1)
+    assert loss is not None and loss.reason == "ContainerRestarted"
+    assert loss.since == T0 + dt.timedelta(seconds=5)
+
+
+# --------------------------------------------------------------------------- reconcile
+
+
+def running_run(spec: RunSpec | None = None, **status: Any) -> ElasticRun:
+    participants = tuple(Participant(name=n, rank=i, address="10.0.0.1", store_port=1 + i,
+                                     pod=n) for i, n in enumerate(("a", "b", "c")))
+    base = RunStatus(phase="Running", round=1, signal=1, participants=participants,
+                     store=StoreAddress("10.0.0.1", 1), sealed_at=T0)
+    return ElasticRun("r", "ns", spec or RunSpec(min_nodes=2, max_nodes=3),
+                      base.replace(**status), "7", generation=3)
+
+
+def test_closing_by_spec_closes_the_status_and_signals_everyone() -> None:
+    run = running_run(RunSpec(min_nodes=2, max_nodes=3, closed=True))
+    plan = reconcile(run, Members(), T0)
+    assert plan.status is not None and plan.status.phase == "Closed"
+    assert plan.status.signal == run.status.signal + 1
+    closed = plan.status.condition("Closed")
+    assert closed is not None and closed.status == "True" and closed.observed_generation == 3
+
+
+def test_a_member_whose_pod_failed_is_removed_and_the_round_marked() -> None:
+    run = running_run()
+    loss = Loss("PodFailed", "pod b failed", T0 - dt.timedelta(seconds=2))
+    plan = reconcile(run, Members(pod_losses={"b": loss}), T0)
+    assert plan.status is not None
+    assert plan.status.member_names == {"a", "c"} and plan.status.degraded
+    lost = lost_since(run.status, plan.status)
+    assert [(m.name, m.reason, m.detection_seconds) for m in lost] == [("b", "PodFailed", 2.0)]
+    degraded = plan.status.condition("Degraded")
+    assert degraded is not None and degraded.status == "True" and "b" in (degraded.message or "")
+
+
+def test_set_condition_keeps_the_transition_time_unless_the_status_flips() -> None:
+    first = set_condition((), "Ready", True, "A", "m", T0, 1)
+    later = set_condition(first, "Ready", True, "B", "m2", T0 + dt.timedelta(seconds=9), 2)
+    assert later[0].last_transition_time == T0 and later[0].reason == "B"
+    flipped = set_condition(later, "Ready", False, "C", "m3", T0 + dt.timedelta(seconds=20), 2)
+    assert flipped[0].last_transition_time == T0 + dt.timedelta(seconds=20)
+
+
+# --------------------------------------------------------------------------- repair
+
+
+def test_repair_of_duplicate_ranks_keeps_round_and_readable_waiting_and_reforms() -> None:
+    broken = {"phase": "Running", "round": 4, "signal": 9,
+              "participants": [{"name": "a", "rank": 0}, {"name": "b", "rank": 0}],
+              "waiting": [{"name": "w", "address": "10.0.0.9"}, {"name": 7}]}
+    with pytest.raises(InvalidRunError) as error:
+        RunStatus.from_dict(broken)
+    repaired = RunStatus.from_dict(repair(broken, error.value, T0, 5))
+    assert repaired.round == 4 and repaired.signal == 10  # forward, never back
+    assert repaired.restart_round == 4 and repaired.participants == ()
+    assert [w.name for w in repaired.waiting] == ["w"]  # the unreadable entry is dropped
+    condition = repaired.condition("Degraded")
+    assert condition is not None and condition.reason == "InvalidStatus"
+    assert str(error.value) in (condition.message or "")
+
+
+def test_repair_of_an_unreadable_status_type() -> None:
+    repaired = RunStatus.from_dict(repair("garbage", ValueError("x"), T0, 1))
+    assert repaired.round == 0 and repaired.phase == "Forming"
+
+
+def test_repair_of_a_round_that_went_back_moves_it_forward_again() -> None:
+    went_back = {"phase": "Running", "round": 1, "signal": 4,
+                 "participants": [{"name": "a", "rank": 0}], "store": {"host": "h", "port": 1}}
+    error = InvalidRunError("status.round", "went back from 3 to 1")
+    repaired = RunStatus.from_dict(repair(went_back, error, T0, 2, min_round=3))
+    assert repaired.round == 3 and repaired.degraded and repaired.participants == ()
+    assert repaired.signal == 5

@@ -1,0 +1,127 @@
+"""The pure round rules (elasticrun.api.rounds): what any sealer, node or operator, decides."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from elasticrun.api import rounds
+from elasticrun.api.model import ElasticRun, Participant, RunSpec, RunStatus, WaitingNode
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+
+
+def at(seconds: float) -> dt.datetime:
+    return T0 + dt.timedelta(seconds=seconds)
+
+
+def waiting(*names: str, since: float = 0.0) -> tuple[WaitingNode, ...]:
+    return tuple(WaitingNode(name=n, address=f"10.0.0.{i}", store_port=29400 + i,
+                             since=at(since + i)) for i, n in enumerate(names))
+
+
+def run(status: RunStatus, min_nodes: int = 2, max_nodes: int = 4, last_call: int = 30,
+        closed: bool = False, annotations: dict[str, str] | None = None) -> ElasticRun:
+    spec = RunSpec(min_nodes=min_nodes, max_nodes=max_nodes, last_call_timeout=last_call,
+                   closed=closed)
+    return ElasticRun("r", "ns", spec, status, "1", annotations=annotations or {})
+
+
+def sealed(*names: str, round_: int = 1) -> RunStatus:
+    return RunStatus(phase="Running", round=round_, signal=round_, participants=tuple(
+        Participant(name=n, rank=i, address=f"10.0.0.{i}", store_port=29400 + i)
+        for i, n in enumerate(names)))
+
+
+# --------------------------------------------------------------------------- decide_seal
+
+
+def test_below_min_nodes_never_seals() -> None:
+    decision = rounds.decide_seal(run(RunStatus(waiting=waiting("a"))), at(999))
+    assert not decision.seal_now and decision.deadline is None
+    assert "1 of at least 2" in decision.reason
+
+
+def test_max_nodes_seals_at_once_without_waiting_for_last_call() -> None:
+    decision = rounds.decide_seal(run(RunStatus(waiting=waiting("a", "b", "c", "d"))), at(4))
+    assert decision.seal_now and "maxNodes" in decision.reason
+
+
+def test_last_call_counts_from_the_min_nodes_th_arrival() -> None:
+    status = RunStatus(waiting=waiting("a", "b", "c"))  # arrivals at 0, 1, 2 s
+    early = rounds.decide_seal(run(status, last_call=30), at(30))
+    assert not early.seal_now and early.deadline == at(31)  # 2nd arrival + 30 s
+    assert rounds.decide_seal(run(status, last_call=30), at(31)).seal_now
+
+
+def test_all_survivors_back_seal_at_once_but_spares_do_not_replace_them() -> None:
+    status = sealed("a", "b", "c").replace(restart_round=1, waiting=waiting("c", "a"))
+    # b (a member) is not back yet: two of three plus nothing else, wait for last call.
+    assert not rounds.decide_seal(run(status), at(5)).seal_now
+    back = status.replace(waiting=waiting("c", "a", "b"))
+    assert rounds.decide_seal(run(back), at(5)).seal_now
+    # A spare arriving first does not seal in the place of a member still on its way.
+    spare = status.replace(waiting=waiting("c", "a", "x", "y"))
+    assert not rounds.decide_seal(run(spare, max_nodes=4), at(5)).seal_now
+
+
+def test_closed_and_drained_nodes_are_not_sealed() -> None:
+    status = RunStatus(waiting=waiting("a", "b", "c", "d"))
+    assert not rounds.decide_seal(run(status, closed=True), at(99)).seal_now
+    drained = run(status, annotations={"elasticrun.dev/drain": "c, d"})
+    assert [w.name for w in rounds.eligible_waiting(drained)] == ["a", "b"]
+    assert not rounds.decide_seal(drained, at(1)).seal_now  # 2 eligible < max 4: last call
+
+
+# --------------------------------------------------------------------------- ranks
+
+
+def test_order_for_ranks_keeps_survivors_then_newcomers_by_arrival() -> None:
+    previous = sealed("b", "a", "c").participants  # b was rank 0
+    order = rounds.order_for_ranks(previous, (*waiting("z", "y", since=10), *waiting("c", "b")))
+    assert [w.name for w in order] == ["b", "c", "z", "y"]
+
+
+def test_order_for_ranks_breaks_arrival_ties_by_name() -> None:
+    same = tuple(WaitingNode(name=n, since=T0) for n in ("node-10", "node-2", "node-1"))
+    assert [w.name for w in rounds.order_for_ranks((), same)] == ["node-1", "node-10", "node-2"]
+
+
+def test_seal_round_moves_waiting_into_a_new_round_with_rank_0_hosting_the_store() -> None:
+    status = sealed("a", "b").replace(restart_round=1, waiting=waiting("n", "b", "a"))
+    new = rounds.seal_round(run(status, max_nodes=2), at(7))
+    assert new.round == 2 and new.signal == status.signal + 1 and new.phase == "Running"
+    assert [(p.name, p.rank) for p in new.participants] == [("a", 0), ("b", 1)]
+    assert [w.name for w in new.waiting] == ["n"]  # beyond maxNodes: still a spare
+    leader = new.participants[0]
+    assert new.store is not None and (new.store.host, new.store.port) == (
+        leader.address, leader.store_port)
+    assert {p.joined_round for p in new.participants} == {0}  # kept from round 1
+    assert new.sealed_at == at(7)
+    RunStatus.from_dict(new.to_dict())  # what is written reads back
+
+
+# --------------------------------------------------------------------------- losses, waiting
+
+
+def test_remove_member_marks_the_round_and_signals_once() -> None:
+    status = sealed("a", "b", "c")
+    one = rounds.remove_member(status, "b", "LeaseExpired", at(1))
+    assert one is not None and one.degraded and one.signal == status.signal + 1
+    assert one.member_names == {"a", "c"}
+    assert [(m.name, m.reason) for m in one.lost_members] == [("b", "LeaseExpired")]
+    two = rounds.remove_member(one, "c", "PodDeleted", at(2))
+    assert two is not None and two.signal == one.signal  # already told: no second signal
+    assert rounds.remove_member(two, "nobody", "x", at(3)) is None
+
+
+def test_nodes_waiting_reports_losses_and_newcomers_but_not_spares_of_a_full_round() -> None:
+    full = sealed("a", "b")
+    assert rounds.nodes_waiting(run(full, max_nodes=2), 1) == 0
+    spare = full.replace(waiting=waiting("s"))
+    assert rounds.nodes_waiting(run(spare, max_nodes=2), 1) == 0  # no room: keep training
+    assert rounds.nodes_waiting(run(spare, max_nodes=3), 1) == 1  # room: re-form
+    lost = rounds.remove_member(full, "b", "PodFailed", at(1))
+    assert lost is not None
+    assert rounds.nodes_waiting(run(lost, max_nodes=2), 1) >= 1
+    newer = sealed("a", "b", round_=2)
+    assert rounds.nodes_waiting(run(newer, max_nodes=2), 1) >= 1  # superseded
