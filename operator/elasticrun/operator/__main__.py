@@ -41,6 +41,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         default=int(os.environ.get("ELASTICRUN_HEALTH_PORT", "8081")),
                         help="liveness/readiness endpoint port, /healthz (0 disables)")
     parser.add_argument("--health-addr", default="0.0.0.0")
+    parser.add_argument("--per-run-rbac", action="store_true",
+                        help="give each ElasticRun annotated elasticrun.dev/service-account=SA "
+                             "a Role limited to that run and its Leases, bound to SA (the "
+                             "operator needs patch/delete on roles and rolebindings, and "
+                             "itself every right it grants: RBAC forbids escalation)")
     parser.add_argument("--workers", type=int, default=2,
                         help="runs reconciled in parallel (default 2)")
     parser.add_argument("--kubeconfig", default=None,
@@ -60,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     metrics = Metrics()
     controller = Controller(KubeClient.from_config(args.kubeconfig, timeout=15), metrics,
-                            workers=args.workers)
+                            workers=args.workers, per_run_rbac=args.per_run_rbac)
     handlers.install(controller)
 
     @kopf.on.startup()

@@ -14,13 +14,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import logging
 import socket
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from elasticrun.api import crd
-from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, leases_path, run_path
+from elasticrun.api.kube import (
+    APPLY_PATCH,
+    ApiConnectionError,
+    ApiError,
+    KubeClient,
+    leases_path,
+    run_path,
+)
 from elasticrun.api.leases import LeaseState
 from elasticrun.api.model import (
     ElasticRun,
@@ -31,6 +39,7 @@ from elasticrun.api.model import (
     parse_run,
 )
 from elasticrun.api.naming import label_value, lease_name
+from elasticrun.operator import runrbac
 from elasticrun.operator.liveness import Loss, pod_loss, restart_count
 from elasticrun.operator.metrics import Metrics
 from elasticrun.operator.reconcile import Members, lost_since, reconcile, repair
@@ -42,10 +51,14 @@ COMPONENT = "elasticrun-operator"
 
 
 class Controller:
-    def __init__(self, client: KubeClient, metrics: Metrics, workers: int = 2) -> None:
+    def __init__(self, client: KubeClient, metrics: Metrics, workers: int = 2,
+                 per_run_rbac: bool = False) -> None:
         self.client = client
         self.metrics = metrics
         self.workers = workers
+        #: Give runs naming a ServiceAccount a Role of their own (elasticrun.operator.runrbac).
+        self.per_run_rbac = per_run_rbac
+        self._rbac_applied: dict[Key, str] = {}
         self.runs: dict[Key, dict[str, Any]] = {}
         self.pod_losses: dict[Key, dict[str, Loss]] = {}
         self.pod_restarts: dict[tuple[str, str], int] = {}
@@ -114,6 +127,7 @@ class Controller:
             self.runs.pop(key, None)
             self._seen.pop(key, None)
             self._highest_round.pop(key, None)
+            self._rbac_applied.pop(key, None)
             self.pod_losses.pop(key, None)
             self.metrics.forget(*key)
             return
@@ -172,6 +186,8 @@ class Controller:
             await self._repair(key, raw, exc)
             return
         self._invalid_reported.pop(key, None)
+        if self.per_run_rbac:
+            await self._ensure_rbac(key, run)
         plan = reconcile(run, self._members(key), now())
         if plan.delete_run:
             await self._delete(run)
@@ -196,6 +212,33 @@ class Controller:
         self._forget_stale_losses(key, run)
         if plan.wake_at is not None:
             self.schedule(key, plan.wake_at)
+
+    async def _ensure_rbac(self, key: Key, run: ElasticRun) -> None:
+        """The run's own Role and RoleBinding, with the Leases its nodes created so far.
+
+        Applied only when they change (a node's Lease appears), so a reconcile
+        costs no RBAC write; a Lease event re-queues the run, and the node's
+        Lease is in the Role before its first renewal.
+        """
+        account = run.annotations.get(runrbac.SERVICE_ACCOUNT_ANNOTATION)
+        if not account:
+            return
+        nodes = [node for node, _ in self.lease_index.get(key, ())] \
+            if self.lease_index is not None else []
+        role = runrbac.role(run.name, run.namespace, run.uid, nodes)
+        binding = runrbac.role_binding(run.name, run.namespace, run.uid, account)
+        fingerprint = json.dumps([role, binding], sort_keys=True)
+        if self._rbac_applied.get(key) == fingerprint:
+            return
+        for manifest in (role, binding):
+            await asyncio.to_thread(
+                self.client.request, "PATCH",
+                runrbac.path(manifest["kind"], run.namespace, run.name), body=manifest,
+                query={"fieldManager": runrbac.MANAGER, "force": "true"},
+                content_type=APPLY_PATCH)
+        self._rbac_applied[key] = fingerprint
+        log.info("%s/%s: Role %s allows ServiceAccount %s this run and %d Lease(s)", *key,
+                 runrbac.object_name(run.name), account, len(set(nodes)))
 
     async def _write_status(self, run: ElasticRun, status: RunStatus) -> ElasticRun | None:
         key = (run.namespace, run.name)
@@ -264,6 +307,11 @@ class Controller:
                                "TTL after finishing passed; deleting the run and its Leases")
         with contextlib.suppress(ApiError):
             await asyncio.to_thread(self.client.request, "DELETE", run_path(*key))
+        if self.per_run_rbac:  # owned by the run, but a cluster may run no garbage collector
+            for kind in ("RoleBinding", "Role"):
+                with contextlib.suppress(ApiError):
+                    await asyncio.to_thread(self.client.request, "DELETE",
+                                            runrbac.path(kind, run.namespace, run.name))
         for lease in await self._run_leases(run.namespace, run.name):
             with contextlib.suppress(ApiError):
                 await asyncio.to_thread(self.client.request, "DELETE",

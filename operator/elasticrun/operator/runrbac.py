@@ -1,0 +1,99 @@
+"""Per-run RBAC (opt-in, ``--per-run-rbac``): a pod of run A cannot write run B.
+
+The chart's training Role lets every training pod of a namespace write every
+ElasticRun and Lease in it.  With ``--per-run-rbac`` the operator gives each
+run that names its ServiceAccount in the annotation
+``elasticrun.dev/service-account`` a Role of its own, limited by
+``resourceNames`` to that run and to its nodes' Leases, and a RoleBinding for
+that ServiceAccount (bind it to nothing else).
+
+What RBAC cannot limit by name, and how it is handled:
+
+* ``create`` of Leases: RBAC never checks ``resourceNames`` on create (the name
+  is not known to the authorizer before the object exists), so ``create`` on
+  leases is granted namespace-wide.  A node creates its Lease first; the
+  operator sees it (its Lease index), and adds the name to the Role before the
+  node's first renewal, so every later write of the node is by name.  A pod
+  can therefore create a Lease under another run's node name before that node
+  does (a squatter: that node then fails with NodeNameInUseError), but it can
+  never change or delete a Lease that already exists, nor any other run's
+  status.
+* ``list`` of Leases: the handler lists its run's Leases by label to read the
+  join requests, and a label-selected list cannot be limited by name either;
+  Leases hold node names and addresses, nothing secret.
+* ``list``/``watch`` of the run itself are limited by name: the handler watches
+  with ``fieldSelector=metadata.name=RUN``, which the authorizer checks against
+  ``resourceNames``.
+
+The Role and RoleBinding are owned by the run (ownerReferences), so the garbage
+collector removes them with it; the operator also deletes them on TTL cleanup.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+from elasticrun.api import crd
+from elasticrun.api.naming import lease_name
+
+#: Annotation on an ElasticRun naming the ServiceAccount its pods run as.
+SERVICE_ACCOUNT_ANNOTATION = f"{crd.GROUP}/service-account"
+RBAC = "rbac.authorization.k8s.io"
+MANAGER = "elasticrun-operator"
+
+
+def object_name(run: str) -> str:
+    """Name of the run's Role and RoleBinding (a valid name for any run name)."""
+    name = f"elasticrun-run.{run}"
+    if len(name) <= 253:
+        return name
+    return f"elasticrun-run.{run[:200]}.{hashlib.sha256(run.encode()).hexdigest()[:16]}"
+
+
+def _meta(run: str, namespace: str, uid: str | None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": object_name(run), "namespace": namespace,
+        "labels": {"app.kubernetes.io/managed-by": "elasticrun-operator"},
+        "annotations": {crd.RUN_LABEL: run},
+    }
+    if uid:
+        meta["ownerReferences"] = [{"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                                    "name": run, "uid": uid, "blockOwnerDeletion": False}]
+    return meta
+
+
+def role(run: str, namespace: str, uid: str | None, nodes: Iterable[str]) -> dict[str, Any]:
+    """The run's Role: this run, its status, and the Leases of the nodes seen so far."""
+    leases = sorted({lease_name(run, node) for node in nodes})
+    rules: list[dict[str, Any]] = [
+        {"apiGroups": [crd.GROUP], "resources": [crd.PLURAL], "resourceNames": [run],
+         "verbs": ["get", "list", "watch", "patch", "update"]},
+        {"apiGroups": [crd.GROUP], "resources": [f"{crd.PLURAL}/status"],
+         "resourceNames": [run], "verbs": ["get", "patch", "update"]},
+        # Not limitable by name (see the module docstring).
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "verbs": ["create", "list"]},
+    ]
+    if leases:
+        rules.append({"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                      "resourceNames": leases, "verbs": ["get", "update", "patch", "delete"]})
+    return {"apiVersion": f"{RBAC}/v1", "kind": "Role", "metadata": _meta(run, namespace, uid),
+            "rules": rules}
+
+
+def role_binding(run: str, namespace: str, uid: str | None,
+                 service_account: str) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{RBAC}/v1", "kind": "RoleBinding",
+        "metadata": _meta(run, namespace, uid),
+        "roleRef": {"apiGroup": RBAC, "kind": "Role", "name": object_name(run)},
+        "subjects": [{"kind": "ServiceAccount", "name": service_account,
+                      "namespace": namespace}],
+    }
+
+
+def path(kind: str, namespace: str, run: str) -> str:
+    plural = {"Role": "roles", "RoleBinding": "rolebindings"}[kind]
+    return f"/apis/{RBAC}/v1/namespaces/{namespace}/{plural}/{object_name(run)}"
