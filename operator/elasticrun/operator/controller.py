@@ -294,7 +294,13 @@ class Controller:
                                               query={"fieldManager": COMPONENT})
         except ApiError as exc:
             if exc.conflict:
+                # Our copy is stale.  While the status is unreadable nobody else
+                # writes the run, so no newer event may come to re-queue it: read it.
                 self._invalid_reported.pop(key, None)
+                fresh = await asyncio.to_thread(self.client.request, "GET", run_path(*key))
+                if _rv(fresh) > _rv(self.runs.get(key) or {}):
+                    self.runs[key] = fresh
+                self.enqueue(key)
                 return
             raise
         self.runs[key] = written
