@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""One rendezvous node as a real process, so that chaos tests can SIGKILL it for real.
+
+It builds a ``K8sRendezvousHandler`` from its arguments and behaves like torch's
+elastic agent: ``next_rendezvous()``, then "train" while polling
+``num_nodes_waiting()`` every 0.1 s (torch's monitor interval), and rendezvous
+again as soon as that is positive.  Every outcome is one JSON line on stdout::
+
+    {"event": "ready", "node": ..., "pid": ...}                     handler built
+    {"event": "rendezvous", "node": ..., "round": R, "rank": r, "world": w, "t": ...}
+    {"event": "restart", "node": ..., "round": R, "waiting": n, "t": ...}
+    {"event": "error", "node": ..., "type": "RendezvousClosedError", "message": ..., "t": ...}
+
+``--die-at`` makes the process SIGKILL *itself* at an exact point of the
+protocol (a real SIGKILL: no ``finally``, no shutdown, the Lease is left to
+expire), which is how a test kills a node mid-seal deterministically:
+
+* ``before-seal``: the node computed a seal and dies before its compare-and-set;
+* ``after-seal``: its compare-and-set was written, and it dies before using it.
+
+    python tests/integration/node_agent.py --kubeconfig K --namespace NS --run R \
+        --node n0 --nnodes 2:3 [--rounds 2] [--conf heartbeat_timeout=2,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+for extra in (ROOT / "handler", ROOT / "operator"):
+    if str(extra) not in sys.path:
+        sys.path.insert(0, str(extra))
+
+from elasticrun.api.model import RunSpec  # noqa: E402
+from elasticrun.handler.handler import K8sRendezvousHandler  # noqa: E402
+from elasticrun.handler.settings import RendezvousSettings  # noqa: E402
+
+DIE_POINTS = ("before-seal", "after-seal")
+
+
+def emit(event: str, node: str, **fields: Any) -> None:
+    print(json.dumps({"event": event, "node": node, "t": time.time(), **fields}), flush=True)
+
+
+def parse_conf(text: str) -> dict[str, str]:
+    conf: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, value = item.partition("=")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def build(args: argparse.Namespace) -> K8sRendezvousHandler:
+    low, _, high = args.nnodes.partition(":")
+    conf = parse_conf(args.conf)
+    spec = RunSpec(min_nodes=int(low), max_nodes=int(high or low),
+                   join_timeout=int(conf.get("join_timeout", 60)),
+                   last_call_timeout=int(conf.get("last_call_timeout", 1)),
+                   heartbeat_timeout=int(conf.get("heartbeat_timeout", 15)),
+                   lease_renew_interval=int(conf.get("lease_interval", 5)))
+    settings = RendezvousSettings(
+        run_name=args.run, namespace=args.namespace, node_name=args.node,
+        address=args.address, pod=args.pod, requested_spec=spec, kubeconfig=args.kubeconfig,
+        api_timeout=float(conf.get("api_timeout", 30)),
+        close_timeout=float(conf.get("close_timeout", 10)),
+        watch_timeout=int(conf.get("watch_timeout", 300)))
+    return K8sRendezvousHandler(settings)
+
+
+def arm(handler: K8sRendezvousHandler, point: str) -> None:
+    """Make the node SIGKILL itself around its seal compare-and-set."""
+    original = handler._replace_status
+
+    def replace_status(run: Any, status: Any) -> Any:
+        sealing = status.round > run.status.round
+        if sealing and point == "before-seal":
+            emit("dying", handler.settings.node_name, point=point, round=status.round)
+            os.kill(os.getpid(), signal.SIGKILL)
+        written = original(run, status)
+        if sealing and written is not None and point == "after-seal":
+            emit("dying", handler.settings.node_name, point=point, round=status.round)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return written
+
+    handler._replace_status = replace_status  # type: ignore[method-assign]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kubeconfig", required=True)
+    parser.add_argument("--namespace", required=True)
+    parser.add_argument("--run", required=True)
+    parser.add_argument("--node", required=True)
+    parser.add_argument("--pod", default=None)
+    parser.add_argument("--address", default="127.0.0.1")
+    parser.add_argument("--nnodes", default="1:1", help="MIN:MAX, as torchrun's --nnodes")
+    parser.add_argument("--conf", default="", help="key=value,... as --rdzv-conf")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="stop (with shutdown()) after this many rounds; 0: never")
+    parser.add_argument("--die-at", choices=DIE_POINTS, default=None)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="DEBUG logs on stderr (the security tests grep them)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = build(args)
+    if args.die_at:
+        arm(handler, args.die_at)
+    node = args.node
+    emit("ready", node, pid=os.getpid())
+    done = 0
+    try:
+        while not args.rounds or done < args.rounds:
+            try:
+                info = handler.next_rendezvous()
+            except Exception as exc:  # reported, as torch's agent would
+                emit("error", node, type=type(exc).__name__, message=str(exc))
+                return 1
+            done += 1
+            emit("rendezvous", node, round=handler._round, rank=info.rank,
+                 world=info.world_size, store=[info.bootstrap_store_info.master_addr,
+                                               info.bootstrap_store_info.master_port])
+            if args.rounds and done >= args.rounds:
+                break
+            # Training: torch's monitor loop asks every 0.1 s whether to re-form.
+            while (waiting := handler.num_nodes_waiting()) == 0:
+                time.sleep(0.1)
+            emit("restart", node, round=handler._round, waiting=waiting)
+    finally:
+        if args.rounds:
+            handler.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
