@@ -48,13 +48,17 @@ class Plan:
     event_n: int = 8
     idle_seconds: float = 20.0
     workers: int = 4
+    load_runs: int = 200
+    load_members: int = 8
+    load_window: float = 30.0
+    load_losses: int = 3
     #: A formation not done by then is reported as not formed.
     formation_bound: float = 60.0
 
     @classmethod
     def quick(cls) -> Plan:
         return cls(sizes=(2, 4, 8), reps=2, event_reps=1, event_n=4, idle_seconds=4.0,
-                   workers=2)
+                   workers=2, load_runs=10, load_window=5.0, load_losses=1)
 
 
 OPERATOR = ROOT / "operator" / "elasticrun" / "operator" / "__main__.py"
@@ -117,6 +121,10 @@ def run_backend(name: str, plan: Plan, work: Path, log_dir: Path) -> dict[str, A
         idle_timing = backends.Timing(plan.event_n, plan.event_n, **idle)
         result["steady_state"] = step("steady state", lambda: scenarios.steady_state(
             backend, pool, plan.event_n, plan.idle_seconds, idle_timing))
+        if isinstance(backend, backends.K8sBackend) and OPERATOR.exists():
+            result["operator_load"] = step("operator at load", lambda: scenarios.operator_load(
+                backend, plan.load_runs, plan.load_members, plan.load_window, plan.load_losses,
+                log_dir))
     finally:
         extra.stop()
         pool.stop()

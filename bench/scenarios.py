@@ -365,3 +365,110 @@ def recovery_pod_deleted(backend: K8sBackend, pool: Pool, extra: Extra, n: int, 
     finally:
         operator.stop()
     return out
+
+
+# --------------------------------------------------------------------------- operator at load
+
+
+def operator_load(backend: K8sBackend, runs: int, members: int, window_s: float, losses: int,
+                  log_dir: Path) -> dict[str, Any]:
+    """The operator watching ``runs`` running rounds of ``members`` each, then losing pods.
+
+    Members are simulated on the API server, not run as handlers (1,600 handlers do
+    not fit two cores): each run gets a sealed status, and every member its Pod
+    (Running, as a kubelet would report it) and its Lease, made by the handler's own
+    LeaseKeeper.  Leases are long (600 s), so none expires during the measurement.
+    Measured: the operator's start-up until idle, its CPU over an idle window, its
+    memory, and how long one pod deletion takes to show in the run's status.
+    """
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    from elasticrun.api.kube import run_path  # noqa: PLC0415
+    from elasticrun.api.model import (  # noqa: PLC0415
+        Participant,
+        RunStatus,
+        StoreAddress,
+        now,
+        parse_run,
+    )
+    from elasticrun.handler.lease import LeaseKeeper  # noqa: PLC0415
+
+    from controlplane.kubelet import Kubelet  # noqa: PLC0415
+    from controlplane.operatorproc import OperatorProcess  # noqa: PLC0415
+
+    cp = backend.control_plane
+    namespace = f"bench-load-{int(time.time()) % 100000}"
+    cp.api.request("POST", "/api/v1/namespaces", body={
+        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    kubelet = Kubelet(cp.api, namespace)
+    names = [f"load-{i:03d}" for i in range(runs)]
+
+    def populate(name: str) -> None:
+        from elasticrun.api.model import RunSpec, new_run_manifest  # noqa: PLC0415
+
+        spec = RunSpec(min_nodes=members, max_nodes=members, join_timeout=600,
+                       last_call_timeout=1, heartbeat_timeout=600, lease_renew_interval=300)
+        created = cp.api.request("POST", f"/apis/elasticrun.dev/v1alpha1/namespaces/{namespace}"
+                                 "/elasticruns", body=new_run_manifest(name, namespace, spec))
+        nodes = [f"{name}-m{j}" for j in range(members)]
+        for node in nodes:
+            kubelet.create(node, name)
+            LeaseKeeper(cp.api, namespace, name, node, 600, 300,
+                        created["metadata"]["uid"]).acquire(None)
+        participants = tuple(Participant(name=node, rank=j, address="127.0.0.1",
+                                         store_port=20000 + j, joined_round=1, pod=node)
+                             for j, node in enumerate(nodes))
+        status = RunStatus(phase="Running", round=1, signal=1, participants=participants,
+                           store=StoreAddress("127.0.0.1", 20000), sealed_at=now())
+        cp.api.request("PUT", run_path(namespace, name, "status"), body={
+            "apiVersion": "elasticrun.dev/v1alpha1", "kind": "ElasticRun",
+            "metadata": {"name": name, "namespace": namespace,
+                         "resourceVersion": created["metadata"]["resourceVersion"]},
+            "status": status.to_dict()})
+
+    began = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(populate, names))
+    populated_s = time.monotonic() - began
+    operator = OperatorProcess(Path(cp.kubeconfig), [namespace], log_dir, ["--workers", "4"])
+    started = time.monotonic()
+    operator.start()
+    pid = operator.proc.pid
+    try:
+        _quiet(pid, bound=180.0)
+        startup_s = time.monotonic() - started
+        startup_cpu = cpu_seconds(pid)
+        cpu0, t0 = cpu_seconds(pid), time.monotonic()
+        time.sleep(window_s)
+        idle_cpu = (cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
+        rss = rss_bytes(pid)
+        detect = []
+        for k in range(losses):
+            name = names[(k * runs) // max(1, losses)]
+            victim = f"{name}-m{members - 1 - k % members}"
+            t_lost = time.monotonic()
+            kubelet.delete(victim)
+            deadline = t_lost + 30
+            while time.monotonic() < deadline:
+                status = parse_run(cp.api.request("GET", run_path(namespace, name))).status
+                if status.participant(victim) is None:
+                    detect.append(time.monotonic() - t_lost)
+                    break
+                time.sleep(0.02)
+            time.sleep(1.0)
+    finally:
+        operator.stop()
+    return {"runs": runs, "members": members, "objects": runs * (1 + 2 * members),
+            "populate_s": populated_s, "startup_s": startup_s, "startup_cpu_s": startup_cpu,
+            "idle_cpu_fraction": idle_cpu, "idle_window_s": window_s,
+            "rss_mib": rss / 2**20, "pod_loss_s": detect, "losses": losses}
+
+
+def _quiet(pid: int, bound: float, threshold: float = 0.05) -> None:
+    """Wait until a process uses less than ``threshold`` CPU seconds per second (bounded)."""
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        before = cpu_seconds(pid)
+        time.sleep(1.0)
+        if cpu_seconds(pid) - before < threshold:
+            return

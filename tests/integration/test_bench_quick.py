@@ -27,14 +27,14 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     setup = subprocess.run(["bash", str(ROOT / "bench" / "setup.sh")], capture_output=True,
-                           text=True, timeout=600)
+                           text=True, timeout=600, check=False)
     if setup.returncode != 0:
         pytest.fail("bench/setup.sh could not provide an etcd with the v2 API (it installs "
                     f"Debian's etcd-server with apt-get, as root):\n{setup.stderr[-2000:]}")
     out = tmp_path_factory.mktemp("bench-quick")
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--no-setup",
                           "--out", str(out)], capture_output=True, text=True, timeout=840,
-                         cwd=ROOT)
+                         check=False, cwd=ROOT)
     assert run.returncode == 0, f"bench/run.py --quick failed:\n{run.stderr[-4000:]}"
     return out, json.loads((out / "benchmarks.json").read_text())
 
@@ -80,6 +80,18 @@ def test_events_and_steady_state_are_reported(quick_run: tuple[Path, dict[str, A
         else:
             assert all(_positive(r["reentry_to_round_s"]) for r in recovery), name
         assert _positive(result["steady_state"]["requests_per_member_minute"]), name
+
+
+def test_operator_measured_when_present(quick_run: tuple[Path, dict[str, Any]]) -> None:
+    _, data = quick_run
+    k8s = data["backends"]["k8s"]
+    if not (ROOT / "operator" / "elasticrun" / "operator" / "__main__.py").exists():
+        pytest.skip("no operator in this tree")
+    pod = k8s["recovery_pod_deleted"]
+    assert pod and all(_positive(r["seen_all_s"]) and _positive(r["new_round_s"]) for r in pod)
+    load = k8s["operator_load"]
+    assert _positive(load["rss_mib"]) and _positive(load["startup_s"])
+    assert len(load["pod_loss_s"]) == load["losses"] and all(map(_positive, load["pod_loss_s"]))
 
 
 def test_report_and_plots_written(quick_run: tuple[Path, dict[str, Any]]) -> None:
