@@ -92,7 +92,8 @@ def test_wrongly_typed_status_is_rejected_by_the_schema_naming_the_field(
     record(f"status with a wrong type ({field})", group="bad input",
            fault=f"kubectl patch --subresource=status {json.dumps(patch)}",
            expected="422 from the schema naming the field; nothing stored",
-           observed=f"rejected: {result.stderr.strip().splitlines()[-1][:110]}",
+           observed="rejected: " + next(line.strip() for line in result.stderr.splitlines()
+                                         if field in line)[:140],
            recovery_seconds=None)
 
 

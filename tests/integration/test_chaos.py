@@ -59,7 +59,7 @@ def test_node_sigkilled_mid_join_is_dropped_from_waiting(
              "n0 and n1 waiting")
     killed_at = n1.kill()
     wait_for(lambda: _waiting(cluster, namespace, "midjoin", "n0", "n1") == {"n0"}, 15,
-             "the operator to drop the dead node's waiting entry (Lease expired)")
+             "the dead node's join request to lapse with its Lease")
     dropped = time.time() - killed_at
     n2, n3 = start("n2"), start("n3")
     rounds = {n.node: n.wait_event("rendezvous", 60) for n in (n0, n2, n3)}
@@ -71,9 +71,9 @@ def test_node_sigkilled_mid_join_is_dropped_from_waiting(
     assert n1.rendezvous() == []
     record("node SIGKILLed mid-join",
            fault="SIGKILL of a waiting node (2 of minNodes 3 waiting)",
-           expected="its waiting entry is removed when its Lease expires; the round forms "
-                    "without it",
-           observed=f"entry removed {dropped:.1f}s after the kill (heartbeat 2s); round 1 "
+           expected="its join request (on its Lease) stops counting when the Lease expires; "
+                    "the round forms without it",
+           observed=f"request gone {dropped:.1f}s after the kill (heartbeat 2s); round 1 "
                     "sealed with n0, n2, n3 (ranks 0-2)",
            recovery_seconds=round(dropped, 2))
     assert formed < 60
@@ -354,9 +354,9 @@ def test_apiserver_unreachable_longer_than_join_timeout(
            fault="API server down for longer than api_timeout (3s) and join_timeout (5s)",
            expected="RendezvousConnectionError naming run, node and API server; the ElasticRun "
                     "stays readable and whole",
-           observed=f"RendezvousConnectionError after {failed_after:.1f}s: "
-                    f"{message.split(':')[1].strip()[:60]}...; stored status parsed, "
-                    "no partial round",
+           observed=f"RendezvousConnectionError after {failed_after:.1f}s: '..."
+                    f"{message.split(': ', 1)[1][:90]}...'; stored status parsed, no partial "
+                    "round; a new attempt formed a round once the server was back",
            recovery_seconds=None, lost="nothing (the waiting entry is withdrawn by shutdown())")
 
 
