@@ -169,7 +169,9 @@ def test_force_round_drain_and_live_resize(operator: OperatorProcess, make_handl
     third = rendezvous_all([nodes[0], nodes[2]])
     _ok(third)
     assert {o.world_size for o in third.values()} == {2}
-    assert read_run(cluster.client, namespace, "ops").status.waiting_node("n1") is not None
+    # n1 asked again and waits, unadmitted (its request is on its Lease; the
+    # status.waiting summary follows a moment later).
+    wait_for(lambda: is_waiting(cluster.client, namespace, "ops", "n1"), 10, "n1 waiting")
     assert _lost(cluster, namespace, "ops", "n1").reason == "Drained"
     # 3. Undrain and lower maxNodes live: the next round takes 2, n1 stays a spare.
     cluster.kubectl("annotate", "er", "ops", "-n", namespace, f"{crd.DRAIN_ANNOTATION}-")
@@ -182,7 +184,10 @@ def test_force_round_drain_and_live_resize(operator: OperatorProcess, make_handl
     assert {o.world_size for o in fourth.values()} == {2}
     assert "info" not in box  # n1 is still a spare
     run = read_run(cluster.client, namespace, "ops")
-    assert run.status.member_names == {"n0", "n2"} and run.status.waiting_node("n1")
+    assert run.status.member_names == {"n0", "n2"}
+    assert is_waiting(cluster.client, namespace, "ops", "n1")
+    wait_for(lambda: read_run(cluster.client, namespace, "ops").status.waiting_node("n1"), 10,
+             "the operator to list the spare in status.waiting")
 
 
 def test_conditions_events_and_kubectl_wait(operator: OperatorProcess, make_handler: Any,
