@@ -97,7 +97,6 @@ class K8sRendezvousHandler(RendezvousHandler):
         self._retired_store: StoreHost | None = None
         self._store_clients: dict[tuple[str, int], Store] = {}
         self._round = 0
-        self._rank: int | None = None
         self._mismatch_logged = False
         self._lock = threading.Lock()
         self._closing = False
@@ -420,7 +419,6 @@ class K8sRendezvousHandler(RendezvousHandler):
     def _complete(self, run: ElasticRun, rank: int) -> RendezvousInfo:
         status = run.status
         self._round = status.round
-        self._rank = rank
         if status.store is None:
             raise RendezvousStateError(f"{self._who()}: round {status.round} was sealed without "
                                        "a store address (status.store); the rank-0 node did not "

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, run_path, runs_path
@@ -53,13 +52,11 @@ class RunWatcher:
     """
 
     def __init__(self, client: KubeClient, namespace: str, name: str,
-                 watch_timeout: int = 300, on_change: Callable[[ElasticRun], None] | None = None
-                 ) -> None:
+                 watch_timeout: int = 300) -> None:
         self.client = client
         self.namespace = namespace
         self.name = name
         self.watch_timeout = watch_timeout
-        self.on_change = on_change
         self._cond = threading.Condition()
         self._latest: ElasticRun | None = None
         self._version = 0
@@ -117,8 +114,6 @@ class RunWatcher:
                 self._cond.notify_all()
             accepted = self._latest
         assert accepted is not None
-        if accepted is run and self.on_change:
-            self.on_change(run)
         return accepted
 
     def _fail(self, error: Exception) -> None:
