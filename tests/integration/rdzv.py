@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elasticrun.api.kube import KubeClient, run_path
+from elasticrun.api.kube import ApiError, KubeClient, run_path
 from elasticrun.api.model import ElasticRun, parse_run
 
 
@@ -142,18 +142,28 @@ def is_waiting(client: KubeClient, namespace: str, run: str, node: str) -> bool:
 
     The request lives on the node's own Lease; False while there is none.
     """
-    from elasticrun.api.kube import ApiError, lease_path
+    from elasticrun.api.kube import lease_path
     from elasticrun.api.leases import lease_state, pending_joins
     from elasticrun.api.model import now
     from elasticrun.api.naming import lease_name
 
     try:
         lease = client.request("GET", lease_path(namespace, lease_name(run, node)))
-        status = read_run(client, namespace, run).status
+        current = read_run(client, namespace, run)
     except ApiError as exc:
         if exc.not_found:
             return False
         raise
-    run_uid = read_run(client, namespace, run).uid
-    return any(w.name == node
-               for w in pending_joins([lease_state(lease)], status, now(), run_uid))
+    return any(w.name == node for w in
+               pending_joins([lease_state(lease)], current.status, now(), current.uid))
+
+
+def run_deleted(client: KubeClient, namespace: str, run: str) -> bool:
+    """Whether the ElasticRun is gone (for bounded waits on deletion)."""
+    try:
+        client.request("GET", run_path(namespace, run))
+    except ApiError as exc:
+        if exc.not_found:
+            return True
+        raise
+    return False

@@ -55,7 +55,6 @@ def test_demo_trains_loses_a_node_admits_a_new_one_and_cleans_up(tmp_path: Path)
     assert sorted(with_new[-1]["members"]) == sorted(
         set(rounds[0]["members"]) - {killed} | {joined})
     # Survivors kept their relative order (rank 0 stayed rank 0).
-    assert rounds[0]["ranks"][after_kill[0]["members"][0]] is not None
     leader = min(rounds[0]["ranks"], key=rounds[0]["ranks"].get)
     if leader != killed:
         assert after_kill[0]["ranks"][leader] == 0

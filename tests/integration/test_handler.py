@@ -177,7 +177,7 @@ def test_join_deadline_raises_timeout_and_withdraws(make_handler: Any, cluster: 
     alone = make_handler("lonely", "only", min_nodes=2, join_timeout=2)
     with pytest.raises(RendezvousTimeoutError, match="join timeout") as info:
         alone.next_rendezvous()
-    assert "default" not in str(info.value) or namespace in str(info.value)
+    assert f"{namespace}/lonely" in str(info.value)
     assert "'only'" in str(info.value)
     assert not is_waiting(cluster.client, namespace, "lonely", "only")
 

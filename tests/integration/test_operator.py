@@ -9,10 +9,17 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from elasticrun.api import crd
-from elasticrun.api.kube import ApiError, leases_path, run_path
+from elasticrun.api.kube import leases_path
 
 from conftest import Cluster, Kubelet, OperatorProcess, wait_for
-from rdzv import is_waiting, metric, read_run, rendezvous_all, start_rendezvous
+from rdzv import (
+    is_waiting,
+    metric,
+    read_run,
+    rendezvous_all,
+    run_deleted,
+    start_rendezvous,
+)
 
 
 def _ok(outcomes: dict[str, Any]) -> None:
@@ -225,14 +232,8 @@ def test_succeeded_after_all_members_leave_then_ttl_cleanup(
              10, "the run to succeed")
     assert read_run(cluster.client, namespace, "done").closed
 
-    def deleted() -> bool:
-        try:
-            cluster.client.request("GET", run_path(namespace, "done"))
-        except ApiError as exc:
-            return exc.not_found
-        return False
-
-    wait_for(deleted, 15, "the TTL to delete the run")
+    wait_for(lambda: run_deleted(cluster.client, namespace, "done"), 15,
+             "the TTL to delete the run")
     leases = cluster.client.request("GET", leases_path(namespace))["items"]
     assert [lease["metadata"]["name"] for lease in leases] == []
 

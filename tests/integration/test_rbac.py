@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from elasticrun.api import crd
-from elasticrun.api.kube import ApiError, run_path
 from elasticrun.handler.handler import ElasticRunForbiddenError
 
 from chartkit import (
@@ -34,7 +33,7 @@ from chartkit import (
 )
 from conftest import ROOT, Cluster, ProcessGroup, wait_for
 from controlplane.localcluster import clean_env, free_port
-from rdzv import rendezvous_all
+from rdzv import rendezvous_all, run_deleted
 
 pytest_plugins = ("chartfixtures",)
 
@@ -257,14 +256,8 @@ def test_operator_does_its_work_on_the_chart_role_alone(
                    "metadata": {"name": "done", "namespace": namespace},
                    "spec": {"minNodes": 1, "closed": True, "ttlSecondsAfterFinished": 0}})
 
-    def deleted() -> bool:
-        try:
-            cluster.client.request("GET", run_path(namespace, "done"))
-        except ApiError as exc:
-            return exc.not_found
-        return False
-
-    wait_for(deleted, 60, "the operator to close and TTL-delete the run", interval=0.2)
+    wait_for(lambda: run_deleted(cluster.client, namespace, "done"), 60,
+             "the operator to close and TTL-delete the run", interval=0.2)
     events = cluster.client.request("GET", f"/api/v1/namespaces/{namespace}/events")
     reasons = {e["reason"] for e in events["items"]
                if e["involvedObject"].get("name") == "done"}

@@ -61,6 +61,7 @@ from elasticrun.api.model import (
     WaitingNode,
     new_run_manifest,
     now,
+    parse_run,
 )
 from elasticrun.api.naming import label_value
 from elasticrun.handler import settings as settings_mod
@@ -303,7 +304,7 @@ class K8sRendezvousHandler(RendezvousHandler):
                          s.requested_spec)
             except _ConflictError:
                 raw = self._call("read the run", lambda: client.request("GET", path))
-        self._log_spec_mismatch(self._parse(raw))
+        self._log_spec_mismatch(self._accept(raw))
         return raw
 
     def _log_spec_mismatch(self, run: ElasticRun) -> None:
@@ -531,18 +532,10 @@ class K8sRendezvousHandler(RendezvousHandler):
         return self._accept(raw)
 
     def _accept(self, raw: dict[str, Any]) -> ElasticRun:
+        """Parse what the API server returned, and keep it if it is the newest we know."""
         try:
             if self._watcher is not None:
                 return self._watcher.offer(raw)
-            return self._parse(raw)
-        except InvalidRunError as exc:
-            raise RendezvousStateError(f"{self._who()}: cannot read the ElasticRun: {exc}. The "
-                                       "status was probably edited by hand") from exc
-
-    def _parse(self, raw: dict[str, Any]) -> ElasticRun:
-        from elasticrun.api.model import parse_run  # noqa: PLC0415
-
-        try:
             return parse_run(raw)
         except InvalidRunError as exc:
             raise RendezvousStateError(f"{self._who()}: cannot read the ElasticRun: {exc}. The "

@@ -175,7 +175,7 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
                                    "finished", now, generation)
         conditions = set_condition(conditions, "RoundComplete", False, "Finished",
                                    "the run finished", now, generation)
-        plan.status = _finish(new.replace(conditions=conditions), status, generation)
+        plan.status = _finish(new.replace(conditions=conditions), generation)
         plan.events.append(("Normal", "Succeeded", f"all members of round {new.round} left "
                             "after finishing"))
         plan.wake(now)
@@ -232,7 +232,7 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
             f"{len(stalled)} node(s) waited longer than joinTimeoutSeconds "
             f"({spec.join_timeout}s) for a round of at least {spec.min_nodes}" if stalled
             else "no node waits past the join timeout", now, generation)
-    new = _finish(new.replace(conditions=conditions), status, generation)
+    new = _finish(new.replace(conditions=conditions), generation)
     if new == status:
         return plan
     if material.replace(waiting=status.waiting) != status:
@@ -250,7 +250,7 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
     return plan
 
 
-def _finish(new: RunStatus, old: RunStatus, generation: int) -> RunStatus:
+def _finish(new: RunStatus, generation: int) -> RunStatus:
     """Counts and observedGeneration, which every status write carries."""
     return new.replace(observed_generation=generation, waiting_count=len(new.waiting))
 
