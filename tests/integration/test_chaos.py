@@ -10,6 +10,8 @@ every 1 s) so that every test stays bounded; the protocol is the same.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -294,6 +296,57 @@ def test_apiserver_restarted_mid_rendezvous(operator: OperatorProcess, make_hand
            recovery_seconds=round(done, 2))
 
 
+def _metric(text: str, name: str) -> float:
+    """One unlabelled sample from a Prometheus text page (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_apiserver_down_longer_than_the_heartbeat_removes_nobody(
+        operator: OperatorProcess, processes: ProcessGroup, cluster: Cluster, namespace: str,
+        tmp_path: Path) -> None:
+    """A control-plane upgrade must not restart training: no Lease can be renewed meanwhile.
+
+    Node b is also slow to come back (SIGSTOPped until 3 s after the API server
+    returned, as a node whose connection takes a while to re-establish), so its
+    Lease is stale for longer than the heartbeat timeout when the operator looks
+    again: counted from the outage's end, it still has time to renew.
+    """
+    local = cluster.require_local()
+    create_run(cluster, namespace, "upgrade", minNodes=2, maxNodes=2,
+               heartbeatTimeoutSeconds=8, leaseRenewIntervalSeconds=2)
+    a, b = (start_node(processes, cluster.kubeconfig, namespace, "upgrade", n, tmp_path, "2:2",
+                       "heartbeat_timeout=8,lease_interval=2,api_timeout=60") for n in "ab")
+    assert sorted(n.wait_event("rendezvous", 60)["rank"] for n in (a, b)) == [0, 1]
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    try:
+        local.stop_apiserver()
+        try:
+            time.sleep(10)  # the outage, longer than the heartbeat timeout: it is the fault
+        finally:
+            local.start_apiserver()  # waits for /readyz
+        time.sleep(3)  # b is slow to come back; the operator has looked again meanwhile
+    finally:
+        os.kill(b.proc.pid, signal.SIGCONT)
+    assert _metric(operator.metrics(), "elasticrun_apiserver_outages_total") >= 1
+    wait_for(lambda: _metric(operator.metrics(), "elasticrun_apiserver_reachable") == 1, 15,
+             "the operator to see the API server back")
+    time.sleep(8)  # a heartbeat timeout after b came back: a wrong removal would be done
+    after = read_run(cluster.client, namespace, "upgrade")
+    assert after.status.lost_members == (), after.status.lost_members
+    assert after.status.round == 1 and after.status.member_names == {"a", "b"}
+    assert [n.of("restart") for n in (a, b)] == [[], []]  # training was never interrupted
+    record("kube-apiserver down longer than the heartbeat timeout",
+           fault="API server down for 10s (heartbeatTimeoutSeconds 8), one node back only 3s "
+                 "after it",
+           expected="no Lease counts as expired until its holder had a heartbeat timeout of "
+                    "reachable API server: nobody is removed, training is not restarted",
+           observed="round 1 kept both members; no restart, no member lost",
+           recovery_seconds=None)
+
+
 def test_etcd_briefly_stopped(make_handler: Any, cluster: Cluster, namespace: str) -> None:
     local = cluster.require_local()
     make, _, threads = _two_of_three_waiting(make_handler, cluster, namespace, "etcdgap")
@@ -423,7 +476,7 @@ def test_run_deleted_mid_round_then_recreated(operator: OperatorProcess, make_ha
                                               cluster: Cluster, namespace: str) -> None:
     make = lambda n, **kw: make_handler("deleted", n, min_nodes=3,  # noqa: E731
                                         heartbeat_timeout=2, lease_renew_interval=1,
-                                        watch_timeout=2, **kw)
+                                        **kw)  # the default watch_timeout (300 s)
     a, b = make("a"), make("b")
     threads = [start_rendezvous(h) for h in (a, b)]
     wait_for(lambda: _waiting(cluster, namespace, "deleted", "a", "b") == {"a", "b"}, 20,

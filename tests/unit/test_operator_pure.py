@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from elasticrun.api.leases import LeaseState
 from elasticrun.api.model import (
     ElasticRun,
     InvalidRunError,
@@ -15,6 +16,7 @@ from elasticrun.api.model import (
     RunStatus,
     StoreAddress,
 )
+from elasticrun.operator.apihealth import ApiAvailability
 from elasticrun.operator.liveness import Loss, pod_loss, restart_count
 from elasticrun.operator.reconcile import Members, lost_since, reconcile, repair, set_condition
 
@@ -100,6 +102,53 @@ def test_a_member_whose_pod_failed_is_removed_and_the_round_marked() -> None:
     assert [(m.name, m.reason, m.detection_seconds) for m in lost] == [("b", "PodFailed", 2.0)]
     degraded = plan.status.condition("Degraded")
     assert degraded is not None and degraded.status == "True" and "b" in (degraded.message or "")
+
+
+def _leases(renewed: dict[str, dt.datetime], duration: float = 10.0) -> dict[str, LeaseState]:
+    return {n: LeaseState(node=n, holder=n, renewed=t, duration=duration)
+            for n, t in renewed.items()}
+
+
+def test_a_lease_not_renewed_for_its_duration_removes_its_member() -> None:
+    run = running_run()
+    leases = _leases({"a": T0, "b": T0 - dt.timedelta(seconds=11), "c": T0})
+    plan = reconcile(run, Members(leases=leases), T0)
+    assert plan.status is not None and plan.status.member_names == {"a", "c"}
+    assert plan.status.lost_members[-1].reason == "LeaseExpired"
+    assert plan.delete_leases == ["b"]
+
+
+def test_after_an_api_outage_every_lease_gets_a_full_duration_to_be_renewed() -> None:
+    # The API server was down from T0-30s to T0-2s: nobody could renew, every
+    # Lease is 30 s old.  Counted from the API server's return, none has expired.
+    run = running_run()
+    stale = _leases(dict.fromkeys("abc", T0 - dt.timedelta(seconds=30)))
+    back = T0 - dt.timedelta(seconds=2)
+    plan = reconcile(run, Members(leases=stale, lease_clock_start=back), T0)
+    assert plan.status is None or plan.status.member_names == {"a", "b", "c"}
+    assert plan.delete_leases == []
+    assert plan.wake_at == back + dt.timedelta(seconds=10)  # look again when that ends
+    # A holder that still has not renewed a full duration after the return is gone.
+    later = T0 + dt.timedelta(seconds=9)
+    renewed = {**stale, **_leases({"a": later, "c": later})}
+    plan = reconcile(run, Members(leases=renewed, lease_clock_start=back), later)
+    assert plan.status is not None and plan.status.member_names == {"a", "c"}
+    assert plan.status.lost_members[-1].name == "b"
+
+
+def test_api_availability_tracks_the_last_return_of_the_api_server() -> None:
+    changes: list[bool] = []
+    api = ApiAvailability(client=None, on_change=changes.append)  # type: ignore[arg-type]
+    started = api.since
+    assert started is not None
+    api.record(True, T0)  # still reachable: nothing changes
+    assert api.since == started and changes == []
+    api.record(False, T0)
+    assert api.since is None and api.lease_clock_start(T0) == T0  # down: nothing expires
+    api.record(False, T0 + dt.timedelta(seconds=5))
+    api.record(True, T0 + dt.timedelta(seconds=9))
+    assert api.since == T0 + dt.timedelta(seconds=9) and changes == [False, True]
+    assert api.lease_clock_start(T0 + dt.timedelta(seconds=20)) == T0 + dt.timedelta(seconds=9)
 
 
 def test_set_condition_keeps_the_transition_time_unless_the_status_flips() -> None:

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import replace
 
 from elasticrun.api import rounds
-from elasticrun.api.model import ElasticRun, Participant, RunSpec, RunStatus, WaitingNode
+from elasticrun.api.leases import LeaseState, pending_joins
+from elasticrun.api.model import (
+    ElasticRun,
+    LostMember,
+    Participant,
+    RunSpec,
+    RunStatus,
+    WaitingNode,
+)
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -125,3 +134,38 @@ def test_nodes_waiting_reports_losses_and_newcomers_but_not_spares_of_a_full_rou
     assert rounds.nodes_waiting(run(lost, max_nodes=2), 1) >= 1
     newer = sealed("a", "b", round_=2)
     assert rounds.nodes_waiting(run(newer, max_nodes=2), 1) >= 1  # superseded
+
+
+# --------------------------------------------------------------------------- join requests
+
+
+def _lease(name: str, since: float, renewed: float = 0.0) -> LeaseState:
+    (join,) = waiting(name, since=since)
+    return LeaseState(node=name, holder=name, renewed=at(renewed), duration=30.0, join=join)
+
+
+def test_a_membership_answers_its_request_and_every_older_one() -> None:
+    # Round 2 holds a's and b's second requests (a at 10 s, b at 10 s); the reader's
+    # copy of a's Lease still carries its first request (0 s), b's its second, c waits.
+    status = sealed("a", "b", round_=2)
+    status = status.replace(participants=tuple(
+        replace(p, since=at(10)) for p in status.participants))
+    leases = [_lease("a", 0), _lease("b", 10), _lease("c", 11)]
+    assert [w.name for w in pending_joins(leases, status, at(12))] == ["c"]
+    # A request newer than the membership is a node back for the next round.
+    assert [w.name for w in pending_joins([_lease("a", 20)], status, at(21))] == ["a"]
+
+
+def test_a_lost_membership_answers_its_request_but_not_a_later_one() -> None:
+    lost = LostMember(name="a", round=1, reason="LeaseExpired", time=at(5), since=at(1))
+    status = sealed("b").replace(lost_members=(lost,))
+    assert pending_joins([_lease("a", 1)], status, at(6)) == ()
+    assert [w.name for w in pending_joins([_lease("a", 7)], status, at(8))] == ["a"]
+
+
+def test_expired_leases_and_other_runs_do_not_wait() -> None:
+    expired = _lease("a", 0, renewed=0)
+    assert pending_joins([expired], RunStatus(), at(31)) == ()
+    other = replace(_lease("b", 0), owner_uid="old-run")
+    assert pending_joins([other], RunStatus(), at(1), run_uid="this-run") == ()
+    assert [w.name for w in pending_joins([other], RunStatus(), at(1))] == ["b"]

@@ -35,12 +35,20 @@ class LeaseState:
     #: uid of the ElasticRun the Lease belongs to (its ownerReference).
     owner_uid: str | None = None
 
-    def expired(self, now: dt.datetime) -> bool:
-        return self.renewed is not None and (now - self.renewed).total_seconds() > self.duration
+    def expired(self, now: dt.datetime, not_before: dt.datetime | None = None) -> bool:
+        """Not renewed for its duration; with ``not_before``, counted from no earlier than that.
 
-    def expired_at(self) -> dt.datetime | None:
-        return None if self.renewed is None else \
-            self.renewed + dt.timedelta(seconds=self.duration)
+        ``not_before`` is when the holder could last start renewing again (the
+        API server came back), so an outage is not mistaken for a dead holder.
+        """
+        expiry = self.expired_at(not_before)
+        return expiry is not None and now > expiry
+
+    def expired_at(self, not_before: dt.datetime | None = None) -> dt.datetime | None:
+        if self.renewed is None:
+            return None
+        start = self.renewed if not_before is None else max(self.renewed, not_before)
+        return start + dt.timedelta(seconds=self.duration)
 
 
 def join_value(node: WaitingNode) -> str:
@@ -77,14 +85,25 @@ def pending_joins(leases: Iterable[LeaseState], status: RunStatus, now: dt.datet
 
     A request is answered when a member holds it, or when a membership that
     held it ended (the node left or was removed, its Lease not yet deleted).
+    A membership also answers every *older* request of the same node: a reader
+    whose Leases are older than the run it holds (the operator's Lease watch
+    lagging behind its ElasticRun watch) must see a member's previous request
+    as spent, not as a node waiting for the next round.  Only the node itself
+    writes both timestamps, so comparing them needs no clock agreement.
     Leases of an earlier run of the same name (another owner uid) never count.
     """
-    answered = {(p.name, p.since) for p in status.participants if p.since is not None}
-    answered |= {(m.name, m.since) for m in status.lost_members if m.since is not None}
+    answered: dict[str, dt.datetime] = {}
+    for name, since in [*((p.name, p.since) for p in status.participants),
+                        *((m.name, m.since) for m in status.lost_members)]:
+        if since is not None and (name not in answered or since > answered[name]):
+            answered[name] = since
     waiting: dict[str, WaitingNode] = {}
     for lease in leases:
         join = lease.join
-        if join is None or lease.expired(now) or (join.name, join.since) in answered:
+        if join is None or lease.expired(now):
+            continue
+        latest = answered.get(join.name)
+        if latest is not None and join.since is not None and join.since <= latest:
             continue
         if run_uid and lease.owner_uid and lease.owner_uid != run_uid:
             continue

@@ -249,15 +249,16 @@ class K8sRendezvousHandler(RendezvousHandler):
             except (RunDeletedError, InvalidRunError):
                 pass  # read it afresh below
         raw = self._ensure_run()
-        if self._watcher is None:
-            self._watcher = RunWatcher(self._api(), self.settings.namespace,
-                                       self.settings.run_name, self.settings.watch_timeout)
+        if watcher is None:
+            watcher = self._watcher = RunWatcher(self._api(), self.settings.namespace,
+                                                 self.settings.run_name,
+                                                 self.settings.watch_timeout)
         run = self._accept(raw)
         if self._lease is None:
             self._lease = LeaseKeeper(self._api(), self.settings.namespace,
                                       self.settings.run_name, self.settings.node_name,
                                       run.spec.heartbeat_timeout, run.spec.lease_renew_interval,
-                                      run.uid)
+                                      run.uid, on_deleted=watcher.recheck)
         return run
 
     def _fresh_store(self) -> None:

@@ -12,6 +12,7 @@ import datetime as dt
 import logging
 import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from elasticrun.api import crd
@@ -35,8 +36,15 @@ class LeaseKeeper:
     """Creates, renews and releases one node's Lease."""
 
     def __init__(self, client: KubeClient, namespace: str, run: str, node: str,
-                 duration: int, interval: float, owner_uid: str | None) -> None:
+                 duration: int, interval: float, owner_uid: str | None,
+                 on_deleted: Callable[[], bool] | None = None) -> None:
         self.client = client
+        #: Called when a renewal finds the Lease gone; False means the run is
+        #: gone too, and the Lease is not taken again.  The Lease is owned by
+        #: the run, so that is how a deleted run shows itself first: the
+        #: garbage collector (or the operator) deletes its Leases, while the
+        #: node's narrow watch of the run cannot see the deletion.
+        self.on_deleted = on_deleted
         self.namespace = namespace
         self.run = run
         self.node = node
@@ -122,6 +130,9 @@ class LeaseKeeper:
                     content_type="application/merge-patch+json")
             except ApiError as exc:
                 if exc.not_found:
+                    if self.on_deleted is not None and not self.on_deleted():
+                        log.warning("lease %s was deleted with its ElasticRun", self.name)
+                        continue
                     log.warning("lease %s was deleted; re-creating it", self.name)
                     self._try(self.acquire)
                 else:

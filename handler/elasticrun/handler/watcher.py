@@ -46,9 +46,12 @@ class RunWatcher:
 
     The narrow watch cannot see the run being deleted: a deleted object keeps
     the signal the node has seen, so it never matched the selector and the API
-    server sends no DELETED event.  So whenever the server ends a quiet watch
-    (every ``watch_timeout`` seconds) the watcher reads the object once: one
-    read per node per timeout, and a deleted run is noticed within it.
+    server sends no DELETED event.  Deleting a run deletes its Leases (they are
+    owned by it; the garbage collector and the operator both delete them), and
+    the node's Lease renewal calls :meth:`recheck` when it finds its Lease gone,
+    so a deletion is noticed within a renewal interval.  As a backstop, whenever
+    the server ends a quiet watch (every ``watch_timeout`` seconds) the watcher
+    reads the object once.
     """
 
     def __init__(self, client: KubeClient, namespace: str, name: str,
@@ -215,6 +218,11 @@ class RunWatcher:
                 # Kept in _error for waiters; wait for the next change.
                 self._stop.wait(0.5)
                 self._relist_quietly()
+
+    def recheck(self) -> bool:
+        """Read the run now (from any thread), on a hint that it may be gone; False if it is."""
+        self._relist_quietly()
+        return not isinstance(self._error, RunDeletedError)
 
     def _relist_quietly(self) -> None:
         try:

@@ -17,7 +17,7 @@ import datetime as dt
 import json
 import logging
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any
 
 from elasticrun.api import crd
@@ -29,7 +29,7 @@ from elasticrun.api.kube import (
     leases_path,
     run_path,
 )
-from elasticrun.api.leases import LeaseState
+from elasticrun.api.leases import LeaseState, lease_state
 from elasticrun.api.model import (
     ElasticRun,
     InvalidRunError,
@@ -40,6 +40,7 @@ from elasticrun.api.model import (
 )
 from elasticrun.api.naming import label_value, lease_name
 from elasticrun.operator import runrbac
+from elasticrun.operator.apihealth import ApiAvailability
 from elasticrun.operator.liveness import Loss, pod_loss, restart_count
 from elasticrun.operator.metrics import Metrics
 from elasticrun.operator.reconcile import Members, lost_since, reconcile, repair
@@ -71,8 +72,9 @@ class Controller:
         self._queued: set[Key] = set()
         self._timers: dict[Key, asyncio.TimerHandle] = {}
         self._tasks: list[asyncio.Task[None]] = []
-        self._posting: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
         self._instance = socket.gethostname()
+        self.api = ApiAvailability(client, on_change=metrics.api_changed)
 
     # ------------------------------------------------------------------ queue
 
@@ -80,6 +82,7 @@ class Controller:
         self._queue = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._worker(), name=f"elasticrun-worker-{i}")
                        for i in range(self.workers)]
+        self._tasks.append(asyncio.create_task(self.api.run(), name="elasticrun-api-probe"))
 
     async def stop(self) -> None:
         for timer in self._timers.values():
@@ -130,6 +133,7 @@ class Controller:
             self._rbac_applied.pop(key, None)
             self.pod_losses.pop(key, None)
             self.metrics.forget(*key)
+            self._in_background(self._delete_orphaned_leases(key, meta.get("uid")))
             return
         raw = dict(body)
         current = self.runs.get(key)
@@ -173,7 +177,19 @@ class Controller:
         if self.lease_index is not None and key in self.lease_index:
             for node, state in self.lease_index[key]:
                 leases[node] = state
-        return Members(leases=leases, pod_losses=dict(self.pod_losses.get(key, {})))
+        return self._with_pods(key, leases)
+
+    def _with_pods(self, key: Key, leases: dict[str, LeaseState]) -> Members:
+        return Members(leases=leases, pod_losses=dict(self.pod_losses.get(key, {})),
+                       lease_clock_start=self.api.lease_clock_start(now()))
+
+    async def _listed_members(self, key: Key) -> Members:
+        leases = {}
+        for item in await self._run_leases(*key):
+            node = item["metadata"]["annotations"].get(crd.NODE_ANNOTATION)
+            if node:
+                leases[node] = lease_state(item)
+        return self._with_pods(key, leases)
 
     async def reconcile(self, key: Key) -> None:
         raw = self.runs.get(key)
@@ -189,6 +205,12 @@ class Controller:
         if self.per_run_rbac:
             await self._ensure_rbac(key, run)
         plan = reconcile(run, self._members(key), now())
+        if plan.sealed or plan.delete_leases:
+            # The Lease index comes from another watch than the run and may lag
+            # behind it (always so right after a start).  Sealing a round or
+            # removing a member acts on Lease data, so decide again from a
+            # consistent LIST, which is at least as new as the run we hold.
+            plan = reconcile(run, await self._listed_members(key), now())
         if plan.delete_run:
             await self._delete(run)
             return
@@ -311,23 +333,48 @@ class Controller:
         key = (run.namespace, run.name)
         await self._post_event(run, "Normal", "Deleted",
                                "TTL after finishing passed; deleting the run and its Leases")
-        with contextlib.suppress(ApiError):
-            await asyncio.to_thread(self.client.request, "DELETE", run_path(*key))
+        # The run goes last: should the operator stop half-way, the run is still
+        # there, finished, and the next reconcile deletes what is left.
+        for lease in await self._run_leases(*key):
+            with contextlib.suppress(ApiError):
+                await asyncio.to_thread(self.client.request, "DELETE",
+                                        f"{leases_path(run.namespace)}/"
+                                        f"{lease['metadata']['name']}")
         if self.per_run_rbac:  # owned by the run, but a cluster may run no garbage collector
             for kind in ("RoleBinding", "Role"):
                 with contextlib.suppress(ApiError):
                     await asyncio.to_thread(self.client.request, "DELETE",
                                             runrbac.path(kind, run.namespace, run.name))
-        for lease in await self._run_leases(run.namespace, run.name):
-            with contextlib.suppress(ApiError):
-                await asyncio.to_thread(self.client.request, "DELETE",
-                                        f"{leases_path(run.namespace)}/{lease}")
+        with contextlib.suppress(ApiError):
+            await asyncio.to_thread(self.client.request, "DELETE", run_path(*key))
 
-    async def _run_leases(self, namespace: str, run: str) -> list[str]:
+    async def _delete_orphaned_leases(self, key: Key, uid: str | None) -> None:
+        """Delete the Leases a deleted run owned, as the garbage collector would.
+
+        Not only tidiness: a waiting node cannot see its run's deletion through
+        its narrow watch, but its next Lease renewal finds the Lease gone and
+        makes it look.  Leases of a run re-created under the same name have
+        another owner uid and stay.
+        """
+        if not uid:
+            return
+        try:
+            for item in await self._run_leases(*key):
+                if lease_state(item).owner_uid == uid:
+                    with contextlib.suppress(ApiError):
+                        await asyncio.to_thread(self.client.request, "DELETE",
+                                                f"{leases_path(key[0])}/"
+                                                f"{item['metadata']['name']}")
+        except (ApiError, ApiConnectionError) as exc:
+            log.warning("deleting the Leases of deleted run %s/%s failed: %s", *key, exc)
+
+    async def _run_leases(self, namespace: str, run: str) -> list[dict[str, Any]]:
+        """The run's Leases from a consistent LIST (the label may be a hash; the annotation
+        holds the full name)."""
         listed = await asyncio.to_thread(
             self.client.request, "GET", leases_path(namespace),
             query={"labelSelector": f"{crd.RUN_LABEL}={label_value(run)}"})
-        return [item["metadata"]["name"] for item in listed.get("items") or []
+        return [item for item in listed.get("items") or []
                 if (item["metadata"].get("annotations") or {}).get(crd.RUN_LABEL) == run]
 
     def _forget_stale_losses(self, key: Key, run: ElasticRun) -> None:
@@ -377,10 +424,12 @@ class Controller:
                             f"{': ' + lost.message if lost.message else ''})")
 
     def _post_soon(self, run: ElasticRun, type_: str, reason: str, message: str) -> None:
-        task = asyncio.get_running_loop().create_task(
-            self._post_event(run, type_, reason, message))
-        self._posting.add(task)  # keep a reference until it is done
-        task.add_done_callback(self._posting.discard)
+        self._in_background(self._post_event(run, type_, reason, message))
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._background.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._background.discard)
 
     async def _post_event(self, run: ElasticRun, type_: str, reason: str, message: str) -> None:
         stamp = format_time(now())

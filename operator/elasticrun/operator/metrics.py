@@ -35,6 +35,20 @@ class Metrics:
                             ("namespace", "run", "reason"), registry=self.registry)
         self.round = Gauge("elasticrun_round", "The current round number.", labels,
                            registry=self.registry)
+        self.api_reachable = Gauge(
+            "elasticrun_apiserver_reachable",
+            "1 while the operator's /readyz probe of the API server succeeds.",
+            registry=self.registry)
+        self.api_outages = Counter(
+            "elasticrun_apiserver_outages_total",
+            "Times the API server became unreachable; Lease expiry restarts after each.",
+            registry=self.registry)
+        self.api_reachable.set(1)
+
+    def api_changed(self, reachable: bool) -> None:
+        self.api_reachable.set(1 if reachable else 0)
+        if not reachable:
+            self.api_outages.inc()
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

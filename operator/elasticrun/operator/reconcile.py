@@ -35,6 +35,9 @@ class Members:
     leases: Mapping[str, LeaseState] = field(default_factory=dict)
     #: Losses seen on Pods, by pod name.
     pod_losses: Mapping[str, Loss] = field(default_factory=dict)
+    #: No Lease counts as expired before its duration has passed since this
+    #: time: when the API server last became reachable (elasticrun.operator.apihealth).
+    lease_clock_start: dt.datetime | None = None
 
 
 @dataclass
@@ -83,9 +86,10 @@ def _losses(run: ElasticRun, members: Members, now: dt.datetime
             found.append((name, pod_loss))
             continue
         lease = members.leases.get(name)
-        if lease is not None and lease.expired(now):
+        if lease is not None and lease.expired(now, members.lease_clock_start):
             found.append((name, Loss("LeaseExpired", f"{name} did not renew its Lease for "
-                                     f"{spec.heartbeat_timeout}s", lease.expired_at())))
+                                     f"{spec.heartbeat_timeout}s",
+                                     lease.expired_at(members.lease_clock_start))))
         elif lease is None and since is not None and now - since > grace:
             found.append((name, Loss("LeaseMissing", f"{name} has no Lease",
                                      since + grace)))
@@ -197,7 +201,7 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
 
     # ---------------------------------------------------------------- wake-ups for leases
     for lease in members.leases.values():
-        plan.wake(lease.expired_at())
+        plan.wake(lease.expired_at(members.lease_clock_start))
     for w in new.waiting:
         if w.since is not None:
             plan.wake(w.since + dt.timedelta(seconds=spec.heartbeat_timeout + 0.5))
