@@ -239,17 +239,26 @@ def _formation_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
         lines += ["", f"{b} at N = {n}: the first repetition had not formed after "
                   f"{bound:.0f} s, so no further repetition (or larger N) was run. What the "
                   f"server saw in those {bound:.0f} s: {kinds}."]
-    lines += ["", "**Note on the 5 s steps at N ≥ 64.** The k8s times there move in steps of "
-              "about 5 s, and the API server is not busy meanwhile (see the CPU table). In a "
-              "traced repetition at N = 128 the nodes' joins (Lease creations) reached the "
-              "server in waves 5 s apart (64 at once, 54 after 5 s, 10 after 10 s) and the "
-              "round was sealed right after the last wave. The same 5 s shows up in torch "
-              "alone: when 64 TCPStore clients connect to one server at once, 14–15 of them "
-              "take 5.0 s (with 128, up to 10 s), whatever the listen backlog; and the k8s "
-              "handler opens TCPStores (its own fresh server each round, then rank 0's) inside "
-              "`next_rendezvous()`, while torch's backends connect to their rendezvous store "
-              "when the handler is built, before this clock starts. Not yet pinned down: see "
-              "the issue report.", "", "![formation latency](bench-formation-latency.png)", ""]
+    lines += ["", "**Note on the 5 s steps at N ≥ 64: reverse DNS in torch's TCPStore, not the "
+              "protocol.** The k8s times there move in steps of about 5 s while the API server "
+              "is idle (see the CPU table); in a traced repetition at N = 128 the nodes' joins "
+              "reached the server in waves 5 s apart. The cause is in torch, and in this "
+              "machine's resolver: every TCPStore connection formats its peer's address with "
+              "`getnameinfo()` when the socket is made (c10d `socket.cpp`, "
+              "pytorch/pytorch#159007), a reverse DNS query; this sandbox's DNS server drops "
+              "bursts of more than about 24 concurrent queries, and glibc retries a dropped "
+              "query after its 5 s default timeout. A k8s node connects inside "
+              "`next_rendezvous()` (its fresh TCPStore server's own client, then rank 0's "
+              "store), so the burst lands inside the measured window; torch's c10d backend "
+              "makes the same connections when the handler is built, before the clock "
+              "starts. Measured with torch alone on this machine (`python -m "
+              "bench.tcpstore_connect`): of 64 TCPStore clients connecting at once, 50 take "
+              "under 10 ms and 14 take 5.0 s; with `RES_OPTIONS='timeout:1 attempts:1'` those "
+              "14 take 1.0 s; of 16 at once, none is delayed. In a cluster the reverse "
+              "lookups go to CoreDNS, which normally answers them in milliseconds; where cluster "
+              "DNS drops UDP bursts (the conntrack race), every TCPStore user pays 5 s, "
+              "whichever rendezvous backend it uses: see the README's troubleshooting.",
+              "", "![formation latency](bench-formation-latency.png)", ""]
 
     lines += ["## Requests per round", ""]
     for b in present:
@@ -505,7 +514,8 @@ def _targets(facts: dict[str, Any], lines: list[str]) -> list[str]:
             headlines.append(f"At N = {top} elasticrun is {ratios[top]:.1f}× slower than c10d "
                              "to form a round" + (
                                  f" (first node back after {first['median']:.1f} s); the time "
-                                 "goes in steps of 5 s, see the note under the table"
+                                 "goes in steps of 5 s, torch's reverse DNS lookups meeting "
+                                 "this machine's resolver: see the note under the table"
                                  if first else "") + ".")
         for (b, n), bound in sorted(facts["unformed"].items()):
             if b == "k8s":

@@ -325,7 +325,7 @@ def recovery_pod_deleted(backend: K8sBackend, pool: Pool, extra: Extra, n: int, 
     cp = backend.control_plane
     operator = OperatorProcess(Path(cp.kubeconfig), [], log_dir, ["--workers", "4"])
     operator.start()
-    op_pid = operator.proc.pid
+    op_pid = operator.pid
     out = []
     try:
         for rep in range(reps):
@@ -433,7 +433,7 @@ def operator_load(backend: K8sBackend, runs: int, members: int, window_s: float,
     operator = OperatorProcess(Path(cp.kubeconfig), [namespace], log_dir, ["--workers", "4"])
     started = time.monotonic()
     operator.start()
-    pid = operator.proc.pid
+    pid = operator.pid
     try:
         _quiet(pid, bound=180.0)
         startup_s = time.monotonic() - started

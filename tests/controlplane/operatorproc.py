@@ -42,6 +42,12 @@ class OperatorProcess:
         self.health_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("the operator is not running")
+        return self.proc.pid
+
     def start(self) -> OperatorProcess:
         argv = [sys.executable, "-m", "elasticrun.operator", "--kubeconfig", str(self.kubeconfig),
                 "--metrics-addr", "127.0.0.1", "--metrics-port", str(self.metrics_port),
