@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.leases import LeaseState
 from elasticrun.api.model import (
     ElasticRun,
@@ -189,3 +190,30 @@ def test_repair_of_a_round_that_went_back_moves_it_forward_again() -> None:
     repaired = RunStatus.from_dict(repair(went_back, error, T0, 2, min_round=3))
     assert repaired.round == 3 and repaired.degraded and repaired.participants == ()
     assert repaired.signal == 5
+
+
+class _Answers:
+    """A KubeClient stand-in for the probe: raises or answers what it is given."""
+
+    def __init__(self, outcome: Exception | None) -> None:
+        self.outcome = outcome
+
+    def request(self, method: str, path: str, **_: Any) -> dict[str, Any]:
+        assert (method, path) == ("GET", "/readyz")
+        if self.outcome is not None:
+            raise self.outcome
+        return {}
+
+
+@pytest.mark.parametrize(("outcome", "reachable"), [
+    (None, True),
+    (ApiConnectionError("connection refused"), False),
+    (ApiError(500, "InternalError", "readyz check failed: etcd", {}), False),
+    (ApiError(503, "ServiceUnavailable", "not ready", {}), False),
+    # Refused is still an answer: a hardened cluster must not freeze Lease expiry.
+    (ApiError(403, "Forbidden", 'User "op" cannot get path "/readyz"', {}), True),
+])
+def test_the_probe_counts_only_a_missing_or_unwell_server_as_unreachable(
+        outcome: Exception | None, reachable: bool) -> None:
+    api = ApiAvailability(client=_Answers(outcome))  # type: ignore[arg-type]
+    assert api._probe() is reachable

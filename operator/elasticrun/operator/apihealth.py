@@ -42,6 +42,7 @@ class ApiAvailability:
         self.interval = interval
         self.timeout = timeout
         self._since: dt.datetime | None = now()
+        self._refused_logged = False
 
     @property
     def since(self) -> dt.datetime | None:
@@ -67,8 +68,17 @@ class ApiAvailability:
     def _probe(self) -> bool:
         try:
             self.client.request("GET", "/readyz", timeout=self.timeout)
-        except (ApiConnectionError, ApiError):
+        except ApiConnectionError:
             return False
+        except ApiError as exc:
+            if exc.status >= 500:
+                return False  # not ready: etcd or the server itself is unwell
+            # Answered, but not allowed to say more (a cluster without the default
+            # system:public-info-viewer binding): reachable is all we can tell.
+            if not self._refused_logged:
+                log.warning("GET /readyz was refused (%s); API outages are seen from "
+                            "connection errors only", exc)
+                self._refused_logged = True
         return True
 
     async def run(self) -> None:
