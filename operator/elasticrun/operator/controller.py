@@ -177,9 +177,9 @@ class Controller:
         if self.lease_index is not None and key in self.lease_index:
             for node, state in self.lease_index[key]:
                 leases[node] = state
-        return self._with_pods(key, leases)
+        return self._members_from(key, leases)
 
-    def _with_pods(self, key: Key, leases: dict[str, LeaseState]) -> Members:
+    def _members_from(self, key: Key, leases: dict[str, LeaseState]) -> Members:
         return Members(leases=leases, pod_losses=dict(self.pod_losses.get(key, {})),
                        lease_clock_start=self.api.lease_clock_start(now()))
 
@@ -189,7 +189,7 @@ class Controller:
             node = item["metadata"]["annotations"].get(crd.NODE_ANNOTATION)
             if node:
                 leases[node] = lease_state(item)
-        return self._with_pods(key, leases)
+        return self._members_from(key, leases)
 
     async def reconcile(self, key: Key) -> None:
         raw = self.runs.get(key)
@@ -220,10 +220,7 @@ class Controller:
                 return  # lost the race; the winner's event re-queues us
             run = written
         for node in plan.delete_leases:
-            with contextlib.suppress(ApiError):
-                await asyncio.to_thread(self.client.request, "DELETE",
-                                        f"{leases_path(run.namespace)}/"
-                                        f"{lease_name(run.name, node)}")
+            await self._delete_lease(run.namespace, lease_name(run.name, node))
         if plan.remove_annotations:
             # Only after the status write took: a lost race must not eat the request.
             patch = {"metadata": {"annotations": dict.fromkeys(plan.remove_annotations)}}
@@ -336,10 +333,7 @@ class Controller:
         # The run goes last: should the operator stop half-way, the run is still
         # there, finished, and the next reconcile deletes what is left.
         for lease in await self._run_leases(*key):
-            with contextlib.suppress(ApiError):
-                await asyncio.to_thread(self.client.request, "DELETE",
-                                        f"{leases_path(run.namespace)}/"
-                                        f"{lease['metadata']['name']}")
+            await self._delete_lease(run.namespace, lease["metadata"]["name"])
         if self.per_run_rbac:  # owned by the run, but a cluster may run no garbage collector
             for kind in ("RoleBinding", "Role"):
                 with contextlib.suppress(ApiError):
@@ -361,12 +355,18 @@ class Controller:
         try:
             for item in await self._run_leases(*key):
                 if lease_state(item).owner_uid == uid:
-                    with contextlib.suppress(ApiError):
-                        await asyncio.to_thread(self.client.request, "DELETE",
-                                                f"{leases_path(key[0])}/"
-                                                f"{item['metadata']['name']}")
+                    await self._delete_lease(key[0], item["metadata"]["name"])
         except (ApiError, ApiConnectionError) as exc:
             log.warning("deleting the Leases of deleted run %s/%s failed: %s", *key, exc)
+
+    async def _delete_lease(self, namespace: str, name: str) -> None:
+        """Delete one Lease; one already gone is fine, anything else is logged and left."""
+        try:
+            await asyncio.to_thread(self.client.request, "DELETE",
+                                    f"{leases_path(namespace)}/{name}")
+        except ApiError as exc:
+            if not exc.not_found:
+                log.warning("deleting Lease %s/%s failed: %s", namespace, name, exc)
 
     async def _run_leases(self, namespace: str, run: str) -> list[dict[str, Any]]:
         """The run's Leases from a consistent LIST (the label may be a hash; the annotation
