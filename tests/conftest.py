@@ -31,7 +31,13 @@ from elasticrun.api import crd
 from elasticrun.api.kube import ApiError, KubeClient, load_credentials
 
 from controlplane.kubelet import Kubelet
-from controlplane.localcluster import LocalControlPlane, descendants, kill_tree, stop_pid
+from controlplane.localcluster import (
+    LocalControlPlane,
+    descendants,
+    kill_tree,
+    reap_orphans,
+    stop_pid,
+)
 from controlplane.operatorproc import OperatorProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,8 +124,10 @@ def cluster() -> Iterator[Cluster]:
         yield Cluster(Path(external), client, None)
         client.close()
         return
+    for orphan in reap_orphans(Path(tempfile.gettempdir())):
+        print(f"stopped the control plane a killed test session left in {orphan}")
     workdir = Path(tempfile.mkdtemp(prefix="elasticrun-cp-"))
-    local = LocalControlPlane(workdir)
+    local = LocalControlPlane(workdir, owner_pid=os.getpid())
     try:
         state = local.start()
         client = KubeClient(load_credentials(str(state.kubeconfig)), timeout=30)

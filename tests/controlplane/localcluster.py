@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import ssl
@@ -112,6 +113,9 @@ class ClusterState:
     etcd_pid: int = 0
     apiserver_pid: int = 0
     apiserver_args: list[str] = field(default_factory=list)
+    #: The process whose lifetime bounds this control plane (a pytest session);
+    #: 0 for one that should outlive its starter (``make cluster``).
+    owner_pid: int = 0
 
     @property
     def url(self) -> str:
@@ -144,7 +148,7 @@ class ClusterState:
             return None
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
     try:
@@ -153,29 +157,34 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:  # pragma: no cover - not ours
         return True
-    # A zombie child of ours still answers kill(0); reap it first.
+    # A zombie still answers kill(0): reap it if it is our child, and count any
+    # zombie (someone else's child, not reaped yet) as dead.
     with contextlib.suppress(ChildProcessError):
         done, _ = os.waitpid(pid, os.WNOHANG)
         if done == pid:
             return False
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: trust kill(0)
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 def stop_pid(pid: int, timeout: float = STOP_TIMEOUT) -> None:
     """SIGTERM, a bounded wait, then SIGKILL: only the PID we started."""
-    if not _alive(pid):
+    if not pid_alive(pid):
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not _alive(pid):
+        if not pid_alive(pid):
             return
         time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 5
-    while _alive(pid) and time.monotonic() < deadline:
+    while pid_alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
 
 
@@ -213,21 +222,67 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
             os.kill(target, sig)
 
 
+def _naming(directory: Path) -> list[int]:
+    """Processes whose command line or environment names ``directory``.
+
+    etcd and kube-apiserver are started with paths inside their control plane's
+    directory, and everything a test starts against it (the operator, node
+    agents, torchrun and its workers) carries its kubeconfig path.  Matching on
+    that, not on recorded PIDs alone, also guards against PID reuse.
+    """
+    needle = str(directory).encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if needle in (proc / "cmdline").read_bytes() or \
+                    needle in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
+def reap_orphans(parent: Path, prefix: str = "elasticrun-cp-") -> list[Path]:
+    """Stop control planes whose owning test session died without stopping them.
+
+    A pytest killed by SIGKILL cannot run its teardown, and its etcd,
+    kube-apiserver, operators and node agents run in sessions of their own, so
+    they would live on.  The next session stops every process that names the
+    dead session's directory, clients first, and removes the directory.
+    Control planes without an owner (``make cluster``) stay.
+    """
+    reaped = []
+    for directory in sorted(parent.glob(f"{prefix}*")):
+        state = ClusterState.load(directory)
+        if state is None or not state.owner_pid or pid_alive(state.owner_pid):
+            continue
+        servers = {state.apiserver_pid, state.etcd_pid}
+        left = _naming(Path(state.dir))
+        for pid in sorted(left, key=lambda p: p in servers):  # the servers last
+            stop_pid(pid)
+        shutil.rmtree(directory, ignore_errors=True)
+        reaped.append(directory)
+    return reaped
+
+
 class LocalControlPlane:
     """Start, restart and stop one etcd + kube-apiserver pair in a directory."""
 
     def __init__(self, directory: Path, bin_dir: Path | None = None,
-                 extra_apiserver_args: Sequence[str] = ()) -> None:
+                 extra_apiserver_args: Sequence[str] = (), owner_pid: int = 0) -> None:
         self.dir = directory.resolve()
         self.bin_dir = bin_dir
         self.extra_apiserver_args = list(extra_apiserver_args)
+        self.owner_pid = owner_pid
         self.state: ClusterState | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> ClusterState:
         existing = ClusterState.load(self.dir)
-        if existing and _alive(existing.etcd_pid) and _alive(existing.apiserver_pid):
+        if existing and pid_alive(existing.etcd_pid) and pid_alive(existing.apiserver_pid):
             self.state = existing
             self.wait_ready()
             return existing
@@ -241,7 +296,8 @@ class LocalControlPlane:
         state = ClusterState(dir=str(self.dir), etcd_port=free_port(),
                              etcd_peer_port=free_port(), apiserver_port=free_port(),
                              token=secrets.token_hex(16),
-                             apiserver_args=self.extra_apiserver_args)
+                             apiserver_args=self.extra_apiserver_args,
+                             owner_pid=self.owner_pid)
         (self.dir / "tokens.csv").write_text(f"{state.token},admin,admin-uid,system:masters\n")
         (self.dir / "audit-policy.yaml").write_text(AUDIT_POLICY)
         self.state = state
@@ -299,7 +355,7 @@ class LocalControlPlane:
     def _wait(self, name: str, pid: int, probe: object) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
         while time.monotonic() < deadline:
-            if not _alive(pid):
+            if not pid_alive(pid):
                 raise RuntimeError(f"{name} exited during start-up; log tail:\n"
                                    f"{self.log_tail(name)}")
             if probe():  # type: ignore[operator]
@@ -428,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "status":
         state = ClusterState.load(args.dir.resolve())
-        up = bool(state and _alive(state.etcd_pid) and _alive(state.apiserver_pid))
+        up = bool(state and pid_alive(state.etcd_pid) and pid_alive(state.apiserver_pid))
         print("running" if up else "stopped")
         return 0 if up else 1
     started = time.monotonic()
