@@ -88,8 +88,10 @@ def pending_joins(leases: Iterable[LeaseState], status: RunStatus, now: dt.datet
     A membership also answers every *older* request of the same node: a reader
     whose Leases are older than the run it holds (the operator's Lease watch
     lagging behind its ElasticRun watch) must see a member's previous request
-    as spent, not as a node waiting for the next round.  Only the node itself
-    writes both timestamps, so comparing them needs no clock agreement.
+    as spent, not as a node waiting for the next round.  Both timestamps come
+    from the agent of that name, and its next request follows the answered one
+    by at least a rendezvous (or a pod restart, if it moved to another machine):
+    far more than the clock skew between machines.
     Leases of an earlier run of the same name (another owner uid) never count.
     """
     answered: dict[str, dt.datetime] = {}
