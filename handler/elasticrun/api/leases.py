@@ -20,6 +20,7 @@ from typing import Any
 
 from elasticrun.api import crd
 from elasticrun.api.model import InvalidRunError, RunStatus, WaitingNode, parse_time
+from elasticrun.api.naming import label_value
 
 #: Annotation on a node's Lease: its join request, as JSON (a waiting entry without the name).
 JOIN_ANNOTATION = f"{crd.GROUP}/join"
@@ -49,6 +50,22 @@ class LeaseState:
             return None
         start = self.renewed if not_before is None else max(self.renewed, not_before)
         return start + dt.timedelta(seconds=self.duration)
+
+
+def run_leases_query(run: str) -> dict[str, str]:
+    """The LIST query for a run's Leases (the label may be a hash of a long name)."""
+    return {"labelSelector": f"{crd.RUN_LABEL}={label_value(run)}"}
+
+
+def leases_of(listed: Mapping[str, Any], run: str) -> list[dict[str, Any]]:
+    """The items of a LIST with :func:`run_leases_query` that belong to ``run``.
+
+    The label alone cannot tell two long names with the same hash apart; the
+    annotation holds the full name.
+    """
+    return [item for item in listed.get("items") or []
+            if ((item.get("metadata") or {}).get("annotations") or {})
+            .get(crd.RUN_LABEL) == run]
 
 
 def join_value(node: WaitingNode) -> str:
@@ -95,10 +112,11 @@ def pending_joins(leases: Iterable[LeaseState], status: RunStatus, now: dt.datet
     Leases of an earlier run of the same name (another owner uid) never count.
     """
     answered: dict[str, dt.datetime] = {}
-    for name, since in [*((p.name, p.since) for p in status.participants),
-                        *((m.name, m.since) for m in status.lost_members)]:
-        if since is not None and (name not in answered or since > answered[name]):
-            answered[name] = since
+    held = [(p.name, p.since) for p in status.participants]
+    held += [(m.name, m.since) for m in status.lost_members]
+    for name, since in held:
+        if since is not None:
+            answered[name] = max(since, answered.get(name, since))
     waiting: dict[str, WaitingNode] = {}
     for lease in leases:
         join = lease.join

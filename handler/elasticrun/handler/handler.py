@@ -53,7 +53,7 @@ from elasticrun.api.kube import (
     run_path,
     runs_path,
 )
-from elasticrun.api.leases import lease_state, pending_joins
+from elasticrun.api.leases import lease_state, leases_of, pending_joins, run_leases_query
 from elasticrun.api.model import (
     ElasticRun,
     InvalidRunError,
@@ -63,7 +63,6 @@ from elasticrun.api.model import (
     now,
     parse_run,
 )
-from elasticrun.api.naming import label_value
 from elasticrun.handler import settings as settings_mod
 from elasticrun.handler.lease import LeaseKeeper, NodeNameInUseError
 from elasticrun.handler.settings import RendezvousSettings
@@ -348,11 +347,8 @@ class K8sRendezvousHandler(RendezvousHandler):
         """
         s = self.settings
         listed = self._call("list the run's Leases", lambda: self._api().request(
-            "GET", leases_path(s.namespace),
-            query={"labelSelector": f"{crd.RUN_LABEL}={label_value(s.run_name)}"}))
-        states = [lease_state(item) for item in listed.get("items") or []
-                  if ((item.get("metadata") or {}).get("annotations") or {})
-                  .get(crd.RUN_LABEL) == s.run_name]
+            "GET", leases_path(s.namespace), query=run_leases_query(s.run_name)))
+        states = [lease_state(item) for item in leases_of(listed, s.run_name)]
         return pending_joins(states, run.status, now(), run.uid)
 
     def _seal(self, view: ElasticRun, reason: str) -> ElasticRun | None:

@@ -26,10 +26,11 @@ from elasticrun.api.kube import (
     ApiConnectionError,
     ApiError,
     KubeClient,
+    lease_path,
     leases_path,
     run_path,
 )
-from elasticrun.api.leases import LeaseState, lease_state
+from elasticrun.api.leases import LeaseState, lease_state, leases_of, run_leases_query
 from elasticrun.api.model import (
     ElasticRun,
     InvalidRunError,
@@ -38,7 +39,7 @@ from elasticrun.api.model import (
     now,
     parse_run,
 )
-from elasticrun.api.naming import label_value, lease_name
+from elasticrun.api.naming import lease_name
 from elasticrun.operator import runrbac
 from elasticrun.operator.apihealth import ApiAvailability
 from elasticrun.operator.liveness import Loss, pod_loss, restart_count
@@ -220,7 +221,7 @@ class Controller:
                 return  # lost the race; the winner's event re-queues us
             run = written
         for node in plan.delete_leases:
-            await self._delete_lease(run.namespace, lease_name(run.name, node))
+            await self._delete_object(lease_path(run.namespace, lease_name(run.name, node)))
         if plan.remove_annotations:
             # Only after the status write took: a lost race must not eat the request.
             patch = {"metadata": {"annotations": dict.fromkeys(plan.remove_annotations)}}
@@ -333,14 +334,11 @@ class Controller:
         # The run goes last: should the operator stop half-way, the run is still
         # there, finished, and the next reconcile deletes what is left.
         for lease in await self._run_leases(*key):
-            await self._delete_lease(run.namespace, lease["metadata"]["name"])
+            await self._delete_object(lease_path(run.namespace, lease["metadata"]["name"]))
         if self.per_run_rbac:  # owned by the run, but a cluster may run no garbage collector
             for kind in ("RoleBinding", "Role"):
-                with contextlib.suppress(ApiError):
-                    await asyncio.to_thread(self.client.request, "DELETE",
-                                            runrbac.path(kind, run.namespace, run.name))
-        with contextlib.suppress(ApiError):
-            await asyncio.to_thread(self.client.request, "DELETE", run_path(*key))
+                await self._delete_object(runrbac.path(kind, run.namespace, run.name))
+        await self._delete_object(run_path(*key))
 
     async def _delete_orphaned_leases(self, key: Key, uid: str | None) -> None:
         """Delete the Leases a deleted run owned, as the garbage collector would.
@@ -355,27 +353,23 @@ class Controller:
         try:
             for item in await self._run_leases(*key):
                 if lease_state(item).owner_uid == uid:
-                    await self._delete_lease(key[0], item["metadata"]["name"])
+                    await self._delete_object(lease_path(key[0], item["metadata"]["name"]))
         except (ApiError, ApiConnectionError) as exc:
             log.warning("deleting the Leases of deleted run %s/%s failed: %s", *key, exc)
 
-    async def _delete_lease(self, namespace: str, name: str) -> None:
-        """Delete one Lease; one already gone is fine, anything else is logged and left."""
+    async def _delete_object(self, path: str) -> None:
+        """DELETE; an object already gone is fine, anything else is logged and left."""
         try:
-            await asyncio.to_thread(self.client.request, "DELETE",
-                                    f"{leases_path(namespace)}/{name}")
+            await asyncio.to_thread(self.client.request, "DELETE", path)
         except ApiError as exc:
             if not exc.not_found:
-                log.warning("deleting Lease %s/%s failed: %s", namespace, name, exc)
+                log.warning("DELETE %s failed: %s", path, exc)
 
     async def _run_leases(self, namespace: str, run: str) -> list[dict[str, Any]]:
-        """The run's Leases from a consistent LIST (the label may be a hash; the annotation
-        holds the full name)."""
-        listed = await asyncio.to_thread(
-            self.client.request, "GET", leases_path(namespace),
-            query={"labelSelector": f"{crd.RUN_LABEL}={label_value(run)}"})
-        return [item for item in listed.get("items") or []
-                if (item["metadata"].get("annotations") or {}).get(crd.RUN_LABEL) == run]
+        """The run's Leases, from a consistent LIST."""
+        listed = await asyncio.to_thread(self.client.request, "GET", leases_path(namespace),
+                                         query=run_leases_query(run))
+        return leases_of(listed, run)
 
     def _forget_stale_losses(self, key: Key, run: ElasticRun) -> None:
         losses = self.pod_losses.get(key)
