@@ -11,6 +11,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -163,3 +164,12 @@ def can_i(cluster: Cluster, user: str, verb: str, resource: str, *,
 def service_account(namespace: str, name: str) -> str:
     return f"system:serviceaccount:{namespace}:{name}"
 
+
+def refusals(log_text: str) -> list[str]:
+    """Log lines where RBAC refused a request: 'is forbidden: User "..." cannot <verb> ...'.
+
+    kopf and our clients log refused calls and retry instead of failing, so a
+    right the chart forgot shows up here first.
+    """
+    return [line for line in log_text.splitlines()
+            if re.search(r'forbidden: User "[^"]+" cannot', line)]

@@ -10,6 +10,7 @@ every 1 s) so that every test stays bounded; the protocol is the same.
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import signal
 import time
@@ -23,11 +24,14 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elasticrun.api import crd
-from elasticrun.api.kube import runs_path
+from elasticrun.api.kube import lease_path, runs_path
+from elasticrun.api.leases import lease_state
+from elasticrun.api.model import now
+from elasticrun.api.naming import lease_name
 
 from chaoskit import assert_all_ok, assert_consistent, raw_run, record, start_node
 from conftest import Cluster, OperatorProcess, ProcessGroup, wait_for
-from rdzv import is_waiting, read_run, rendezvous_all, start_rendezvous
+from rdzv import is_waiting, metric, read_run, rendezvous_all, start_rendezvous
 
 pytestmark = pytest.mark.slow
 
@@ -296,12 +300,11 @@ def test_apiserver_restarted_mid_rendezvous(operator: OperatorProcess, make_hand
            recovery_seconds=round(done, 2))
 
 
-def _metric(text: str, name: str) -> float:
-    """One unlabelled sample from a Prometheus text page (0 when absent)."""
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return 0.0
+def _renewed_since(cluster: Cluster, namespace: str, run: str, node: str,
+                   moment: dt.datetime) -> bool:
+    lease = cluster.client.request("GET", lease_path(namespace, lease_name(run, node)))
+    renewed = lease_state(lease).renewed
+    return renewed is not None and renewed > moment
 
 
 def test_apiserver_down_longer_than_the_heartbeat_removes_nobody(
@@ -329,11 +332,15 @@ def test_apiserver_down_longer_than_the_heartbeat_removes_nobody(
             local.start_apiserver()  # waits for /readyz
         time.sleep(3)  # b is slow to come back; the operator has looked again meanwhile
     finally:
+        resumed = now()
         os.kill(b.proc.pid, signal.SIGCONT)
-    assert _metric(operator.metrics(), "elasticrun_apiserver_outages_total") >= 1
-    wait_for(lambda: _metric(operator.metrics(), "elasticrun_apiserver_reachable") == 1, 15,
+    assert metric(operator.metrics(), "elasticrun_apiserver_outages_total") >= 1
+    wait_for(lambda: metric(operator.metrics(), "elasticrun_apiserver_reachable") == 1, 15,
              "the operator to see the API server back")
-    time.sleep(8)  # a heartbeat timeout after b came back: a wrong removal would be done
+    # Once both have renewed after b came back, no Lease is stale any more: a wrong
+    # removal (the operator looks within a second of an expiry) would be done by then.
+    wait_for(lambda: all(_renewed_since(cluster, namespace, "upgrade", n, resumed)
+                         for n in "ab"), 15, "a and b to renew their Leases")
     after = read_run(cluster.client, namespace, "upgrade")
     assert after.status.lost_members == (), after.status.lost_members
     assert after.status.round == 1 and after.status.member_names == {"a", "b"}

@@ -27,6 +27,7 @@ from chartkit import (
     by_kind,
     can_i,
     delete_cluster_scoped,
+    refusals,
     request_token,
     service_account,
     token_kubeconfig,
@@ -269,6 +270,5 @@ def test_operator_does_its_work_on_the_chart_role_alone(
     # RBAC's refusals read 'is forbidden: User "..." cannot <verb> ...'. (A cluster-wide
     # operator also meets earlier tests' runs in namespaces stuck Terminating, where
     # the API server forbids new Events for another reason.)
-    refused = [line for line in text.splitlines()
-               if re.search(r'forbidden: User "[^"]+" cannot', line)]
+    refused = refusals(text)
     assert refused == [], "\n".join(refused[:10])
