@@ -1,10 +1,11 @@
 # elasticrun — the targets users know from kubebuilder projects.
 #
 #   make demo     set up, start a local control plane + operator, run the elastic demo job
-#   make test     set up (venv, torch, control plane) and run the whole test suite
+#   make test     set up (venv, torch, local cluster) and run the whole test suite
 #   make bench    benchmarks against torch's c10d and etcd-v2 backends (docs/benchmarks.md)
 #   make lint     ruff + mypy
-#   make cluster / cluster-down   a local kube-apiserver + etcd for kubectl and experiments
+#   make cluster / cluster-down   a local single-node Kubernetes (kubelet, containerd) for
+#                 kubectl, helm and the examples; CLUSTER_MODE=apiserver for etcd + API server only
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -12,33 +13,42 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 EXTRAS := torch,operator,test,bench,lint
 CLUSTER_DIR ?= .cluster
+CLUSTER_MODE ?= node
+CONTROLPLANE_BIN = $$(bash tests/controlplane/build.sh --node)
+RUNTIME_BIN = $$(bash tests/controlplane/build-runtime.sh)
 PYTEST_ARGS ?=
 
-.PHONY: help setup controlplane helm test test-fast lint demo bench bench-quick cluster cluster-down clean
+.PHONY: help setup controlplane node helm test test-fast lint demo bench bench-quick cluster cluster-down clean
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
 
-# The venv is rebuilt when pyproject.toml changes; pip's cache makes that cheap.
-$(VENV)/.installed: pyproject.toml
+# The venv is rebuilt when a pyproject.toml changes; pip's cache makes that cheap.
+# tests/controlplane is the local-cluster tooling (import name `controlplane`).
+$(VENV)/.installed: pyproject.toml tests/controlplane/pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]' -e tests/controlplane
 	@touch $@
 
 setup: $(VENV)/.installed
 
+# Built once from Go modules and cached in ~/.cache/elasticrun (times printed on the first build).
 controlplane:
 	@bash tests/controlplane/build.sh >/dev/null
+
+node: controlplane
+	@bash tests/controlplane/build.sh --node >/dev/null
+	@bash tests/controlplane/build-runtime.sh >/dev/null
 
 helm:
 	@bash tests/helmtool/build.sh >/dev/null
 
-test: setup controlplane
-	CONTROLPLANE_BIN="$$(bash tests/controlplane/build.sh)" $(PY) -m pytest $(PYTEST_ARGS)
+test: setup node helm
+	CONTROLPLANE_BIN="$(CONTROLPLANE_BIN)" RUNTIME_BIN="$(RUNTIME_BIN)" $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup controlplane
-	CONTROLPLANE_BIN="$$(bash tests/controlplane/build.sh)" $(PY) -m pytest -m "not slow and not torchrun" $(PYTEST_ARGS)
+	CONTROLPLANE_BIN="$$(bash tests/controlplane/build.sh)" $(PY) -m pytest -m "not slow and not torchrun and not node" $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check handler operator tests bench demo
@@ -53,12 +63,12 @@ bench: setup controlplane
 bench-quick: setup controlplane
 	$(PY) bench/run.py --quick
 
-cluster: setup controlplane
-	@$(PY) tests/controlplane/localcluster.py up --dir $(CLUSTER_DIR)
+cluster: setup $(if $(filter node,$(CLUSTER_MODE)),node,controlplane)
+	@$(PY) -m controlplane.localcluster up --dir $(CLUSTER_DIR) --mode $(CLUSTER_MODE)
 	@KUBECONFIG=$(CLUSTER_DIR)/kubeconfig $(VENV)/bin/kubectl apply --server-side -f deploy/crds/ >&2
 
 cluster-down:
-	@$(PY) tests/controlplane/localcluster.py down --dir $(CLUSTER_DIR)
+	@test ! -x $(PY) || $(PY) -m controlplane.localcluster down --dir $(CLUSTER_DIR)
 
 clean: cluster-down
 	rm -rf $(CLUSTER_DIR) .pytest_cache .mypy_cache .ruff_cache

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / d) for d in ("", "handler", "operator", "tests")]
+# `python bench/run.py` puts bench/ on the path, not the package's parent.
+sys.path.insert(0, str(ROOT))
 
 from bench import backends, report, scenarios  # noqa: E402
 from bench.pool import Pool  # noqa: E402

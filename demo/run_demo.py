@@ -34,11 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from elasticrun.api import crd  # noqa: E402
-from elasticrun.api.kube import (  # noqa: E402
+from elasticrun.api import crd
+from elasticrun.api.kube import (
     APPLY_PATCH,
     ApiConnectionError,
     ApiError,
@@ -46,17 +43,18 @@ from elasticrun.api.kube import (  # noqa: E402
     load_credentials,
     runs_path,
 )
-from elasticrun.api.model import ElasticRun, RunSpec, new_run_manifest, parse_run  # noqa: E402
+from elasticrun.api.model import ElasticRun, RunSpec, new_run_manifest, parse_run
 
-from controlplane.kubelet import Kubelet  # noqa: E402
-from controlplane.localcluster import (  # noqa: E402
+from controlplane.kubelet import Kubelet
+from controlplane.localcluster import (
     LocalControlPlane,
     clean_env,
     kill_tree,
     stop_pid,
 )
-from controlplane.operatorproc import OperatorProcess  # noqa: E402
+from controlplane.operatorproc import OperatorProcess
 
+ROOT = Path(__file__).resolve().parent.parent
 NAMESPACE = "demo"
 RUN = "demo"
 TRAIN = ROOT / "deploy" / "examples" / "train.py"
@@ -425,7 +423,7 @@ def summary(story: Story, console: Console, args: argparse.Namespace) -> None:
                    f"{story.wall_seconds:.0f}s")
     if args.keep:
         c.line("info", "the control plane is still running (--keep); stop it with "
-                       f"python tests/controlplane/localcluster.py down --dir "
+                       f"python -m controlplane.localcluster down --dir "
                        f"{args.workdir / 'cluster'}")
 
 

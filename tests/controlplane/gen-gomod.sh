@@ -19,7 +19,9 @@ MODS="$(sed -nE 's#^[[:space:]]*(k8s\.io/[a-z0-9-]+) v0\.0\.0([[:space:]]|$).*#\
 rm -f go.mod go.sum
 go mod init local.test/elasticrun-controlplane >/dev/null 2>&1
 go mod edit -go=1.26.0 -require="k8s.io/kubernetes@$V" \
-  -tool=k8s.io/kubernetes/cmd/kube-apiserver -tool=go.etcd.io/etcd/server/v3
+  -tool=k8s.io/kubernetes/cmd/kube-apiserver -tool=go.etcd.io/etcd/server/v3 \
+  -tool=k8s.io/kubernetes/cmd/kubelet -tool=k8s.io/kubernetes/cmd/kube-scheduler \
+  -tool=k8s.io/kubernetes/cmd/kube-controller-manager
 for m in $MODS; do go mod edit -replace="$m=$m@$SV"; done
 go mod tidy
 go list -m k8s.io/kubernetes k8s.io/apiserver go.etcd.io/etcd/server/v3

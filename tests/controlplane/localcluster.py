@@ -1,16 +1,31 @@
 #!/usr/bin/env python3
-"""A real etcd + kube-apiserver on 127.0.0.1, for tests, the demo and benchmarks.
+"""A real Kubernetes on 127.0.0.1, for tests, the demo and benchmarks.
 
-There is no kubelet, scheduler or controller manager: this is the envtest
-set-up.  Everything the API server itself does is real (schema and CEL
-validation, server-side apply, watches, RBAC, TokenRequest, webhooks, audit).
+Two modes:
 
-    python tests/controlplane/localcluster.py up   [--dir .cluster]   # prints export KUBECONFIG=...
-    python tests/controlplane/localcluster.py down [--dir .cluster]
+- **apiserver** (the envtest set-up): etcd + kube-apiserver only.  Everything
+  the API server itself does is real (schema and CEL validation, server-side
+  apply, watches, RBAC, TokenRequest, admission, audit); nothing runs a pod.
+  Starts in seconds, on free ports, as many at once as you like.
+- **node**: a complete single-node cluster: the above plus kube-scheduler,
+  kube-controller-manager and a node (containerd, runc, kubelet; see
+  :mod:`controlplane.node`), so Jobs, StatefulSets, Deployments, garbage
+  collection, evictions and namespace deletion are real.  The API server
+  listens on 127.0.0.1:443 and the Service range is 127.0.0.0/24, which makes
+  the ``kubernetes`` Service 127.0.0.1:443: in-cluster clients in pods reach the
+  API server with their ServiceAccount token and no Service IP ever leads off
+  the machine.  One node cluster per machine (fixed ports, one kubelet).
 
-Binaries come from ``tests/controlplane/build.sh`` (built once, cached outside
-the repository).  Every process is started in its own session and stopped by
-its PID.
+    python -m controlplane.localcluster up   [--dir .cluster] [--mode node|apiserver]
+    python -m controlplane.localcluster down [--dir .cluster]
+
+In both modes the API server runs with ``--enable-aggregator-routing``: a
+webhook or APIService that names a Service is called at the Service's
+endpoints, never at its ClusterIP.
+
+Binaries come from ``tests/controlplane/build.sh`` and ``build-runtime.sh``
+(built once, cached outside the repository).  Every process is started in its
+own session and stopped by its PID.
 """
 
 from __future__ import annotations
@@ -22,7 +37,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -34,10 +48,21 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from controlplane.node import LocalNode
+from controlplane.procs import (
+    STOP_TIMEOUT,
+    clean_env,
+    descendants,
+    kill_tree,
+    pid_alive,
+    stop_pid,
+)
+
+__all__ = ["STOP_TIMEOUT", "ClusterState", "LocalControlPlane", "clean_env", "descendants",
+           "kill_tree", "pid_alive", "reap_orphans", "running", "stop_pid"]
+
 HERE = Path(__file__).resolve().parent
 READY_TIMEOUT = 120.0
-#: kube-apiserver drains open watches on SIGTERM; a test cluster need not wait long.
-STOP_TIMEOUT = 5.0
 
 AUDIT_POLICY = """\
 apiVersion: audit.k8s.io/v1
@@ -53,13 +78,24 @@ rules:
 """
 
 
-def build_binaries() -> Path:
-    """Path of the cached kube-apiserver and etcd, building them if needed."""
+#: The node mode's fixed API server port: the ``kubernetes`` Service's port.
+NODE_APISERVER_PORT = 443
+#: A loopback Service range: every ClusterIP is an address of this machine.
+SERVICE_RANGE = "127.0.0.0/24"
+APISERVER_ONLY, NODE = "apiserver", "node"
+MODES = (APISERVER_ONLY, NODE)
+
+
+def build_binaries(node: bool = False) -> Path:
+    """Path of the cached Kubernetes binaries, building what is missing."""
+    wanted = ["kube-apiserver", "etcd"]
+    if node:
+        wanted += ["kubelet", "kube-scheduler", "kube-controller-manager"]
     explicit = os.environ.get("CONTROLPLANE_BIN")
-    if explicit and (Path(explicit) / "kube-apiserver").exists():
+    if explicit and all((Path(explicit) / b).exists() for b in wanted):
         return Path(explicit)
-    out = subprocess.run(["bash", str(HERE / "build.sh")], check=True, stdout=subprocess.PIPE,
-                         text=True)
+    out = subprocess.run(["bash", str(HERE / "build.sh"), *(["--node"] if node else [])],
+                         check=True, stdout=subprocess.PIPE, text=True)
     return Path(out.stdout.strip().splitlines()[-1])
 
 
@@ -67,14 +103,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def clean_env() -> dict[str, str]:
-    """The environment without proxies: the API server calls webhooks through them."""
-    env = {k: v for k, v in os.environ.items()
-           if k.lower() not in ("http_proxy", "https_proxy", "all_proxy")}
-    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
-    return env
 
 
 def _openssl(cwd: Path, *args: str) -> None:
@@ -112,6 +140,9 @@ class ClusterState:
     token: str
     etcd_pid: int = 0
     apiserver_pid: int = 0
+    scheduler_pid: int = 0
+    controller_manager_pid: int = 0
+    mode: str = APISERVER_ONLY
     apiserver_args: list[str] = field(default_factory=list)
     #: The process whose lifetime bounds this control plane (a pytest session);
     #: 0 for one that should outlive its starter (``make cluster``).
@@ -146,80 +177,6 @@ class ClusterState:
             return cls(**json.loads((d / "state.json").read_text()))
         except (FileNotFoundError, json.JSONDecodeError, TypeError):
             return None
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # pragma: no cover - not ours
-        return True
-    # A zombie still answers kill(0): reap it if it is our child, and count any
-    # zombie (someone else's child, not reaped yet) as dead.
-    with contextlib.suppress(ChildProcessError):
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no /proc: trust kill(0)
-    return stat.rpartition(")")[2].split()[0] != "Z"
-
-
-def stop_pid(pid: int, timeout: float = STOP_TIMEOUT) -> None:
-    """SIGTERM, a bounded wait, then SIGKILL: only the PID we started."""
-    if not pid_alive(pid):
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not pid_alive(pid):
-            return
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (from /proc), children before grandchildren."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        parents.setdefault(ppid, []).append(int(entry))
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        children = parents.get(todo.pop(0), [])
-        found += children
-        todo += children
-    return found
-
-
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    """Signal ``pid`` and all its descendants, even those in sessions of their own.
-
-    torchrun starts each worker in a new session, so killing the agent's process
-    group would leave its workers training on as orphans; a node that dies takes
-    everything it ran with it.
-    """
-    for target in [pid, *descendants(pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(target, sig)
 
 
 def _naming(directory: Path) -> list[int]:
@@ -271,12 +228,24 @@ class LocalControlPlane:
     """Start, restart and stop one etcd + kube-apiserver pair in a directory."""
 
     def __init__(self, directory: Path, bin_dir: Path | None = None,
-                 extra_apiserver_args: Sequence[str] = (), owner_pid: int = 0) -> None:
+                 extra_apiserver_args: Sequence[str] = (), owner_pid: int = 0,
+                 mode: str = APISERVER_ONLY) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.dir = directory.resolve()
         self.bin_dir = bin_dir
         self.extra_apiserver_args = list(extra_apiserver_args)
         self.owner_pid = owner_pid
+        self.mode = mode
         self.state: ClusterState | None = None
+
+    @property
+    def node(self) -> LocalNode | None:
+        """The node of a node-mode cluster (None in apiserver mode)."""
+        if self.mode != NODE:
+            return None
+        assert self.state and self.bin_dir
+        return LocalNode(self.dir, self.state.kubeconfig, self.bin_dir)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -287,17 +256,21 @@ class LocalControlPlane:
             self.wait_ready()
             return existing
         if existing:
-            stop_pid(existing.apiserver_pid)
-            stop_pid(existing.etcd_pid)
+            self.state = existing
+            self.stop()
         self.dir.mkdir(parents=True, exist_ok=True)
-        bin_dir = self.bin_dir or build_binaries()
+        node = self.mode == NODE
+        bin_dir = self.bin_dir or build_binaries(node=node)
         self.bin_dir = bin_dir
+        if node:
+            _require_free(NODE_APISERVER_PORT, "the node mode's API server")
         make_pki(self.dir)
         state = ClusterState(dir=str(self.dir), etcd_port=free_port(),
-                             etcd_peer_port=free_port(), apiserver_port=free_port(),
+                             etcd_peer_port=free_port(),
+                             apiserver_port=NODE_APISERVER_PORT if node else free_port(),
                              token=secrets.token_hex(16),
                              apiserver_args=self.extra_apiserver_args,
-                             owner_pid=self.owner_pid)
+                             owner_pid=self.owner_pid, mode=self.mode)
         (self.dir / "tokens.csv").write_text(f"{state.token},admin,admin-uid,system:masters\n")
         (self.dir / "audit-policy.yaml").write_text(AUDIT_POLICY)
         self.state = state
@@ -305,7 +278,41 @@ class LocalControlPlane:
         self._start_apiserver()
         state.save()
         self._write_kubeconfig()
+        if node:
+            try:
+                self._start_node()
+            except BaseException:
+                self.stop()
+                raise
         return state
+
+    def _start_node(self) -> None:
+        """kube-scheduler, kube-controller-manager and the node, on this API server."""
+        assert self.state and self.bin_dir
+        s, d, k = self.state, self.dir, str(self.state.kubeconfig)
+        common = [f"--kubeconfig={k}", f"--authentication-kubeconfig={k}",
+                  f"--authorization-kubeconfig={k}", "--bind-address=127.0.0.1",
+                  "--leader-elect=false", "--v=1"]
+        s.scheduler_pid = self._popen("kube-scheduler", [
+            str(self.bin_dir / "kube-scheduler"), *common, "--secure-port=10259"])
+        s.controller_manager_pid = self._popen("kube-controller-manager", [
+            str(self.bin_dir / "kube-controller-manager"), *common, "--secure-port=10257",
+            f"--service-account-private-key-file={d}/sa.key", f"--root-ca-file={d}/ca.crt",
+            "--use-service-account-credentials=true",
+            # Its default, /usr/libexec/kubernetes/..., would be created on the machine.
+            f"--flex-volume-plugin-dir={d}/node/flexvolume",
+            # A Pod on a node that stopped reporting is evicted quickly in tests.
+            "--node-monitor-grace-period=20s"])
+        s.save()
+        from elasticrun.api.kube import KubeClient, load_credentials
+
+        client = KubeClient(load_credentials(str(s.kubeconfig)), timeout=10)
+        try:
+            node = self.node
+            assert node is not None
+            node.start(client)
+        finally:
+            client.close()
 
     def _popen(self, name: str, argv: list[str]) -> int:
         log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
@@ -340,8 +347,12 @@ class LocalControlPlane:
             f"--tls-cert-file={d}/apiserver.crt", f"--tls-private-key-file={d}/apiserver.key",
             f"--cert-dir={d}/certs", f"--client-ca-file={d}/ca.crt",
             f"--token-auth-file={d}/tokens.csv", "--authorization-mode=RBAC",
-            "--service-cluster-ip-range=10.0.0.0/24", "--allow-privileged=true",
-            "--disable-admission-plugins=ServiceAccount",
+            f"--service-cluster-ip-range={SERVICE_RANGE}", "--allow-privileged=true",
+            "--enable-aggregator-routing=true",
+            # Without a controller manager nobody creates ServiceAccounts, and
+            # the admission plugin would refuse every pod.
+            *(["--kubelet-preferred-address-types=InternalIP,Hostname"] if s.mode == NODE
+              else ["--disable-admission-plugins=ServiceAccount"]),
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={d}/sa.key",
             f"--service-account-signing-key-file={d}/sa.key",
@@ -396,13 +407,24 @@ class LocalControlPlane:
         self.state.save()
 
     def stop(self) -> None:
+        """Stop everything this cluster started, the node first, etcd last.
+
+        A node cluster's data goes with it: its objects name a node and pods
+        that no longer exist, so the next start begins from an empty etcd.
+        """
         state = self.state or ClusterState.load(self.dir)
         if state is None:
             return
-        stop_pid(state.apiserver_pid)
-        stop_pid(state.etcd_pid)
+        if state.mode == NODE:
+            LocalNode(self.dir, state.kubeconfig, Path()).stop()
+        for pid in (state.controller_manager_pid, state.scheduler_pid, state.apiserver_pid,
+                    state.etcd_pid):
+            stop_pid(pid)
         with contextlib.suppress(FileNotFoundError):
             (self.dir / "state.json").unlink()
+        if state.mode == NODE:
+            shutil.rmtree(self.dir / "etcd-data", ignore_errors=True)
+            shutil.rmtree(self.dir / "node", ignore_errors=True)
 
     def log_tail(self, name: str, lines: int = 30) -> str:
         try:
@@ -432,6 +454,18 @@ class LocalControlPlane:
         assert self.state
         return _http_get(f"{self.state.url}/metrics", token=self.state.token,
                          ca=self.state.ca).decode()
+
+
+def _require_free(port: int, what: str) -> None:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise RuntimeError(
+                f"127.0.0.1:{port} is in use, and {what} needs it: is another node-mode "
+                f"cluster running (`make cluster-down` stops the one `make cluster` started)?"
+            ) from exc
 
 
 def _ssl_context(ca: Path | None) -> ssl.SSLContext | None:
@@ -473,10 +507,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("command", choices=["up", "down", "status", "build"])
     parser.add_argument("--dir", type=Path, default=Path(".cluster"),
                         help="state directory (default: .cluster)")
+    parser.add_argument("--mode", choices=MODES, default=NODE,
+                        help="node: a complete single-node cluster (default); "
+                             "apiserver: etcd + kube-apiserver only")
     args = parser.parse_args(argv)
-    cp = LocalControlPlane(args.dir)
+    cp = LocalControlPlane(args.dir, mode=args.mode)
     if args.command == "build":
-        print(build_binaries())
+        print(build_binaries(node=args.mode == NODE))
         return 0
     if args.command == "down":
         cp.stop()
@@ -489,7 +526,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if up else 1
     started = time.monotonic()
     state = cp.start()
-    print(f"kube-apiserver {state.url} ready in {time.monotonic() - started:.1f}s "
+    what = "node Ready" if state.mode == NODE else "kube-apiserver ready"
+    print(f"{state.mode} cluster at {state.url}: {what} in {time.monotonic() - started:.1f}s "
           f"(etcd pid {state.etcd_pid}, kube-apiserver pid {state.apiserver_pid})",
           file=sys.stderr)
     print(f"export KUBECONFIG={state.kubeconfig}")

@@ -61,9 +61,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{- define "elasticrun.webhookDNSNames" -}}
+{{- if .Values.webhook.url }}
+- {{ (urlParse .Values.webhook.url).hostname }}
+{{- else }}
 {{- $svc := include "elasticrun.webhookService" . -}}
 - {{ $svc }}.{{ .Release.Namespace }}.svc
 - {{ $svc }}.{{ .Release.Namespace }}.svc.cluster.local
+{{- end }}
 {{- end }}
 
 {{/* Refuse values that would install something broken, with a message that says what to set. */}}

@@ -200,14 +200,20 @@ class K8sRendezvousHandler(RendezvousHandler):
             self._watcher.stop()
         locked = self._lock.acquire(timeout=self.settings.close_timeout)
         try:
-            # The Lease goes first, and our join request with it: no node can
-            # take that request for a new one between our removal and its deletion.
-            if self._lease is not None:
-                self._lease.release(self.settings.close_timeout)
+            # Our join request goes first, so no node can take it for a new one
+            # once we have left; the Lease goes last, so the operator never sees
+            # a member without one (it would record a loss, not a departure).
+            # If the request cannot be withdrawn, the Lease goes first instead.
+            lease = self._lease
+            if lease is not None and not lease.withdraw_join(self.settings.close_timeout):
+                lease.release(self.settings.close_timeout)
+                lease = None
             try:
                 self._leave_membership()
             except RendezvousError as exc:
                 log.warning("%s: leaving the membership failed: %s", self._who(), exc)
+            if lease is not None:
+                lease.release(self.settings.close_timeout)
             for host in (self._retired_store, self._store_host):
                 if host is not None:
                     host.close()

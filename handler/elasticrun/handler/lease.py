@@ -115,6 +115,19 @@ class LeaseKeeper:
             if join is not None:  # removed (e.g. by the operator as lost): take it again
                 self.acquire(join)
 
+    def withdraw_join(self, timeout: float) -> bool:
+        """Withdraw our join request, keeping the Lease; False if that failed."""
+        try:
+            self.client.request(
+                "PATCH", lease_path(self.namespace, self.name),
+                body={"metadata": {"annotations": {JOIN_ANNOTATION: None}}},
+                content_type="application/merge-patch+json", timeout=timeout)
+        except ApiError as exc:
+            return bool(exc.not_found)
+        except ApiConnectionError:
+            return False
+        return True
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._renew_loop, daemon=True,
                                         name=f"elasticrun-lease-{self.node}")

@@ -12,9 +12,10 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -56,6 +57,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def operator_identity() -> str:
+    """The name kopf knows this operator by.
+
+    Left to itself kopf asks ``getpass.getuser()``, which raises for a uid that
+    has no passwd entry: the operator's own image user on a platform that
+    assigns arbitrary uids, or any distroless image.
+    """
+    return os.environ.get("POD_NAME") or socket.gethostname()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
@@ -94,7 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         kopf.run(standalone=True, clusterwide=clusterwide,
                  namespaces=() if clusterwide else tuple(args.namespace),
-                 liveness_endpoint=liveness)
+                 liveness_endpoint=liveness,
+                 # kopf types this as its private NewType of str.
+                 identity=cast(Any, operator_identity()))
     except KeyboardInterrupt:  # pragma: no cover - interactive use
         return 130
     finally:
