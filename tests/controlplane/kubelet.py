@@ -3,6 +3,16 @@
 A lone kube-apiserver stores Pods but nothing runs them: this marks them
 Running with the node's address, fails or restarts their containers, and
 deletes them at once (an unbound pod is removed without a grace period).
+
+Where a real pod is what a test means (a Job's pods, a deletion the kubelet
+carries out, an eviction, a crashed container), the test runs on the real
+node instead (``tests/integration/test_realnode.py``).  This stays for tests
+that need a pod state at an exact moment, which a real kubelet cannot be made
+to produce on demand: a container restart counted while the agent is mid-
+round, a ``Failed`` phase, a ``DisruptionTarget`` condition without the
+deletion that follows it, hundreds of pods for the operator's load test; and
+for the demo and benchmarks, which run their nodes as local processes so they
+need no node at all.
 """
 
 from __future__ import annotations

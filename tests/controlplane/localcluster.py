@@ -201,20 +201,28 @@ def _naming(directory: Path) -> list[int]:
     return found
 
 
-def reap_orphans(parent: Path, prefix: str = "elasticrun-cp-") -> list[Path]:
-    """Stop control planes whose owning test session died without stopping them.
+#: Directory prefixes of the clusters test sessions start (apiserver and node mode).
+SESSION_PREFIXES = ("elasticrun-cp-", "elasticrun-node-")
+
+
+def reap_orphans(parent: Path, prefixes: Sequence[str] = SESSION_PREFIXES) -> list[Path]:
+    """Stop clusters whose owning test session died without stopping them.
 
     A pytest killed by SIGKILL cannot run its teardown, and its etcd,
     kube-apiserver, operators and node agents run in sessions of their own, so
-    they would live on.  The next session stops every process that names the
+    they would live on.  The next session stops a node first (every process in
+    its mount namespace, pods included), then every process that names the
     dead session's directory, clients first, and removes the directory.
-    Control planes without an owner (``make cluster``) stay.
+    Clusters without an owner (``make cluster``) stay.
     """
     reaped = []
-    for directory in sorted(parent.glob(f"{prefix}*")):
+    found = sorted(d for prefix in prefixes for d in parent.glob(f"{prefix}*"))
+    for directory in found:
         state = ClusterState.load(directory)
         if state is None or not state.owner_pid or pid_alive(state.owner_pid):
             continue
+        if state.mode == NODE:
+            LocalNode(directory, state.kubeconfig, Path()).stop()
         servers = {state.apiserver_pid, state.etcd_pid}
         left = _naming(Path(state.dir))
         for pid in sorted(left, key=lambda p: p in servers):  # the servers last
@@ -516,8 +524,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(build_binaries(node=args.mode == NODE))
         return 0
     if args.command == "down":
+        state = ClusterState.load(args.dir.resolve())
         cp.stop()
-        print(f"stopped the control plane in {args.dir}", file=sys.stderr)
+        left = LocalNode(args.dir, Path(), Path()).leftovers() if state and state.mode == NODE \
+            else []
+        if left:
+            print(f"the node in {args.dir} left {', '.join(left)}", file=sys.stderr)
+            return 1
+        print(f"stopped the cluster in {args.dir}", file=sys.stderr)
         return 0
     if args.command == "status":
         state = ClusterState.load(args.dir.resolve())
