@@ -94,6 +94,19 @@ def arm(handler: K8sRendezvousHandler, point: str) -> None:
     handler._replace_status = replace_status  # type: ignore[method-assign]
 
 
+def exit_barrier(store: Any, world_size: int, timeout: float = 60) -> None:
+    """Wait until every member has arrived, as torch's agent does before it exits.
+
+    Without it rank 0 could close the round's TCPStore while another member is
+    still connecting to it.
+    """
+    arrived = store.add("elasticrun.test.exit", 1)
+    deadline = time.monotonic() + timeout
+    while arrived < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+        arrived = store.add("elasticrun.test.exit", 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kubeconfig", required=True)
@@ -130,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                  world=info.world_size, store=[info.bootstrap_store_info.master_addr,
                                                info.bootstrap_store_info.master_port])
             if args.rounds and done >= args.rounds:
+                exit_barrier(info.store, info.world_size)
                 break
             # Training: torch's monitor loop asks every 0.1 s whether to re-form.
             while (waiting := handler.num_nodes_waiting()) == 0:
