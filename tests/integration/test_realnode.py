@@ -122,6 +122,11 @@ def test_job_example_trains_through_a_deleted_pod(node_cluster: Cluster,
                      "the Job's two pods in one round", interval=0.5)
     victim = first.status.participants[-1].name
     survivor = first.status.participants[0].name
+    # The Job controller made these pods; the API server sent them to the webhook.
+    pod = node_cluster.client.request("GET", f"/api/v1/namespaces/{ns}/pods/{survivor}")
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["PET_RDZV_BACKEND"] == "k8s" and env["PET_RDZV_ID"] == run
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == "Job"
     wait_for(lambda: "epoch 5 done" in logs(node_cluster, ns, survivor), 120,
              "training to be under way", interval=1)
 
