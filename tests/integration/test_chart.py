@@ -146,7 +146,8 @@ def test_default_render_is_secure_and_complete(helm: Helm) -> None:
     docs = helm.template("r", "er-system")
     kinds = sorted({d["kind"] for d in docs})
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                     "Deployment", "MutatingWebhookConfiguration", "Service", "ServiceAccount"]
+                     "Deployment", "MutatingWebhookConfiguration", "Service", "ServiceAccount",
+                     "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     deployment = one(docs, "Deployment")
     spec = deployment["spec"]
     assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
@@ -288,6 +289,11 @@ def test_webhook_can_be_switched_off(helm: Helm) -> None:
     ({"operator": {"scope": "namespaces"}}, "operator.scope=namespaces needs trainingNamespaces"),
     ({"trainingNamespaces": ["Team_A"]}, '"Team_A" is not a namespace name'),
     ({"webhook": {"failurePolicy": "Maybe"}}, "webhook.failurePolicy must be Fail or Ignore"),
+    ({"training": {"perRunRBAC": True}},
+     "training.perRunRBAC=true needs operator.scope=namespaces (and trainingNamespaces)"),
+    ({"training": {"perRunRBAC": True}, "operator": {"scope": "namespaces"},
+      "trainingNamespaces": ["t"], "admissionPolicy": {"enabled": False}},
+     "training.perRunRBAC=true needs admissionPolicy.enabled=true"),
 ])
 def test_bad_values_fail_with_what_to_set(helm: Helm, values: dict[str, Any],
                                           message: str) -> None:

@@ -6,13 +6,18 @@
 * The webhook serves TLS only; neither the operator's nor the handlers' logs
   (at DEBUG) contain a bearer token or a PEM block.
 * With ``--per-run-rbac`` a pod of run A can write nothing of run B (real RBAC,
-  TokenRequest tokens of two ServiceAccounts).
+  TokenRequest tokens of two ServiceAccounts), and with the chart's admission
+  policy it cannot create a Lease that counts for B either (docs/security.md).
+* A Lease's own duration is not trusted (the run's heartbeat is), a Lease
+  without the run's ownerReference counts for nobody, and every metric series
+  of a deleted run goes with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import http.client
+import json
 import re
 import socket
 import ssl
@@ -25,6 +30,8 @@ import pytest
 
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiError, KubeClient, lease_path, load_credentials, run_path
+from elasticrun.api.leases import JOIN_ANNOTATION
+from elasticrun.api.model import format_time, now
 from elasticrun.api.naming import lease_name
 from elasticrun.handler.handler import ElasticRunForbiddenError
 from elasticrun.operator import runrbac
@@ -230,6 +237,7 @@ def chart_operator(cluster: Cluster, helm: Helm, namespace: str, tmp_path: Path,
         if d["kind"] in {"ServiceAccount", "Role", "RoleBinding", "ClusterRole",
                          "ClusterRoleBinding"}]
     (deployment,) = by_kind(helm.template("sec", namespace, {
+        "trainingNamespaces": [namespace], "operator": {"scope": "namespaces"},
         "training": {"perRunRBAC": True}}), "Deployment")
     assert "--per-run-rbac" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
@@ -305,3 +313,204 @@ def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
                     f"formed on their own tokens ({formed:.1f}s incl. Role set-up); the "
                     "operator ran on the chart's role (perRunRBAC) without a 403",
            recovery_seconds=None)
+
+
+# --------------------------------------------------------------------------- forged Leases
+
+#: What an attacker writes into a Lease it wants counted: a duration of 2^31-1 s.
+FOREVER = 2**31 - 1
+
+
+@pytest.fixture
+def lease_policy(cluster: Cluster, helm: Helm, request: pytest.FixtureRequest) -> None:
+    """The chart's ValidatingAdmissionPolicy for Leases, enforced; removed at teardown."""
+    docs = [d for d in helm.template("sec", "er-system")
+            if d["kind"] in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")]
+    assert len(docs) == 2
+    request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
+    apply(cluster, docs)
+    probe_ns = request.getfixturevalue("namespace")
+
+    def enforced() -> bool:
+        # A Lease labelled for a run but naming none is refused once the policy is live.
+        name = f"probe-{time.monotonic_ns()}"
+        try:
+            cluster.client.request("POST", f"/apis/coordination.k8s.io/v1/namespaces/"
+                                           f"{probe_ns}/leases", body={
+                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": name, "labels": {crd.RUN_LABEL: "x"}}})
+        except ApiError as exc:
+            return exc.status == 403 and "must name its ElasticRun" in exc.message
+        cluster.client.request("DELETE", lease_path(probe_ns, name))
+        return False
+
+    wait_for(enforced, 30, "the Lease admission policy to be enforced", interval=0.3)
+
+
+def _forged_lease(run: str, node: str, uid: str | None, *, label: str | None = None,
+                  name: str | None = None) -> dict[str, Any]:
+    """A Lease as the attacker writes it: a join request, ownerReference, forever-duration."""
+    stamp = format_time(now())
+    join = {"address": "10.6.6.6", "storePort": 6666, "since": "2000-01-01T00:00:00.000000Z"}
+    meta: dict[str, Any] = {
+        "name": name or lease_name(run, node), "labels": {crd.RUN_LABEL: label or run},
+        "annotations": {crd.RUN_LABEL: run, crd.NODE_ANNOTATION: node,
+                        JOIN_ANNOTATION: json.dumps(join)}}
+    if uid:
+        meta["ownerReferences"] = [{"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                                    "name": run, "uid": uid}]
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta,
+            "spec": {"holderIdentity": node, "leaseDurationSeconds": FOREVER,
+                     "acquireTime": stamp, "renewTime": stamp}}
+
+
+def _refusal(action: Any) -> str:
+    """The API server's message for a refused call ('' when it was allowed)."""
+    try:
+        action()
+    except ApiError as exc:
+        assert exc.status == 403, exc
+        return exc.message
+    return ""
+
+
+def test_a_pod_of_run_a_cannot_join_stall_lead_or_close_run_b(
+        chart_operator: OperatorProcess, lease_policy: None, make_handler: Any,
+        cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    """Issue 12's attack, on run A's own ServiceAccount token, with the chart's policy.
+
+    Lease ``create`` is namespace-wide in RBAC; the admission policy asks the
+    authorizer whether the writer may update the run a Lease names.
+    """
+    kubeconfigs = {}
+    for run in ("run-a", "run-b"):
+        _service_account(cluster, namespace, f"sa-{run}")
+        _run(cluster, namespace, run, f"sa-{run}")
+        kubeconfigs[run] = token_kubeconfig(
+            cluster, request_token(cluster, namespace, f"sa-{run}"),
+            tmp_path / f"{run}.kubeconfig", namespace)
+    wait_for(lambda: _status(None, lambda: cluster.client.request(
+        "GET", runrbac.path("RoleBinding", namespace, "run-b"))) == 200, 20,
+        "the operator to create the per-run Roles")
+    b_nodes = [make_handler("run-b", f"run-b-{i}", min_nodes=2, kubeconfig=kubeconfigs["run-b"],
+                            heartbeat_timeout=4, lease_renew_interval=1) for i in range(2)]
+    assert_all_ok(rendezvous_all(b_nodes))
+    before = read_run(cluster.client, namespace, "run-b")
+    a = KubeClient(load_credentials(str(kubeconfigs["run-a"])), timeout=10)
+    leases = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
+
+    # Join (and stall) B with a never-expiring member; lead B by claiming the earliest since.
+    evil = _forged_lease("run-b", "evil", before.uid)
+    assert "may not update ElasticRun" in _refusal(lambda: a.request("POST", leases, body=evil))
+    relabelled = _forged_lease("run-b", "evil", before.uid, label="run-a")
+    assert "may not update ElasticRun" in _refusal(
+        lambda: a.request("POST", leases, body=relabelled))
+    squat = _forged_lease("run-a", "run-b-0", None, name=lease_name("run-b", "run-b-0") + "x")
+    assert "is named run-a.<node>" in _refusal(lambda: a.request("POST", leases, body=squat))
+    # Allowed by the policy (A may write A), but its label names B: no reader takes it for B.
+    decoy = _forged_lease("run-a", "decoy", before.uid, label="run-b")
+    assert _refusal(lambda: a.request("POST", leases, body=decoy)) == ""
+    # Change or delete B's members' Leases, close B.
+    member = lease_path(namespace, lease_name("run-b", "run-b-0"))
+    assert _refusal(lambda: a.request(
+        "PATCH", member, body={"metadata": {"annotations": {JOIN_ANNOTATION: None}}},
+        content_type="application/merge-patch+json"))
+    assert _refusal(lambda: a.request("DELETE", member))
+    assert _refusal(lambda: a.request(
+        "PATCH", run_path(namespace, "run-b"), body={"spec": {"closed": True}},
+        content_type="application/merge-patch+json"))
+    # B goes on as it was: two renewal periods later nobody waits, nobody was lost.
+    time.sleep(2)
+    after = read_run(cluster.client, namespace, "run-b")
+    assert after.status.round == before.status.round and not after.closed
+    assert after.status.waiting == () and after.status.lost_members == ()
+    assert [p.name for p in after.status.participants] == ["run-b-0", "run-b-1"]
+    assert all(node.num_nodes_waiting() == 0 for node in b_nodes)
+    record("forged Leases across runs (admission policy)", group="security",
+           fault="a pod of run A (its token) creates a Lease for run B (never-expiring, "
+                 "earliest since), relabels one, squats a node name, changes/deletes B's "
+                 "Leases, closes B",
+           expected="every write refused by RBAC or the policy; a Lease whose label and "
+                    "annotation disagree counts for nobody; B untouched",
+           observed="7 writes refused with the policy's or RBAC's message; B's round, "
+                    "members and waiting set unchanged, num_nodes_waiting() 0",
+           recovery_seconds=None)
+
+
+def test_a_lease_claiming_to_live_forever_expires_with_the_runs_heartbeat(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster,
+        namespace: str) -> None:
+    """Liveness is the run's heartbeatTimeoutSeconds, never the Lease's own duration.
+
+    Written with the admin token, as a writer who may write the run would (the
+    policy lets it through): a member's copy that is never renewed.
+    """
+    nodes = [make_handler("hb", f"hb-{i}", min_nodes=2, heartbeat_timeout=3,
+                          lease_renew_interval=1) for i in range(2)]
+    assert_all_ok(rendezvous_all(nodes))
+    run = read_run(cluster.client, namespace, "hb")
+    cluster.client.request("POST", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
+                           body=_forged_lease("hb", "ghost", run.uid))
+    wait_for(lambda: "ghost" in read_run(cluster.client, namespace, "hb").status.waiting_names,
+             10, "the forged request to be seen as waiting")
+    seen = time.monotonic()
+    wait_for(lambda: "ghost" not in read_run(cluster.client, namespace, "hb")
+             .status.waiting_names, 10, "the never-renewed request to expire")
+    gone_after = time.monotonic() - seen
+    assert gone_after < 3 + 2  # the run's heartbeat (3 s) and a reconcile, not 2^31 s
+    final = read_run(cluster.client, namespace, "hb")
+    assert final.status.round == run.status.round and final.status.member_names == {
+        "hb-0", "hb-1"}
+    # Without an ownerReference a Lease is nobody's member, however it is labelled.
+    cluster.client.request("POST", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
+                           body=_forged_lease("hb", "orphan", None))
+    time.sleep(1.5)
+    assert "orphan" not in read_run(cluster.client, namespace, "hb").status.waiting_names
+
+
+def test_metric_series_of_deleted_runs_are_removed(operator: OperatorProcess,
+                                                   cluster: Cluster, namespace: str) -> None:
+    def series() -> int:
+        return sum(1 for line in operator.metrics().splitlines()
+                   if line.startswith("elasticrun_") and f'namespace="{namespace}"' in line)
+
+    baseline = series()
+    names = [f"m-{i}" for i in range(100)]
+    for name in names:
+        cluster.client.request("POST", f"/apis/{crd.API_VERSION}/namespaces/{namespace}/"
+                                       f"{crd.PLURAL}", body={
+            "apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": name},
+            "spec": {"minNodes": 1}})
+    wait_for(lambda: series() >= baseline + 3 * len(names), 60,
+             "the operator to export the 100 runs")
+    for name in names:
+        cluster.client.request("DELETE", run_path(namespace, name))
+    wait_for(lambda: series() == baseline, 60, "every series of the deleted runs to go")
+
+
+def test_an_invalid_service_account_annotation_is_one_event_not_a_retry_loop(
+        cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    """The run is reconciled as usual; the bad annotation is reported once."""
+    op = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path,
+                         extra_args=["--per-run-rbac"]).start()
+    try:
+        _run(cluster, namespace, "badsa", "Not_A_Name!")
+        events = f"/api/v1/namespaces/{namespace}/events"
+
+        def reported() -> list[dict[str, Any]]:
+            items = cluster.client.request("GET", events)["items"]
+            return [e for e in items if e.get("reason") == "InvalidServiceAccount"]
+
+        wait_for(lambda: reported() != [], 20, "the InvalidServiceAccount Event")
+        # Reconciled all the same: the operator wrote the run's status.
+        wait_for(lambda: read_run(cluster.client, namespace, "badsa").status
+                 .observed_generation is not None, 20, "the run's status")
+        time.sleep(2)  # an absence: a retry loop would post again or log refusals by now
+        (event,) = reported()
+        assert "is not a ServiceAccount name" in event["message"]
+        assert event.get("count", 1) == 1
+        log = op.log_path.read_text(errors="replace")
+        assert log.count("is not a ServiceAccount name") == 1, log[-2000:]
+        assert "retrying in" not in log, log[-2000:]  # the worker's failure path
+    finally:
+        op.stop()
