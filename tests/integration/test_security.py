@@ -514,3 +514,44 @@ def test_an_invalid_service_account_annotation_is_one_event_not_a_retry_loop(
         assert "retrying in" not in log, log[-2000:]  # the worker's failure path
     finally:
         op.stop()
+
+
+def test_the_training_account_writes_only_elasticrun_leases(
+        cluster: Cluster, helm: Helm, namespace: str, make_handler: Any, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    """The shared training Role may write Leases; the chart's policies keep it to elasticrun's."""
+    kinds = {"ServiceAccount", "Role", "RoleBinding", "ValidatingAdmissionPolicy",
+             "ValidatingAdmissionPolicyBinding"}
+    docs = [d for d in helm.template("tr", namespace, {
+        "trainingNamespaces": [namespace], "fullnameOverride": namespace}) if d["kind"] in kinds]
+    assert len(by_kind(docs, "ValidatingAdmissionPolicy")) == 2
+    request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
+    apply(cluster, docs)
+    kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, "elasticrun-trainer"),
+                                  tmp_path / "trainer.kubeconfig", namespace)
+    trainer = KubeClient(load_credentials(str(kubeconfig)), timeout=10)
+    leases = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
+    cluster.client.request("POST", leases, body={
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": "other-controller-lock"},
+        "spec": {"holderIdentity": "someone", "leaseDurationSeconds": 15}})
+    lock = lease_path(namespace, "other-controller-lock")
+    steal = {"spec": {"holderIdentity": "trainer"}}
+    # Dry runs pass admission too: the wait for enforcement changes nothing.
+    wait_for(lambda: "may write only elasticrun Leases" in _refusal(lambda: trainer.request(
+        "PATCH", lock, body=steal, content_type="application/merge-patch+json",
+        query={"dryRun": "All"})), 30, "the training-Lease policy to be enforced", interval=0.3)
+    assert "may write only elasticrun Leases" in _refusal(lambda: trainer.request(
+        "PATCH", lock, body=steal, content_type="application/merge-patch+json"))
+    assert "may write only elasticrun Leases" in _refusal(lambda: trainer.request("DELETE", lock))
+    squat = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+             "metadata": {"name": lease_name("victim", "node-0")},
+             "spec": {"holderIdentity": "squatter", "leaseDurationSeconds": FOREVER}}
+    assert "may write only elasticrun Leases" in _refusal(
+        lambda: trainer.request("POST", leases, body=squat))
+    held = cluster.client.request("GET", lock)
+    assert held["spec"]["holderIdentity"] == "someone"
+    # Its own Leases are elasticrun's: a rendezvous on the same token works.
+    nodes = [make_handler("own", f"own-{i}", min_nodes=2, kubeconfig=kubeconfig,
+                          last_call_timeout=0) for i in range(2)]
+    assert_all_ok(rendezvous_all(nodes))
