@@ -214,6 +214,29 @@ def _run(cluster: Cluster, namespace: str, name: str, account: str) -> None:
                                         "leaseRenewIntervalSeconds": 1}})
 
 
+def _runs_with_own_accounts(cluster: Cluster, namespace: str, tmp_path: Path
+                            ) -> dict[str, Path]:
+    """run-a and run-b, each naming its own ServiceAccount; kubeconfigs with their tokens.
+
+    Returns once the operator made the per-run Roles.
+    """
+    kubeconfigs = {}
+    for run in ("run-a", "run-b"):
+        _service_account(cluster, namespace, f"sa-{run}")
+        _run(cluster, namespace, run, f"sa-{run}")
+        kubeconfigs[run] = token_kubeconfig(
+            cluster, request_token(cluster, namespace, f"sa-{run}"),
+            tmp_path / f"{run}.kubeconfig", namespace)
+
+    def bound(run: str) -> bool:
+        return _status(None, lambda: cluster.client.request(
+            "GET", runrbac.path("RoleBinding", namespace, run))) == 200
+
+    wait_for(lambda: bound("run-a") and bound("run-b"), 20,
+             "the operator to create the per-run Roles")
+    return kubeconfigs
+
+
 def _status(code: int | None, action: Any) -> int:
     try:
         action()
@@ -255,17 +278,8 @@ def chart_operator(cluster: Cluster, helm: Helm, namespace: str, tmp_path: Path,
 def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
         chart_operator: OperatorProcess, make_handler: Any, cluster: Cluster,
         namespace: str, tmp_path: Path) -> None:
-    kubeconfigs = {}
-    for run in ("run-a", "run-b"):
-        _service_account(cluster, namespace, f"sa-{run}")
-        _run(cluster, namespace, run, f"sa-{run}")
-        kubeconfigs[run] = token_kubeconfig(
-            cluster, request_token(cluster, namespace, f"sa-{run}"),
-            tmp_path / f"{run}.kubeconfig", namespace)
     started = time.monotonic()
-    wait_for(lambda: _status(None, lambda: cluster.client.request(
-        "GET", runrbac.path("RoleBinding", namespace, "run-b"))) == 200, 20,
-        "the operator to create the per-run Roles")
+    kubeconfigs = _runs_with_own_accounts(cluster, namespace, tmp_path)
     # Each run's pods, on nothing but their own ServiceAccount's token, form their rounds.
     for run in ("run-a", "run-b"):
         nodes = [make_handler(run, f"{run}-{i}", min_nodes=2, kubeconfig=kubeconfigs[run],
@@ -382,16 +396,7 @@ def test_a_pod_of_run_a_cannot_join_stall_lead_or_close_run_b(
     Lease ``create`` is namespace-wide in RBAC; the admission policy asks the
     authorizer whether the writer may update the run a Lease names.
     """
-    kubeconfigs = {}
-    for run in ("run-a", "run-b"):
-        _service_account(cluster, namespace, f"sa-{run}")
-        _run(cluster, namespace, run, f"sa-{run}")
-        kubeconfigs[run] = token_kubeconfig(
-            cluster, request_token(cluster, namespace, f"sa-{run}"),
-            tmp_path / f"{run}.kubeconfig", namespace)
-    wait_for(lambda: _status(None, lambda: cluster.client.request(
-        "GET", runrbac.path("RoleBinding", namespace, "run-b"))) == 200, 20,
-        "the operator to create the per-run Roles")
+    kubeconfigs = _runs_with_own_accounts(cluster, namespace, tmp_path)
     b_nodes = [make_handler("run-b", f"run-b-{i}", min_nodes=2, kubeconfig=kubeconfigs["run-b"],
                             heartbeat_timeout=4, lease_renew_interval=1) for i in range(2)]
     assert_all_ok(rendezvous_all(b_nodes))
