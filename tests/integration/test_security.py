@@ -560,3 +560,36 @@ def test_the_training_account_writes_only_elasticrun_leases(
     nodes = [make_handler("own", f"own-{i}", min_nodes=2, kubeconfig=kubeconfig,
                           last_call_timeout=0) for i in range(2)]
     assert_all_ok(rendezvous_all(nodes))
+
+
+def test_an_unreadable_join_request_is_one_event_and_no_member(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster,
+        namespace: str) -> None:
+    """A join annotation nested 2,000 deep (RecursionError in json): one Event, no loop."""
+    nodes = [make_handler("deep", f"deep-{i}", min_nodes=2, heartbeat_timeout=4,
+                          lease_renew_interval=1) for i in range(2)]
+    assert_all_ok(rendezvous_all(nodes))
+    run = read_run(cluster.client, namespace, "deep")
+    crafted = _forged_lease("deep", "nested", run.uid)
+    crafted["metadata"]["annotations"][JOIN_ANNOTATION] = "[" * 2000 + "]" * 2000
+    cluster.client.request("POST", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
+                           body=crafted)
+    events = f"/api/v1/namespaces/{namespace}/events"
+
+    def reported() -> list[dict[str, Any]]:
+        return [e for e in cluster.client.request("GET", events)["items"]
+                if e.get("reason") == "UnreadableJoin"]
+
+    wait_for(lambda: reported() != [], 15, "the UnreadableJoin Event")
+    # The operator goes on reconciling the run: a drain is carried out as usual.
+    cluster.client.request("PATCH", run_path(namespace, "deep"), body={"metadata": {
+        "annotations": {crd.DRAIN_ANNOTATION: "deep-1"}}},
+        content_type="application/merge-patch+json")
+    wait_for(lambda: read_run(cluster.client, namespace, "deep").status.member_names
+             == {"deep-0"}, 15, "the operator to drain deep-1")
+    (event,) = reported()
+    assert "nested deeper than" in event["message"] and event.get("count", 1) == 1
+    current = read_run(cluster.client, namespace, "deep")
+    assert "nested" not in current.status.member_names | current.status.waiting_names
+    log = operator.log_path.read_text(errors="replace")
+    assert "RecursionError" not in log and "retrying in" not in log, log[-2000:]
