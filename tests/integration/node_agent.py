@@ -94,6 +94,23 @@ def arm(handler: K8sRendezvousHandler, point: str) -> None:
     handler._replace_status = replace_status  # type: ignore[method-assign]
 
 
+def settle(info: Any, bound: float = 15.0) -> None:
+    """Before a node that stops after its last round leaves: every peer reached the store.
+
+    Rank 0 hosts the round's TCPStore and closes it on shutdown; a peer still
+    connecting (it learns of the round a moment later, through its watch)
+    would otherwise wait out torch's connect timeout.  Every node counts
+    itself in; rank 0 waits, bounded, until all have.
+    """
+    key = "elasticrun.test.settled"
+    info.store.add(key, 1)
+    if info.rank != 0:
+        return
+    deadline = time.monotonic() + bound
+    while info.store.add(key, 0) < info.world_size and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kubeconfig", required=True)
@@ -130,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                  world=info.world_size, store=[info.bootstrap_store_info.master_addr,
                                                info.bootstrap_store_info.master_port])
             if args.rounds and done >= args.rounds:
+                settle(info)
                 break
             # Training: torch's monitor loop asks every 0.1 s whether to re-form.
             while (waiting := handler.num_nodes_waiting()) == 0:
