@@ -29,7 +29,8 @@ HELM_BUILD = ROOT / "tests" / "helmtool" / "build.sh"
 #: Built-in cluster-scoped kinds the chart renders; tests delete them afterwards
 #: because, unlike namespaces, they are shared by every test on the API server.
 CLUSTER_SCOPED = {"ClusterRole", "ClusterRoleBinding", "MutatingWebhookConfiguration",
-                  "CustomResourceDefinition"}
+                  "CustomResourceDefinition", "ValidatingAdmissionPolicy",
+                  "ValidatingAdmissionPolicyBinding"}
 
 
 def build_helm() -> Path:

@@ -94,17 +94,21 @@ def arm(handler: K8sRendezvousHandler, point: str) -> None:
     handler._replace_status = replace_status  # type: ignore[method-assign]
 
 
-def exit_barrier(store: Any, world_size: int, timeout: float = 60) -> None:
-    """Wait until every member has arrived, as torch's agent does before it exits.
+def settle(info: Any, bound: float = 15.0) -> None:
+    """Before a node that stops after its last round leaves: every peer reached the store.
 
-    Without it rank 0 could close the round's TCPStore while another member is
-    still connecting to it.
+    Rank 0 hosts the round's TCPStore and closes it on shutdown; a peer still
+    connecting (it learns of the round a moment later, through its watch)
+    would otherwise wait out torch's connect timeout.  Every node counts
+    itself in; rank 0 waits, bounded, until all have.
     """
-    arrived = store.add("elasticrun.test.exit", 1)
-    deadline = time.monotonic() + timeout
-    while arrived < world_size and time.monotonic() < deadline:
-        time.sleep(0.05)
-        arrived = store.add("elasticrun.test.exit", 0)
+    key = "elasticrun.test.settled"
+    info.store.add(key, 1)
+    if info.rank != 0:
+        return
+    deadline = time.monotonic() + bound
+    while info.store.add(key, 0) < info.world_size and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                  world=info.world_size, store=[info.bootstrap_store_info.master_addr,
                                                info.bootstrap_store_info.master_port])
             if args.rounds and done >= args.rounds:
-                exit_barrier(info.store, info.world_size)
+                settle(info)
                 break
             # Training: torch's monitor loop asks every 0.1 s whether to re-form.
             while (waiting := handler.num_nodes_waiting()) == 0:

@@ -155,7 +155,8 @@ def is_waiting(client: KubeClient, namespace: str, run: str, node: str) -> bool:
             return False
         raise
     return any(w.name == node for w in
-               pending_joins([lease_state(lease)], current.status, now(), current.uid))
+               pending_joins([lease_state(lease)], current.status, now(), current.uid,
+                             current.spec.heartbeat_timeout))
 
 
 def run_deleted(client: KubeClient, namespace: str, run: str) -> bool:

@@ -146,7 +146,8 @@ def test_default_render_is_secure_and_complete(helm: Helm) -> None:
     docs = helm.template("r", "er-system")
     kinds = sorted({d["kind"] for d in docs})
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                     "Deployment", "MutatingWebhookConfiguration", "Service", "ServiceAccount"]
+                     "Deployment", "MutatingWebhookConfiguration", "Service", "ServiceAccount",
+                     "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     deployment = one(docs, "Deployment")
     spec = deployment["spec"]
     assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
@@ -160,8 +161,10 @@ def test_default_render_is_secure_and_complete(helm: Helm) -> None:
     assert container["image"] == "elasticrun-operator:0.1.0"
     assert container["resources"]["requests"] and container["resources"]["limits"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    for probe in ("livenessProbe", "readinessProbe"):
-        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    # Ready only while the webhook is served.
+    assert container["readinessProbe"]["tcpSocket"] == {"port": "webhook"}
+    assert "--webhook-ca-check-seconds=30" in container["args"]
     assert ports == {"health": 8081, "metrics": 8080, "webhook": 9443}
     args = container["args"]
     assert "--all-namespaces" in args and "--health-port=8081" in args
@@ -178,7 +181,7 @@ def test_default_render_is_secure_and_complete(helm: Helm) -> None:
         {"key": crd.RUN_LABEL, "operator": "Exists"}]}
     assert hook["rules"][0]["operations"] == ["CREATE"]
     assert hook["rules"][0]["resources"] == ["pods"]
-    assert hook["sideEffects"] == "NoneOnDryRun"
+    assert hook["sideEffects"] == "None"
     assert hook["namespaceSelector"]["matchExpressions"][0]["operator"] == "NotIn"
     service = one(docs, "Service")
     assert service["spec"]["selector"] == \
@@ -288,6 +291,12 @@ def test_webhook_can_be_switched_off(helm: Helm) -> None:
     ({"operator": {"scope": "namespaces"}}, "operator.scope=namespaces needs trainingNamespaces"),
     ({"trainingNamespaces": ["Team_A"]}, '"Team_A" is not a namespace name'),
     ({"webhook": {"failurePolicy": "Maybe"}}, "webhook.failurePolicy must be Fail or Ignore"),
+    ({"operator": {"replicas": 2}}, "operator.replicas > 1 needs certManager.enabled=true"),
+    ({"training": {"perRunRBAC": True}},
+     "training.perRunRBAC=true needs operator.scope=namespaces (and trainingNamespaces)"),
+    ({"training": {"perRunRBAC": True}, "operator": {"scope": "namespaces"},
+      "trainingNamespaces": ["t"], "admissionPolicy": {"enabled": False}},
+     "training.perRunRBAC=true needs admissionPolicy.enabled=true"),
 ])
 def test_bad_values_fail_with_what_to_set(helm: Helm, values: dict[str, Any],
                                           message: str) -> None:
@@ -339,3 +348,30 @@ def test_helm_binary_assumes_the_tested_kubernetes(helm: Helm) -> None:
     probe = helm.run("template", "r", str(CHART), "--show-only", "templates/deployment.yaml")
     assert "kind: Deployment" in probe.stdout
     assert os.access(helm.binary, os.X_OK)
+
+
+def test_webhook_availability_and_operator_network_policy_options(helm: Helm) -> None:
+    docs = helm.template("r", "er-system", {
+        "certManager": {"enabled": True},
+        "operator": {"replicas": 2, "podDisruptionBudget": {"enabled": True},
+                     "priorityClassName": "system-cluster-critical",
+                     "networkPolicy": {"enabled": True, "metricsFrom": [
+                         {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]}}})
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["template"]["spec"]["priorityClassName"] == \
+        "system-cluster-critical"
+    pdb = one(docs, "PodDisruptionBudget")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == \
+        deployment["spec"]["selector"]["matchLabels"]
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == \
+        deployment["spec"]["selector"]["matchLabels"]
+    rules = {r["ports"][0]["port"]: r.get("from") for r in policy["spec"]["ingress"]}
+    assert rules == {8081: None, 9443: None, 8080: [
+        {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]}
+    # Without metricsFrom the metrics port is closed to everyone.
+    closed = helm.template("r", "er-system", {"operator": {"networkPolicy": {"enabled": True}}})
+    (policy,) = [d for d in closed if d["kind"] == "NetworkPolicy"]
+    assert {r["ports"][0]["port"] for r in policy["spec"]["ingress"]} == {8081, 9443}

@@ -168,8 +168,10 @@ def test_operator_cluster_role_reads_no_secrets_and_writes_only_its_webhook(
         assert can_i(cluster, operator, verb, "pods")
     for verb in ("create", "delete", "patch"):
         assert not can_i(cluster, operator, verb, "pods"), verb
-    for verb in ("get", "list", "watch", "create", "patch", "update", "delete"):
+    for verb in ("get", "list", "watch", "patch", "update", "delete"):
         assert can_i(cluster, operator, verb, "elasticruns.elasticrun.dev"), verb
+    # The webhook writes nothing, so the operator never creates runs.
+    assert not can_i(cluster, operator, "create", "elasticruns.elasticrun.dev")
     assert can_i(cluster, operator, "update", "elasticruns.elasticrun.dev/status")
     assert can_i(cluster, operator, "delete", "leases.coordination.k8s.io")
     assert not can_i(cluster, operator, "create", "leases.coordination.k8s.io")

@@ -6,13 +6,18 @@
 * The webhook serves TLS only; neither the operator's nor the handlers' logs
   (at DEBUG) contain a bearer token or a PEM block.
 * With ``--per-run-rbac`` a pod of run A can write nothing of run B (real RBAC,
-  TokenRequest tokens of two ServiceAccounts).
+  TokenRequest tokens of two ServiceAccounts), and with the chart's admission
+  policy it cannot create a Lease that counts for B either (docs/security.md).
+* A Lease's own duration is not trusted (the run's heartbeat is), a Lease
+  without the run's ownerReference counts for nobody, and every metric series
+  of a deleted run goes with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import http.client
+import json
 import re
 import socket
 import ssl
@@ -25,6 +30,8 @@ import pytest
 
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiError, KubeClient, lease_path, load_credentials, run_path
+from elasticrun.api.leases import JOIN_ANNOTATION
+from elasticrun.api.model import format_time, now
 from elasticrun.api.naming import lease_name
 from elasticrun.handler.handler import ElasticRunForbiddenError
 from elasticrun.operator import runrbac
@@ -207,6 +214,29 @@ def _run(cluster: Cluster, namespace: str, name: str, account: str) -> None:
                                         "leaseRenewIntervalSeconds": 1}})
 
 
+def _runs_with_own_accounts(cluster: Cluster, namespace: str, tmp_path: Path
+                            ) -> dict[str, Path]:
+    """run-a and run-b, each naming its own ServiceAccount; kubeconfigs with their tokens.
+
+    Returns once the operator made the per-run Roles.
+    """
+    kubeconfigs = {}
+    for run in ("run-a", "run-b"):
+        _service_account(cluster, namespace, f"sa-{run}")
+        _run(cluster, namespace, run, f"sa-{run}")
+        kubeconfigs[run] = token_kubeconfig(
+            cluster, request_token(cluster, namespace, f"sa-{run}"),
+            tmp_path / f"{run}.kubeconfig", namespace)
+
+    def bound(run: str) -> bool:
+        return _status(None, lambda: cluster.client.request(
+            "GET", runrbac.path("RoleBinding", namespace, run))) == 200
+
+    wait_for(lambda: bound("run-a") and bound("run-b"), 20,
+             "the operator to create the per-run Roles")
+    return kubeconfigs
+
+
 def _status(code: int | None, action: Any) -> int:
     try:
         action()
@@ -230,6 +260,7 @@ def chart_operator(cluster: Cluster, helm: Helm, namespace: str, tmp_path: Path,
         if d["kind"] in {"ServiceAccount", "Role", "RoleBinding", "ClusterRole",
                          "ClusterRoleBinding"}]
     (deployment,) = by_kind(helm.template("sec", namespace, {
+        "trainingNamespaces": [namespace], "operator": {"scope": "namespaces"},
         "training": {"perRunRBAC": True}}), "Deployment")
     assert "--per-run-rbac" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
@@ -247,17 +278,8 @@ def chart_operator(cluster: Cluster, helm: Helm, namespace: str, tmp_path: Path,
 def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
         chart_operator: OperatorProcess, make_handler: Any, cluster: Cluster,
         namespace: str, tmp_path: Path) -> None:
-    kubeconfigs = {}
-    for run in ("run-a", "run-b"):
-        _service_account(cluster, namespace, f"sa-{run}")
-        _run(cluster, namespace, run, f"sa-{run}")
-        kubeconfigs[run] = token_kubeconfig(
-            cluster, request_token(cluster, namespace, f"sa-{run}"),
-            tmp_path / f"{run}.kubeconfig", namespace)
     started = time.monotonic()
-    wait_for(lambda: _status(None, lambda: cluster.client.request(
-        "GET", runrbac.path("RoleBinding", namespace, "run-b"))) == 200, 20,
-        "the operator to create the per-run Roles")
+    kubeconfigs = _runs_with_own_accounts(cluster, namespace, tmp_path)
     # Each run's pods, on nothing but their own ServiceAccount's token, form their rounds.
     for run in ("run-a", "run-b"):
         nodes = [make_handler(run, f"{run}-{i}", min_nodes=2, kubeconfig=kubeconfigs[run],
@@ -305,3 +327,269 @@ def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
                     f"formed on their own tokens ({formed:.1f}s incl. Role set-up); the "
                     "operator ran on the chart's role (perRunRBAC) without a 403",
            recovery_seconds=None)
+
+
+# --------------------------------------------------------------------------- forged Leases
+
+#: What an attacker writes into a Lease it wants counted: a duration of 2^31-1 s.
+FOREVER = 2**31 - 1
+
+
+@pytest.fixture
+def lease_policy(cluster: Cluster, helm: Helm, request: pytest.FixtureRequest) -> None:
+    """The chart's ValidatingAdmissionPolicy for Leases, enforced; removed at teardown."""
+    docs = [d for d in helm.template("sec", "er-system")
+            if d["kind"] in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding")]
+    assert len(docs) == 2
+    request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
+    apply(cluster, docs)
+    probe_ns = request.getfixturevalue("namespace")
+
+    def enforced() -> bool:
+        # A Lease labelled for a run but naming none is refused once the policy is live.
+        name = f"probe-{time.monotonic_ns()}"
+        try:
+            cluster.client.request("POST", f"/apis/coordination.k8s.io/v1/namespaces/"
+                                           f"{probe_ns}/leases", body={
+                "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                "metadata": {"name": name, "labels": {crd.RUN_LABEL: "x"}}})
+        except ApiError as exc:
+            return exc.status == 403 and "must name its ElasticRun" in exc.message
+        cluster.client.request("DELETE", lease_path(probe_ns, name))
+        return False
+
+    wait_for(enforced, 30, "the Lease admission policy to be enforced", interval=0.3)
+
+
+def _forged_lease(run: str, node: str, uid: str | None, *, label: str | None = None,
+                  name: str | None = None) -> dict[str, Any]:
+    """A Lease as the attacker writes it: a join request, ownerReference, forever-duration."""
+    stamp = format_time(now())
+    join = {"address": "10.6.6.6", "storePort": 6666, "since": "2000-01-01T00:00:00.000000Z"}
+    meta: dict[str, Any] = {
+        "name": name or lease_name(run, node), "labels": {crd.RUN_LABEL: label or run},
+        "annotations": {crd.RUN_LABEL: run, crd.NODE_ANNOTATION: node,
+                        JOIN_ANNOTATION: json.dumps(join)}}
+    if uid:
+        meta["ownerReferences"] = [{"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                                    "name": run, "uid": uid}]
+    return {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta,
+            "spec": {"holderIdentity": node, "leaseDurationSeconds": FOREVER,
+                     "acquireTime": stamp, "renewTime": stamp}}
+
+
+def _refusal(action: Any) -> str:
+    """The API server's message for a refused call ('' when it was allowed)."""
+    try:
+        action()
+    except ApiError as exc:
+        assert exc.status == 403, exc
+        return exc.message
+    return ""
+
+
+def test_a_pod_of_run_a_cannot_join_stall_lead_or_close_run_b(
+        chart_operator: OperatorProcess, lease_policy: None, make_handler: Any,
+        cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    """Issue 12's attack, on run A's own ServiceAccount token, with the chart's policy.
+
+    Lease ``create`` is namespace-wide in RBAC; the admission policy asks the
+    authorizer whether the writer may update the run a Lease names.
+    """
+    kubeconfigs = _runs_with_own_accounts(cluster, namespace, tmp_path)
+    b_nodes = [make_handler("run-b", f"run-b-{i}", min_nodes=2, kubeconfig=kubeconfigs["run-b"],
+                            heartbeat_timeout=4, lease_renew_interval=1) for i in range(2)]
+    assert_all_ok(rendezvous_all(b_nodes))
+    before = read_run(cluster.client, namespace, "run-b")
+    a = KubeClient(load_credentials(str(kubeconfigs["run-a"])), timeout=10)
+    leases = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
+
+    # Join (and stall) B with a never-expiring member; lead B by claiming the earliest since.
+    evil = _forged_lease("run-b", "evil", before.uid)
+    assert "may not update ElasticRun" in _refusal(lambda: a.request("POST", leases, body=evil))
+    relabelled = _forged_lease("run-b", "evil", before.uid, label="run-a")
+    assert "may not update ElasticRun" in _refusal(
+        lambda: a.request("POST", leases, body=relabelled))
+    squat = _forged_lease("run-a", "run-b-0", None, name=lease_name("run-b", "run-b-0") + "x")
+    assert "is named run-a.<node>" in _refusal(lambda: a.request("POST", leases, body=squat))
+    # Allowed by the policy (A may write A), but its label names B: no reader takes it for B.
+    decoy = _forged_lease("run-a", "decoy", before.uid, label="run-b")
+    assert _refusal(lambda: a.request("POST", leases, body=decoy)) == ""
+    # Change or delete B's members' Leases, close B.
+    member = lease_path(namespace, lease_name("run-b", "run-b-0"))
+    assert _refusal(lambda: a.request(
+        "PATCH", member, body={"metadata": {"annotations": {JOIN_ANNOTATION: None}}},
+        content_type="application/merge-patch+json"))
+    assert _refusal(lambda: a.request("DELETE", member))
+    assert _refusal(lambda: a.request(
+        "PATCH", run_path(namespace, "run-b"), body={"spec": {"closed": True}},
+        content_type="application/merge-patch+json"))
+    # B goes on as it was: two renewal periods later nobody waits, nobody was lost.
+    time.sleep(2)
+    after = read_run(cluster.client, namespace, "run-b")
+    assert after.status.round == before.status.round and not after.closed
+    assert after.status.waiting == () and after.status.lost_members == ()
+    assert [p.name for p in after.status.participants] == ["run-b-0", "run-b-1"]
+    assert all(node.num_nodes_waiting() == 0 for node in b_nodes)
+    record("forged Leases across runs (admission policy)", group="security",
+           fault="a pod of run A (its token) creates a Lease for run B (never-expiring, "
+                 "earliest since), relabels one, squats a node name, changes/deletes B's "
+                 "Leases, closes B",
+           expected="every write refused by RBAC or the policy; a Lease whose label and "
+                    "annotation disagree counts for nobody; B untouched",
+           observed="7 writes refused with the policy's or RBAC's message; B's round, "
+                    "members and waiting set unchanged, num_nodes_waiting() 0",
+           recovery_seconds=None)
+
+
+def test_a_lease_claiming_to_live_forever_expires_with_the_runs_heartbeat(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster,
+        namespace: str) -> None:
+    """Liveness is the run's heartbeatTimeoutSeconds, never the Lease's own duration.
+
+    Written with the admin token, as a writer who may write the run would (the
+    policy lets it through): a member's copy that is never renewed.
+    """
+    nodes = [make_handler("hb", f"hb-{i}", min_nodes=2, heartbeat_timeout=3,
+                          lease_renew_interval=1) for i in range(2)]
+    assert_all_ok(rendezvous_all(nodes))
+    run = read_run(cluster.client, namespace, "hb")
+    cluster.client.request("POST", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
+                           body=_forged_lease("hb", "ghost", run.uid))
+    wait_for(lambda: "ghost" in read_run(cluster.client, namespace, "hb").status.waiting_names,
+             10, "the forged request to be seen as waiting")
+    seen = time.monotonic()
+    wait_for(lambda: "ghost" not in read_run(cluster.client, namespace, "hb")
+             .status.waiting_names, 10, "the never-renewed request to expire")
+    gone_after = time.monotonic() - seen
+    assert gone_after < 3 + 2  # the run's heartbeat (3 s) and a reconcile, not 2^31 s
+    final = read_run(cluster.client, namespace, "hb")
+    assert final.status.round == run.status.round and final.status.member_names == {
+        "hb-0", "hb-1"}
+    # Without an ownerReference a Lease is nobody's member, however it is labelled.
+    cluster.client.request("POST", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
+                           body=_forged_lease("hb", "orphan", None))
+    time.sleep(1.5)
+    assert "orphan" not in read_run(cluster.client, namespace, "hb").status.waiting_names
+
+
+def test_metric_series_of_deleted_runs_are_removed(operator: OperatorProcess,
+                                                   cluster: Cluster, namespace: str) -> None:
+    def series() -> int:
+        return sum(1 for line in operator.metrics().splitlines()
+                   if line.startswith("elasticrun_") and f'namespace="{namespace}"' in line)
+
+    baseline = series()
+    names = [f"m-{i}" for i in range(100)]
+    for name in names:
+        cluster.client.request("POST", f"/apis/{crd.API_VERSION}/namespaces/{namespace}/"
+                                       f"{crd.PLURAL}", body={
+            "apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": name},
+            "spec": {"minNodes": 1}})
+    wait_for(lambda: series() >= baseline + 3 * len(names), 60,
+             "the operator to export the 100 runs")
+    for name in names:
+        cluster.client.request("DELETE", run_path(namespace, name))
+    wait_for(lambda: series() == baseline, 60, "every series of the deleted runs to go")
+
+
+def test_an_invalid_service_account_annotation_is_one_event_not_a_retry_loop(
+        cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    """The run is reconciled as usual; the bad annotation is reported once."""
+    op = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path,
+                         extra_args=["--per-run-rbac"]).start()
+    try:
+        _run(cluster, namespace, "badsa", "Not_A_Name!")
+        events = f"/api/v1/namespaces/{namespace}/events"
+
+        def reported() -> list[dict[str, Any]]:
+            items = cluster.client.request("GET", events)["items"]
+            return [e for e in items if e.get("reason") == "InvalidServiceAccount"]
+
+        wait_for(lambda: reported() != [], 20, "the InvalidServiceAccount Event")
+        # Reconciled all the same: the operator wrote the run's status.
+        wait_for(lambda: read_run(cluster.client, namespace, "badsa").status
+                 .observed_generation is not None, 20, "the run's status")
+        time.sleep(2)  # an absence: a retry loop would post again or log refusals by now
+        (event,) = reported()
+        assert "is not a ServiceAccount name" in event["message"]
+        assert event.get("count", 1) == 1
+        log = op.log_path.read_text(errors="replace")
+        assert log.count("is not a ServiceAccount name") == 1, log[-2000:]
+        assert "retrying in" not in log, log[-2000:]  # the worker's failure path
+    finally:
+        op.stop()
+
+
+def test_the_training_account_writes_only_elasticrun_leases(
+        cluster: Cluster, helm: Helm, namespace: str, make_handler: Any, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    """The shared training Role may write Leases; the chart's policies keep it to elasticrun's."""
+    kinds = {"ServiceAccount", "Role", "RoleBinding", "ValidatingAdmissionPolicy",
+             "ValidatingAdmissionPolicyBinding"}
+    docs = [d for d in helm.template("tr", namespace, {
+        "trainingNamespaces": [namespace], "fullnameOverride": namespace}) if d["kind"] in kinds]
+    assert len(by_kind(docs, "ValidatingAdmissionPolicy")) == 2
+    request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
+    apply(cluster, docs)
+    kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, "elasticrun-trainer"),
+                                  tmp_path / "trainer.kubeconfig", namespace)
+    trainer = KubeClient(load_credentials(str(kubeconfig)), timeout=10)
+    leases = f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"
+    cluster.client.request("POST", leases, body={
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": "other-controller-lock"},
+        "spec": {"holderIdentity": "someone", "leaseDurationSeconds": 15}})
+    lock = lease_path(namespace, "other-controller-lock")
+    steal = {"spec": {"holderIdentity": "trainer"}}
+    # Dry runs pass admission too: the wait for enforcement changes nothing.
+    wait_for(lambda: "may write only elasticrun Leases" in _refusal(lambda: trainer.request(
+        "PATCH", lock, body=steal, content_type="application/merge-patch+json",
+        query={"dryRun": "All"})), 30, "the training-Lease policy to be enforced", interval=0.3)
+    assert "may write only elasticrun Leases" in _refusal(lambda: trainer.request(
+        "PATCH", lock, body=steal, content_type="application/merge-patch+json"))
+    assert "may write only elasticrun Leases" in _refusal(lambda: trainer.request("DELETE", lock))
+    squat = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+             "metadata": {"name": lease_name("victim", "node-0")},
+             "spec": {"holderIdentity": "squatter", "leaseDurationSeconds": FOREVER}}
+    assert "may write only elasticrun Leases" in _refusal(
+        lambda: trainer.request("POST", leases, body=squat))
+    held = cluster.client.request("GET", lock)
+    assert held["spec"]["holderIdentity"] == "someone"
+    # Its own Leases are elasticrun's: a rendezvous on the same token works.
+    nodes = [make_handler("own", f"own-{i}", min_nodes=2, kubeconfig=kubeconfig,
+                          last_call_timeout=0) for i in range(2)]
+    assert_all_ok(rendezvous_all(nodes))
+
+
+def test_an_unreadable_join_request_is_one_event_and_no_member(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster,
+        namespace: str) -> None:
+    """A join annotation nested 2,000 deep (RecursionError in json): one Event, no loop."""
+    nodes = [make_handler("deep", f"deep-{i}", min_nodes=2, heartbeat_timeout=4,
+                          lease_renew_interval=1) for i in range(2)]
+    assert_all_ok(rendezvous_all(nodes))
+    run = read_run(cluster.client, namespace, "deep")
+    crafted = _forged_lease("deep", "nested", run.uid)
+    crafted["metadata"]["annotations"][JOIN_ANNOTATION] = "[" * 2000 + "]" * 2000
+    cluster.client.request("POST", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
+                           body=crafted)
+    events = f"/api/v1/namespaces/{namespace}/events"
+
+    def reported() -> list[dict[str, Any]]:
+        return [e for e in cluster.client.request("GET", events)["items"]
+                if e.get("reason") == "UnreadableJoin"]
+
+    wait_for(lambda: reported() != [], 15, "the UnreadableJoin Event")
+    # The operator goes on reconciling the run: a drain is carried out as usual.
+    cluster.client.request("PATCH", run_path(namespace, "deep"), body={"metadata": {
+        "annotations": {crd.DRAIN_ANNOTATION: "deep-1"}}},
+        content_type="application/merge-patch+json")
+    wait_for(lambda: read_run(cluster.client, namespace, "deep").status.member_names
+             == {"deep-0"}, 15, "the operator to drain deep-1")
+    (event,) = reported()
+    assert "nested deeper than" in event["message"] and event.get("count", 1) == 1
+    current = read_run(cluster.client, namespace, "deep")
+    assert "nested" not in current.status.member_names | current.status.waiting_names
+    log = operator.log_path.read_text(errors="replace")
+    assert "RecursionError" not in log and "retrying in" not in log, log[-2000:]

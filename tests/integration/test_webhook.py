@@ -5,8 +5,9 @@ test CA; the API server reaches it through a MutatingWebhookConfiguration with
 ``clientConfig.url`` (there is no Service network here), scoped by
 namespaceSelector to this module's namespace so no other test's pod can ever
 reach it, and deleted at teardown. kopf runs with the operator's
-ServiceAccount token and the chart's RBAC, so the webhook's own API call
-(creating a missing ElasticRun) is checked against the real role.
+ServiceAccount token and the chart's RBAC. The webhook creates nothing
+(admission without side effects): a missing ElasticRun is created by the first
+node's handler from the injected PET_NNODES.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class Served:
     namespace: str
     configuration: str
     log: Path
+    port: int
+    ca: Path
+    mode: str
 
 
 def env_of(container: dict[str, Any]) -> dict[str, Any]:
@@ -125,7 +129,8 @@ def served(request: pytest.FixtureRequest, cluster: Cluster, crds: None,
     ca_bundle: str | None = base64.b64encode((local.dir / "ca.crt").read_bytes()).decode()
     if request.param in ("self-signed", "operator"):
         flags += ["--webhook-self-signed", "127.0.0.1", "--webhook-cert-dir",
-                  str(workdir / "certs"), "--webhook-configuration", name]
+                  str(workdir / "certs"), "--webhook-configuration", name,
+                  "--webhook-ca-check-seconds", "1"]
         ca_bundle = None
     else:
         flags += ["--webhook-cert", str(local.dir / "webhook.crt"),
@@ -139,7 +144,7 @@ def served(request: pytest.FixtureRequest, cluster: Cluster, crds: None,
         "metadata": {"name": name},
         "webhooks": [{
             "name": "pods.elasticrun.dev", "admissionReviewVersions": ["v1"],
-            "sideEffects": "NoneOnDryRun", "failurePolicy": "Fail", "timeoutSeconds": 10,
+            "sideEffects": "None", "failurePolicy": "Fail", "timeoutSeconds": 10,
             "reinvocationPolicy": "IfNeeded", "clientConfig": client_config,
             "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
                        "resources": ["pods"], "scope": "Namespaced"}],
@@ -179,7 +184,8 @@ def served(request: pytest.FixtureRequest, cluster: Cluster, crds: None,
             generated = (workdir / "certs" / "ca.crt").read_bytes()
             assert base64.b64decode(stored["webhooks"][0]["clientConfig"]["caBundle"]) == \
                 generated
-        yield Served(namespace, name, log_path)
+        ca = workdir / "certs" / "ca.crt" if ca_bundle is None else local.dir / "ca.crt"
+        yield Served(namespace, name, log_path, port, ca, request.param)
     except BaseException:
         print(log_path.read_text()[-5000:] if log_path.exists() else "(no kopf log)")
         raise
@@ -203,7 +209,8 @@ def served(request: pytest.FixtureRequest, cluster: Cluster, crds: None,
 # --------------------------------------------------------------------------- tests
 
 
-def test_opted_in_pod_is_mutated_and_its_run_created(cluster: Cluster, served: Served) -> None:
+def test_opted_in_pod_is_mutated_and_nothing_is_created(cluster: Cluster,
+                                                        served: Served) -> None:
     ns = served.namespace
     manifest = pod_manifest(
         "llama-0", ns, {crd.RUN_LABEL: "llama"},
@@ -232,13 +239,14 @@ def test_opted_in_pod_is_mutated_and_its_run_created(cluster: Cluster, served: S
     assert helper_env["PET_RDZV_BACKEND"] == "c10d"
     assert helper_env["PET_RDZV_ID"] == "llama"
     assert "PET_RDZV_BACKEND='c10d'" in result.stderr
-    # The ElasticRun now exists, sized by the annotation.
-    run = cluster.client.request("GET", run_path(ns, "llama"))
-    assert (run["spec"]["minNodes"], run["spec"]["maxNodes"]) == (2, 4)
-    assert run["metadata"]["labels"][webhook.CREATED_BY_LABEL] == webhook.CREATED_BY
+    # Admission has no side effects: no ElasticRun appears (the first node's handler
+    # creates it from PET_NNODES, with the pod's own rights).
+    listed = cluster.client.request("GET", f"/apis/{crd.API_VERSION}/namespaces/{ns}/"
+                                           f"{crd.PLURAL}")
+    assert "llama" not in [r["metadata"]["name"] for r in listed["items"]]
     # kopf and the webhook ran on the chart's operator token: nothing was refused.
     log = served.log.read_text()
-    assert f"created ElasticRun {ns}/llama" in log
+    assert "created ElasticRun" not in log
     # RBAC's refusals as kopf logs them, and 403 status lines as urllib3 logs them (a
     # bare "403" would also match timestamps like 06:28:24,403).
     refused = refusals(log) + [line for line in log.splitlines() if 'HTTP/1.1" 403 ' in line]
@@ -317,5 +325,58 @@ def test_an_existing_run_keeps_its_spec(cluster: Cluster, served: Served) -> Non
                                      {webhook.NNODES_ANNOTATION: "2:8"}))
     run = cluster.client.request("GET", run_path(served.namespace, "mine"))
     assert (run["spec"]["minNodes"], run["spec"]["maxNodes"]) == (1, 1)
-    assert webhook.CREATED_BY_LABEL not in (run["metadata"].get("labels") or {})
 
+
+
+def test_forged_admission_review_creates_nothing(cluster: Cluster, served: Served) -> None:
+    """Any pod that reaches the webhook port may send it a review of its own making.
+
+    It names another namespace and asks for a sized run; the answer is only a
+    patch for a pod nobody stores, and no ElasticRun appears anywhere.
+    """
+    import ssl
+    import urllib.request
+
+    victim = create_namespace(cluster, f"victim-{secrets.token_hex(3)}")
+    pod = pod_manifest("forged-0", victim, {crd.RUN_LABEL: "forged"},
+                       {webhook.NNODES_ANNOTATION: "2:2"})
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+        "uid": "00000000-0000-0000-0000-000000000001",
+        "kind": {"group": "", "version": "v1", "kind": "Pod"},
+        "resource": {"group": "", "version": "v1", "resource": "pods"},
+        "name": "forged-0", "namespace": victim, "operation": "CREATE",
+        "userInfo": {"username": "system:admin", "groups": ["system:masters"]},
+        "object": pod, "dryRun": False}}
+    context = ssl.create_default_context(cafile=str(served.ca))
+    request = urllib.request.Request(
+        f"https://127.0.0.1:{served.port}{webhook.WEBHOOK_PATH}",
+        data=json.dumps(review).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, context=context, timeout=10) as answer:
+        response = json.load(answer)["response"]
+    assert response["allowed"] is True and response.get("patch")  # a mutation, nothing more
+    for namespace in (victim, served.namespace):
+        listed = cluster.client.request(
+            "GET", f"/apis/{crd.API_VERSION}/namespaces/{namespace}/{crd.PLURAL}")
+        assert "forged" not in [r["metadata"]["name"] for r in listed["items"]], namespace
+    assert "created ElasticRun" not in served.log.read_text()
+
+
+def test_a_blanked_ca_bundle_is_repaired_by_the_operator(cluster: Cluster,
+                                                         served: Served) -> None:
+    """A re-apply of the chart's configuration (no caBundle) heals without a restart."""
+    if served.mode != "operator":
+        pytest.skip("the repair loop belongs to the operator process")
+    path = f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/" \
+           f"{served.configuration}"
+    cluster.client.request("PATCH", path, body=[
+        {"op": "remove", "path": "/webhooks/0/clientConfig/caBundle"}],
+        content_type="application/json-patch+json")
+    blanked = cluster.client.request("GET", path)
+    assert not blanked["webhooks"][0]["clientConfig"].get("caBundle")
+    wait_for(lambda: base64.b64decode(cluster.client.request("GET", path)["webhooks"][0]
+                                      ["clientConfig"].get("caBundle") or "")
+             == served.ca.read_bytes(), 10, "the operator to repair the caBundle")
+    pod = stored_pod(cluster, pod_manifest("healed-0", served.namespace,
+                                           {crd.RUN_LABEL: "healed"}), "--dry-run=server")
+    assert env_of(pod["spec"]["containers"][0])["PET_RDZV_ID"] == "healed"
+    assert "repaired the caBundle" in served.log.read_text()

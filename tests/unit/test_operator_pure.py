@@ -105,13 +105,19 @@ def test_a_member_whose_pod_failed_is_removed_and_the_round_marked() -> None:
     assert degraded is not None and degraded.status == "True" and "b" in (degraded.message or "")
 
 
-def _leases(renewed: dict[str, dt.datetime], duration: float = 10.0) -> dict[str, LeaseState]:
+#: Whatever duration a Lease claims (here 2^31-1 s), liveness is the run's heartbeat.
+CLAIMED_FOREVER = float(2**31 - 1)
+HEARTBEAT_10 = RunSpec(min_nodes=2, max_nodes=3, heartbeat_timeout=10)
+
+
+def _leases(renewed: dict[str, dt.datetime],
+            duration: float = CLAIMED_FOREVER) -> dict[str, LeaseState]:
     return {n: LeaseState(node=n, holder=n, renewed=t, duration=duration)
             for n, t in renewed.items()}
 
 
-def test_a_lease_not_renewed_for_its_duration_removes_its_member() -> None:
-    run = running_run()
+def test_a_lease_not_renewed_for_the_runs_heartbeat_removes_its_member() -> None:
+    run = running_run(HEARTBEAT_10)
     leases = _leases({"a": T0, "b": T0 - dt.timedelta(seconds=11), "c": T0})
     plan = reconcile(run, Members(leases=leases), T0)
     assert plan.status is not None and plan.status.member_names == {"a", "c"}
@@ -122,7 +128,7 @@ def test_a_lease_not_renewed_for_its_duration_removes_its_member() -> None:
 def test_after_an_api_outage_every_lease_gets_a_full_duration_to_be_renewed() -> None:
     # The API server was down from T0-30s to T0-2s: nobody could renew, every
     # Lease is 30 s old.  Counted from the API server's return, none has expired.
-    run = running_run()
+    run = running_run(HEARTBEAT_10)
     stale = _leases(dict.fromkeys("abc", T0 - dt.timedelta(seconds=30)))
     back = T0 - dt.timedelta(seconds=2)
     plan = reconcile(run, Members(leases=stale, lease_clock_start=back), T0)

@@ -139,9 +139,20 @@ def test_nodes_waiting_reports_losses_and_newcomers_but_not_spares_of_a_full_rou
 # --------------------------------------------------------------------------- join requests
 
 
-def _lease(name: str, since: float, renewed: float = 0.0) -> LeaseState:
+RUN_UID = "this-run"
+HEARTBEAT = 30.0
+
+
+def _lease(name: str, since: float, renewed: float = 0.0,
+           duration: float = HEARTBEAT) -> LeaseState:
     (join,) = waiting(name, since=since)
-    return LeaseState(node=name, holder=name, renewed=at(renewed), duration=30.0, join=join)
+    return LeaseState(node=name, holder=name, renewed=at(renewed), duration=duration, join=join,
+                      owner_uid=RUN_UID)
+
+
+def pending(leases: list[LeaseState], status: RunStatus, when: dt.datetime
+            ) -> tuple[WaitingNode, ...]:
+    return pending_joins(leases, status, when, RUN_UID, HEARTBEAT)
 
 
 def test_a_membership_answers_its_request_and_every_older_one() -> None:
@@ -151,21 +162,42 @@ def test_a_membership_answers_its_request_and_every_older_one() -> None:
     status = status.replace(participants=tuple(
         replace(p, since=at(10)) for p in status.participants))
     leases = [_lease("a", 0), _lease("b", 10), _lease("c", 11)]
-    assert [w.name for w in pending_joins(leases, status, at(12))] == ["c"]
+    assert [w.name for w in pending(leases, status, at(12))] == ["c"]
     # A request newer than the membership is a node back for the next round.
-    assert [w.name for w in pending_joins([_lease("a", 20)], status, at(21))] == ["a"]
+    assert [w.name for w in pending([_lease("a", 20)], status, at(21))] == ["a"]
 
 
 def test_a_lost_membership_answers_its_request_but_not_a_later_one() -> None:
     lost = LostMember(name="a", round=1, reason="LeaseExpired", time=at(5), since=at(1))
     status = sealed("b").replace(lost_members=(lost,))
-    assert pending_joins([_lease("a", 1)], status, at(6)) == ()
-    assert [w.name for w in pending_joins([_lease("a", 7)], status, at(8))] == ["a"]
+    assert pending([_lease("a", 1)], status, at(6)) == ()
+    assert [w.name for w in pending([_lease("a", 7)], status, at(8))] == ["a"]
 
 
 def test_expired_leases_and_other_runs_do_not_wait() -> None:
     expired = _lease("a", 0, renewed=0)
-    assert pending_joins([expired], RunStatus(), at(31)) == ()
+    assert pending([expired], RunStatus(), at(31)) == ()
     other = replace(_lease("b", 0), owner_uid="old-run")
-    assert pending_joins([other], RunStatus(), at(1), run_uid="this-run") == ()
-    assert [w.name for w in pending_joins([other], RunStatus(), at(1))] == ["b"]
+    assert pending([other], RunStatus(), at(1)) == ()
+    assert [w.name for w in pending([_lease("b", 0)], RunStatus(), at(1))] == ["b"]
+
+
+def test_a_lease_counts_only_for_its_owner_and_only_within_the_runs_heartbeat() -> None:
+    # The attack of issue 12: a copy of a member's Lease claiming 2^31 s of life.
+    forever = _lease("evil", 0, renewed=0, duration=float(2**31 - 1))
+    assert [w.name for w in pending([forever], RunStatus(), at(HEARTBEAT))] == ["evil"]
+    assert pending([forever], RunStatus(), at(HEARTBEAT + 0.1)) == ()  # the run's heartbeat
+    unowned = replace(_lease("evil", 0), owner_uid=None)
+    assert pending([unowned], RunStatus(), at(1)) == ()  # no ownerReference: not a member
+    assert pending_joins([_lease("a", 0)], RunStatus(), at(1), None, HEARTBEAT) == ()
+
+
+def test_newcomers_are_ordered_by_the_servers_lease_creation_not_their_claimed_since() -> None:
+    # "early" claims to have asked in the year 2000; the API server created its Lease last.
+    claimed = WaitingNode(name="early", since=dt.datetime(2000, 1, 1, tzinfo=dt.UTC),
+                          arrived=at(5))
+    honest = WaitingNode(name="honest", since=at(1), arrived=at(1))
+    leases = [replace(_lease(w.name, 0), join=w) for w in (claimed, honest)]
+    assert [w.name for w in pending(leases, RunStatus(), at(6))] == ["honest", "early"]
+    new = rounds.seal_round(run(RunStatus(waiting=(claimed, honest)), max_nodes=2), at(6))
+    assert [p.name for p in new.participants] == ["honest", "early"]

@@ -40,3 +40,11 @@ def test_binding_and_names_stay_valid_for_long_runs() -> None:
                                     "namespace": "team"}]
     assert len(runrbac.object_name(run)) <= 253
     assert runrbac.object_name("short") == "elasticrun-run.short"
+
+
+def test_an_invalid_service_account_name_is_a_problem_not_an_apply() -> None:
+    assert runrbac.service_account_problem("trainer") is None
+    assert runrbac.service_account_problem("team.trainer-1") is None
+    for bad in ("Trainer", "trainer_1", "-x", "x" * 254, "a..b", ""):
+        problem = runrbac.service_account_problem(bad)
+        assert problem is not None and "is not a ServiceAccount name" in problem, bad

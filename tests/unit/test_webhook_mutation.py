@@ -129,18 +129,6 @@ def test_nproc_words_torchrun_knows_are_accepted(value: str) -> None:
     assert webhook.parse_nproc_per_node(value) == value
 
 
-def test_run_is_created_only_when_the_pod_names_its_size() -> None:
-    sized = webhook.read_opt_in({webhook.RUN_LABEL: "r"}, {webhook.NNODES_ANNOTATION: "2:3"})
-    unsized = webhook.read_opt_in({webhook.RUN_LABEL: "r"}, {})
-    assert sized is not None and unsized is not None
-    manifest = webhook.run_manifest_for(sized, "ns")
-    assert manifest is not None
-    assert manifest["metadata"] == {"name": "r", "namespace": "ns", "labels": {
-        webhook.CREATED_BY_LABEL: webhook.CREATED_BY}}
-    assert (manifest["spec"]["minNodes"], manifest["spec"]["maxNodes"]) == (2, 3)
-    assert webhook.run_manifest_for(unsized, "ns") is None
-
-
 def test_configure_webhook_refuses_to_run_without_a_certificate() -> None:
     with pytest.raises(ValueError, match="--webhook-cert"):
         webhook.configure_webhook(kopf.OperatorSettings(), addr="127.0.0.1", port=1, host=None,

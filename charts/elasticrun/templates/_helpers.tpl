@@ -81,6 +81,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if not (has .Values.webhook.failurePolicy (list "Fail" "Ignore")) }}
 {{- fail (printf "webhook.failurePolicy must be Fail or Ignore, not %q" .Values.webhook.failurePolicy) }}
 {{- end }}
+{{- if and .Values.training.perRunRBAC (eq .Values.operator.scope "cluster") }}
+{{- fail "training.perRunRBAC=true needs operator.scope=namespaces (and trainingNamespaces): with scope=cluster the operator could create Roles, RoleBindings and Leases in every namespace of the cluster" }}
+{{- end }}
+{{- if and .Values.training.perRunRBAC (not .Values.admissionPolicy.enabled) }}
+{{- fail "training.perRunRBAC=true needs admissionPolicy.enabled=true: without the policy any pod that may create Leases can join another run" }}
+{{- end }}
+{{- if and (gt (int .Values.operator.replicas) 1) (not .Values.certManager.enabled) }}
+{{- fail "operator.replicas > 1 needs certManager.enabled=true: each replica would make its own webhook certificate" }}
+{{- end }}
 {{- range .Values.trainingNamespaces }}
 {{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" .) }}
 {{- fail (printf "trainingNamespaces: %q is not a namespace name" .) }}

@@ -12,15 +12,17 @@ the run's Leases.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from elasticrun.api import crd
-from elasticrun.api.model import InvalidRunError, RunStatus, WaitingNode, parse_time
+from elasticrun.api import crd, untrusted
+from elasticrun.api.model import InvalidRunError, RunStatus, WaitingNode
 from elasticrun.api.naming import label_value
+from elasticrun.api.rounds import arrival_key
 
 #: Annotation on a node's Lease: its join request, as JSON (a waiting entry without the name).
 JOIN_ANNOTATION = f"{crd.GROUP}/join"
@@ -28,28 +30,39 @@ JOIN_ANNOTATION = f"{crd.GROUP}/join"
 
 @dataclass(frozen=True)
 class LeaseState:
+    """What a Lease says about its node, read by :func:`lease_state` (never raises)."""
+
     node: str | None
     holder: str | None
     renewed: dt.datetime | None
+    #: The Lease's own ``leaseDurationSeconds``: informational only.  Whoever
+    #: writes the Lease chooses it, so liveness uses the run's heartbeat instead.
     duration: float
     join: WaitingNode | None = None
     #: uid of the ElasticRun the Lease belongs to (its ownerReference).
     owner_uid: str | None = None
+    #: When the API server created the Lease: orders newcomers.
+    created: dt.datetime | None = None
+    #: Why a join request on the Lease was not readable (for one Event).
+    problem: str | None = None
 
-    def expired(self, now: dt.datetime, not_before: dt.datetime | None = None) -> bool:
-        """Not renewed for its duration; with ``not_before``, counted from no earlier than that.
+    def expired(self, now: dt.datetime, timeout: float,
+                not_before: dt.datetime | None = None) -> bool:
+        """Not renewed for ``timeout`` (the run's heartbeat); counted from no earlier than
+        ``not_before``.
 
         ``not_before`` is when the holder could last start renewing again (the
         API server came back), so an outage is not mistaken for a dead holder.
         """
-        expiry = self.expired_at(not_before)
+        expiry = self.expired_at(timeout, not_before)
         return expiry is not None and now > expiry
 
-    def expired_at(self, not_before: dt.datetime | None = None) -> dt.datetime | None:
+    def expired_at(self, timeout: float,
+                   not_before: dt.datetime | None = None) -> dt.datetime | None:
         if self.renewed is None:
             return None
         start = self.renewed if not_before is None else max(self.renewed, not_before)
-        return start + dt.timedelta(seconds=self.duration)
+        return start + dt.timedelta(seconds=timeout)
 
 
 def run_leases_query(run: str) -> dict[str, str]:
@@ -57,15 +70,31 @@ def run_leases_query(run: str) -> dict[str, str]:
     return {"labelSelector": f"{crd.RUN_LABEL}={label_value(run)}"}
 
 
+def lease_run(lease: Mapping[str, Any]) -> str | None:
+    """The run a Lease belongs to: its annotation, when the label agrees with it.
+
+    Readers list Leases by label and key them by the annotation (the label may
+    be a hash of a long name).  A Lease whose label names one run and whose
+    annotation another belongs to neither, so the admission policy, which
+    checks the writer's right to the annotation's run, decides for every reader.
+    """
+    meta = untrusted.mapping(lease.get("metadata"))
+    run = untrusted.text(untrusted.mapping(meta.get("annotations")).get(crd.RUN_LABEL))
+    label = untrusted.mapping(meta.get("labels")).get(crd.RUN_LABEL)
+    if run is None or label != label_value(run):
+        return None
+    return run
+
+
 def leases_of(listed: Mapping[str, Any], run: str) -> list[dict[str, Any]]:
     """The items of a LIST with :func:`run_leases_query` that belong to ``run``.
 
     The label alone cannot tell two long names with the same hash apart; the
-    annotation holds the full name.
+    annotation holds the full name (:func:`lease_run`).
     """
-    return [item for item in listed.get("items") or []
-            if ((item.get("metadata") or {}).get("annotations") or {})
-            .get(crd.RUN_LABEL) == run]
+    items = listed.get("items")
+    return [item for item in items if isinstance(item, dict) and lease_run(item) == run] \
+        if isinstance(items, list) else []
 
 
 def join_value(node: WaitingNode) -> str:
@@ -74,30 +103,60 @@ def join_value(node: WaitingNode) -> str:
     return json.dumps(entry, sort_keys=True)
 
 
+def read_join(node: str | None, raw: Any, where: str) -> tuple[WaitingNode | None, str | None]:
+    """A join request from a Lease annotation, or None and why it was not readable."""
+    if node is None or raw is None or raw == "":
+        return None, None
+    try:
+        fields = untrusted.json_object(raw)
+        join = WaitingNode.from_dict({**fields, "name": node}, where)
+    except (untrusted.UnreadableError, InvalidRunError) as exc:
+        return None, f"{where}: join request ignored: {exc}"
+    if join.since is None:
+        # ``since`` identifies the request: without it no round could ever answer it.
+        return None, f"{where}: join request ignored: it has no since"
+    return join, None
+
+
 def lease_state(lease: Mapping[str, Any]) -> LeaseState:
-    """Read a Lease; a malformed join request counts as no request."""
-    meta = lease.get("metadata") or {}
-    spec = lease.get("spec") or {}
-    annotations = meta.get("annotations") or {}
-    node = annotations.get(crd.NODE_ANNOTATION)
-    join = None
-    raw = annotations.get(JOIN_ANNOTATION)
-    if node and raw:
-        try:
-            fields = json.loads(raw)
-            join = WaitingNode.from_dict({**fields, "name": node}, f"lease {meta.get('name')}")
-        except (ValueError, TypeError, InvalidRunError):
-            join = None
-    owners = [ref.get("uid") for ref in meta.get("ownerReferences") or []
-              if ref.get("kind") == crd.KIND]
-    return LeaseState(node=node, holder=spec.get("holderIdentity"),
-                      renewed=parse_time(spec.get("renewTime")),
-                      duration=float(spec.get("leaseDurationSeconds") or 0), join=join,
-                      owner_uid=owners[0] if owners else None)
+    """Read a Lease; anything unreadable counts as no request (see ``problem``)."""
+    meta = untrusted.mapping(lease.get("metadata"))
+    spec = untrusted.mapping(lease.get("spec"))
+    annotations = untrusted.mapping(meta.get("annotations"))
+    node = untrusted.text(annotations.get(crd.NODE_ANNOTATION))
+    name = untrusted.text(meta.get("name")) or "?"
+    join, problem = read_join(node, annotations.get(JOIN_ANNOTATION), f"lease {name}")
+    created = untrusted.read_time(meta.get("creationTimestamp"))
+    if join is not None:
+        join = dataclasses.replace(join, arrived=created)
+    refs = meta.get("ownerReferences")
+    owners = [untrusted.text(ref.get("uid")) for ref in refs if isinstance(ref, Mapping)
+              and ref.get("kind") == crd.KIND] if isinstance(refs, list) else []
+    return LeaseState(node=node, holder=untrusted.text(spec.get("holderIdentity")),
+                      renewed=untrusted.read_time(spec.get("renewTime")),
+                      duration=untrusted.number(spec.get("leaseDurationSeconds")), join=join,
+                      owner_uid=owners[0] if owners else None, created=created,
+                      problem=problem)
+
+
+def holder_alive(current: Mapping[str, Any], run: str, owner_uid: str | None,
+                 heartbeat: float, now: dt.datetime) -> str | None:
+    """The live holder of an existing Lease a node wants for itself, or None.
+
+    Only a genuine Lease of this run (same run, same owner uid) renewed within
+    the run's heartbeat has a live holder; the Lease's own duration is chosen
+    by whoever wrote it and is not trusted.
+    """
+    state = lease_state(current)
+    if lease_run(current) != run or (owner_uid is not None and state.owner_uid != owner_uid):
+        return None
+    if state.holder is None or state.renewed is None or state.expired(now, heartbeat):
+        return None
+    return state.holder
 
 
 def pending_joins(leases: Iterable[LeaseState], status: RunStatus, now: dt.datetime,
-                  run_uid: str | None = None) -> tuple[WaitingNode, ...]:
+                  run_uid: str | None, heartbeat: float) -> tuple[WaitingNode, ...]:
     """The nodes waiting for a round: live Leases whose join request no round answered yet.
 
     A request is answered when a member holds it, or when a membership that
@@ -109,7 +168,11 @@ def pending_joins(leases: Iterable[LeaseState], status: RunStatus, now: dt.datet
     from the agent of that name, and its next request follows the answered one
     by at least a rendezvous (or a pod restart, if it moved to another machine):
     far more than the clock skew between machines.
-    Leases of an earlier run of the same name (another owner uid) never count.
+    A Lease counts only when it is owned by this run (``run_uid``; Leases of
+    an earlier run of the same name, or of nobody, never count) and was renewed
+    within the run's ``heartbeat`` (never the duration the Lease claims).
+    Newcomers are ordered by when the API server created their Lease, not by
+    the ``since`` their node wrote.
     """
     answered: dict[str, dt.datetime] = {}
     held = [(p.name, p.since) for p in status.participants]
@@ -120,14 +183,12 @@ def pending_joins(leases: Iterable[LeaseState], status: RunStatus, now: dt.datet
     waiting: dict[str, WaitingNode] = {}
     for lease in leases:
         join = lease.join
-        if join is None or lease.expired(now):
+        if join is None or lease.expired(now, heartbeat):
             continue
         latest = answered.get(join.name)
         if latest is not None and join.since is not None and join.since <= latest:
             continue
-        if run_uid and lease.owner_uid and lease.owner_uid != run_uid:
+        if run_uid is None or lease.owner_uid != run_uid:
             continue
         waiting[join.name] = join
-    return tuple(sorted(waiting.values(),
-                        key=lambda w: (w.since or dt.datetime.max.replace(tzinfo=dt.UTC),
-                                       w.name)))
+    return tuple(sorted(waiting.values(), key=arrival_key))

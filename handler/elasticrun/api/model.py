@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from elasticrun.api import crd
+from elasticrun.api import crd, untrusted
 
 PHASES = ("Pending", "Forming", "Running", "Degraded", "Closed", "Succeeded")
 FINISHED_PHASES = ("Closed", "Succeeded")
@@ -43,14 +43,11 @@ def format_time(value: dt.datetime) -> str:
 
 
 def parse_time(value: Any) -> dt.datetime | None:
-    """An RFC 3339 time from an object we do not own (Pods, Leases); None if unreadable."""
-    if not isinstance(value, str):
-        return None
-    try:
-        parsed = dt.datetime.fromisoformat(value)
-    except ValueError:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)
+    """An RFC 3339 time from an object we do not own (Pods, Leases); None if unreadable.
+
+    Clamped to a sane window (:func:`elasticrun.api.untrusted.read_time`).
+    """
+    return untrusted.read_time(value)
 
 
 # --------------------------------------------------------------------------- readers
@@ -120,13 +117,12 @@ def _time(obj: Mapping[str, Any], key: str, path: str) -> dt.datetime | None:
         return None
     if not isinstance(value, str):
         raise InvalidRunError(f"{path}.{key}", f"expected an RFC 3339 time, found {value!r}")
-    try:
-        parsed = dt.datetime.fromisoformat(value)
-    except ValueError:
+    parsed = untrusted.read_time(value)
+    if parsed is None:
         raise InvalidRunError(f"{path}.{key}",
-                              f"expected an RFC 3339 time, found {value!r}") from None
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=dt.UTC)
+                              f"expected an RFC 3339 time, found {value[:64]!r}")
+    # Status is written by nodes: a time in year 9999 is clamped, never left to
+    # overflow the first time a timeout is added to it.
     return parsed
 
 
@@ -249,6 +245,10 @@ class WaitingNode:
     store_port: int | None = None
     since: dt.datetime | None = None
     pod: str | None = None
+    #: When the API server created the node's Lease (``creationTimestamp``):
+    #: what orders newcomers, because ``since`` is whatever the node claims.
+    #: Read from the Lease, never stored in the status, not part of equality.
+    arrived: dt.datetime | None = field(default=None, compare=False)
 
     @classmethod
     def from_dict(cls, obj: Any, path: str) -> WaitingNode:
@@ -294,7 +294,7 @@ class LostMember:
             reason=_str(item, "reason", path),
             message=_opt_str(item, "message", path),
             time=_time(item, "time", path),
-            detection_seconds=float(detection) if detection is not None else None,
+            detection_seconds=untrusted.number(detection) if detection is not None else None,
             since=_time(item, "since", path),
         )
 

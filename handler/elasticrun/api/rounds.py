@@ -11,6 +11,7 @@ import datetime as dt
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from elasticrun.api import untrusted
 from elasticrun.api.model import (
     LOST_MEMBERS_KEPT,
     ElasticRun,
@@ -71,13 +72,18 @@ def decide_seal(run: ElasticRun, now: dt.datetime) -> SealDecision:
     return SealDecision(False, "last call", deadline)
 
 
-def _arrival_key(node: WaitingNode) -> tuple[dt.datetime, str]:
-    return (node.since or dt.datetime.max.replace(tzinfo=dt.UTC), node.name)
+def arrival_key(node: WaitingNode) -> tuple[dt.datetime, str]:
+    """Newcomers' order: when the API server created their Lease, then the name.
+
+    ``since`` is what the node itself claims, so it only stands in for entries
+    read back from the status summary (which carries no server time).
+    """
+    return (node.arrived or node.since or untrusted.LATEST, node.name)
 
 
 def order_for_ranks(previous: Iterable[Participant],
                     waiting: Iterable[WaitingNode]) -> list[WaitingNode]:
-    """Survivors first in their old rank order, then newcomers by arrival.
+    """Survivors first in their old rank order, then newcomers by arrival (:func:`arrival_key`).
 
     Keeping the old order means the old rank 0 stays rank 0 (and keeps hosting
     the store) whenever it is alive, which torch's lexicographic order does not
@@ -86,7 +92,7 @@ def order_for_ranks(previous: Iterable[Participant],
     old_rank = {p.name: p.rank for p in previous}
     waiting = list(waiting)
     survivors = sorted((w for w in waiting if w.name in old_rank), key=lambda w: old_rank[w.name])
-    newcomers = sorted((w for w in waiting if w.name not in old_rank), key=_arrival_key)
+    newcomers = sorted((w for w in waiting if w.name not in old_rank), key=arrival_key)
     return survivors + newcomers
 
 

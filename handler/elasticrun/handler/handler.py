@@ -355,7 +355,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         listed = self._call("list the run's Leases", lambda: self._api().request(
             "GET", leases_path(s.namespace), query=run_leases_query(s.run_name)))
         states = [lease_state(item) for item in leases_of(listed, s.run_name)]
-        return pending_joins(states, run.status, now(), run.uid)
+        return pending_joins(states, run.status, now(), run.uid, run.spec.heartbeat_timeout)
 
     def _seal(self, view: ElasticRun, reason: str) -> ElasticRun | None:
         """One compare-and-set; None when someone else wrote first."""

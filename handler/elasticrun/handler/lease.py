@@ -17,7 +17,7 @@ from typing import Any
 
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, lease_path, leases_path
-from elasticrun.api.leases import JOIN_ANNOTATION, join_value
+from elasticrun.api.leases import JOIN_ANNOTATION, holder_alive, join_value
 from elasticrun.api.model import WaitingNode, now
 from elasticrun.api.naming import label_value, lease_name
 
@@ -86,16 +86,13 @@ class LeaseKeeper:
             if exc.status != 409:
                 raise
         current = self.client.request("GET", lease_path(self.namespace, self.name))
-        spec = current.get("spec") or {}
-        holder = spec.get("holderIdentity")
-        renewed = spec.get("renewTime")
-        if holder and holder != self.holder and renewed:
-            age = (now() - dt.datetime.fromisoformat(renewed)).total_seconds()
-            if age < float(spec.get("leaseDurationSeconds") or self.duration):
-                raise NodeNameInUseError(
-                    f"node name {self.node!r} is already used by a live agent ({holder}, Lease "
-                    f"{self.namespace}/{self.name} renewed {age:.1f}s ago); give every agent its "
-                    "own name (POD_NAME, or --rdzv-conf node_name=...)")
+        holder = holder_alive(current, self.run, self.owner_uid, self.duration, now())
+        if holder is not None and holder != self.holder:
+            raise NodeNameInUseError(
+                f"node name {self.node!r} is already used by a live agent ({holder}, Lease "
+                f"{self.namespace}/{self.name} renewed within the run's heartbeat of "
+                f"{self.duration}s); give every agent its own name (POD_NAME, or --rdzv-conf "
+                "node_name=...)")
         manifest = self._manifest(join)
         manifest["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
         self.client.request("PUT", lease_path(self.namespace, self.name), body=manifest)

@@ -20,7 +20,7 @@ from typing import Any, cast
 import kopf
 
 from elasticrun.api.kube import KubeClient
-from elasticrun.operator import handlers, webhook
+from elasticrun.operator import handlers, webhook, webhookcert
 from elasticrun.operator.controller import Controller
 from elasticrun.operator.metrics import Metrics
 
@@ -89,7 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.persistence.finalizer = "elasticrun.dev/operator"
         if args.webhook_port:
             # Making the certificate and patching the webhook configuration block.
-            await asyncio.to_thread(webhook.setup_webhook, settings, args, controller.client)
+            ca = await asyncio.to_thread(webhook.setup_webhook, settings, args,
+                                         controller.client)
+            if ca is not None and args.webhook_ca_check_seconds > 0:
+                controller.keep(webhookcert.keep_ca_bundle(
+                    controller.client, args.webhook_configuration, ca,
+                    args.webhook_ca_check_seconds))
         if args.metrics_port:
             metrics.serve(args.metrics_port, args.metrics_addr)
             log.info("metrics on %s:%d/metrics", args.metrics_addr, args.metrics_port)

@@ -67,6 +67,8 @@ class Controller:
         self.lease_index: Mapping[Key, Iterable[tuple[str, LeaseState]]] | None = None
         self._seen: dict[Key, RunStatus] = {}
         self._invalid_reported: dict[Key, str] = {}
+        #: The last problem reported per (run, node or ServiceAccount annotation): one Event each.
+        self._problems_reported: dict[tuple[Key, str], str] = {}
         #: (uid, highest status.round seen) per run: a round going back is repaired.
         self._highest_round: dict[Key, tuple[str | None, int]] = {}
         self._queue: asyncio.Queue[Key] | None = None
@@ -81,9 +83,13 @@ class Controller:
 
     def start(self) -> None:
         self._queue = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._worker(), name=f"elasticrun-worker-{i}")
-                       for i in range(self.workers)]
+        self._tasks += [asyncio.create_task(self._worker(), name=f"elasticrun-worker-{i}")
+                        for i in range(self.workers)]
         self._tasks.append(asyncio.create_task(self.api.run(), name="elasticrun-api-probe"))
+
+    def keep(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` until the controller stops (a side task, e.g. the caBundle check)."""
+        self._tasks.append(asyncio.create_task(work))
 
     async def stop(self) -> None:
         for timer in self._timers.values():
@@ -133,6 +139,8 @@ class Controller:
             self._highest_round.pop(key, None)
             self._rbac_applied.pop(key, None)
             self.pod_losses.pop(key, None)
+            self._problems_reported = {k: v for k, v in self._problems_reported.items()
+                                       if k[0] != key}
             self.metrics.forget(*key)
             self._in_background(self._delete_orphaned_leases(key, meta.get("uid")))
             return
@@ -187,9 +195,9 @@ class Controller:
     async def _listed_members(self, key: Key) -> Members:
         leases = {}
         for item in await self._run_leases(*key):
-            node = item["metadata"]["annotations"].get(crd.NODE_ANNOTATION)
-            if node:
-                leases[node] = lease_state(item)
+            state = lease_state(item)
+            if state.node:
+                leases[state.node] = state
         return self._members_from(key, leases)
 
     async def reconcile(self, key: Key) -> None:
@@ -205,7 +213,10 @@ class Controller:
         self._invalid_reported.pop(key, None)
         if self.per_run_rbac:
             await self._ensure_rbac(key, run)
-        plan = reconcile(run, self._members(key), now())
+        members = self._members(key)
+        for node, state in members.leases.items():
+            await self._report_once(run, node, "UnreadableJoin", state.problem)
+        plan = reconcile(run, members, now())
         if plan.sealed or plan.delete_leases:
             # The Lease index comes from another watch than the run and may lag
             # behind it (always so right after a start).  Sealing a round or
@@ -243,6 +254,11 @@ class Controller:
         account = run.annotations.get(runrbac.SERVICE_ACCOUNT_ANNOTATION)
         if not account:
             return
+        problem = runrbac.service_account_problem(account)
+        await self._report_once(run, runrbac.SERVICE_ACCOUNT_ANNOTATION, "InvalidServiceAccount",
+                                problem)
+        if problem is not None:
+            return  # nothing to apply; the rest of the run is reconciled as usual
         nodes = [node for node, _ in self.lease_index.get(key, ())] \
             if self.lease_index is not None else []
         role = runrbac.role(run.name, run.namespace, run.uid, nodes)
@@ -260,6 +276,19 @@ class Controller:
         log.info("%s/%s: Role %s allows ServiceAccount %s this run and %d Lease(s)", *key,
                  runrbac.object_name(run.name), account, len(set(nodes)))
 
+    async def _report_once(self, run: ElasticRun, subject: str, reason: str,
+                           problem: str | None) -> None:
+        """One Warning Event per new problem with something a pod wrote; nothing is retried."""
+        key = ((run.namespace, run.name), subject)
+        if problem is None:
+            self._problems_reported.pop(key, None)
+            return
+        if self._problems_reported.get(key) == problem:
+            return
+        self._problems_reported[key] = problem
+        log.warning("%s/%s: %s", run.namespace, run.name, problem)
+        await self._post_event(run, "Warning", reason, problem)
+
     async def _write_status(self, run: ElasticRun, status: RunStatus) -> ElasticRun | None:
         key = (run.namespace, run.name)
         body = {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
@@ -274,6 +303,8 @@ class Controller:
             if exc.conflict or exc.not_found:
                 return None
             raise
+        if key not in self.runs:
+            return None  # deleted while we wrote: keep no state (or metric series) for it
         self.runs[key] = raw
         self.observe(key, raw)
         return parse_run(raw)
@@ -409,10 +440,7 @@ class Controller:
                             f"round {status.round}: {len(status.participants)} members, "
                             f"rank 0 = {leader}")
         for lost in lost_since(old, status):
-            self.metrics.lost.labels(**labels, reason=lost.reason).inc()
-            if lost.detection_seconds is not None:
-                self.metrics.detection.labels(**labels, reason=lost.reason).observe(
-                    lost.detection_seconds)
+            self.metrics.lost_member(*key, lost.reason, lost.detection_seconds)
             self._post_soon(run, "Warning" if lost.reason != "Left" else "Normal", "MemberLost",
                             f"round {lost.round}: {lost.name} removed ({lost.reason}"
                             f"{': ' + lost.message if lost.message else ''})")

@@ -17,7 +17,7 @@ from typing import Any
 import kopf
 
 from elasticrun.api import crd
-from elasticrun.api.leases import LeaseState, lease_state
+from elasticrun.api.leases import LeaseState, lease_run, lease_state
 from elasticrun.operator.controller import Controller, Key
 
 CONTROLLER: Controller | None = None
@@ -37,11 +37,10 @@ def _controller() -> Controller:
 @kopf.index("coordination.k8s.io", "v1", "leases", labels={crd.RUN_LABEL: kopf.PRESENT})
 def leases_by_run(*, body: kopf.Body, namespace: str | None, **_: Any
                   ) -> dict[Key, tuple[str, LeaseState]] | None:
-    annotations = body.metadata.annotations
-    run, node = annotations.get(crd.RUN_LABEL), annotations.get(crd.NODE_ANNOTATION)
-    if not run or not node:
+    run, state = lease_run(body), lease_state(body)
+    if not run or not state.node:
         return None
-    return {(namespace or "", run): (node, lease_state(body))}
+    return {(namespace or "", run): (state.node, state)}
 
 
 @kopf.on.event("coordination.k8s.io", "v1", "leases", labels={crd.RUN_LABEL: kopf.PRESENT})

@@ -11,6 +11,18 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: The ``reason`` label's values: the reasons elasticrun itself records.  The
+#: reason comes from ``status.lostMembers``, which nodes can write, so any other
+#: value is counted as ``Other`` and a pod cannot grow the series without bound.
+REASONS = frozenset({
+    "PodDeleted", "PodDisrupted", "PodFailed", "PodSucceeded", "ContainerTerminated",
+    "ContainerRestarted", "LeaseExpired", "LeaseMissing", "Left", "Drained"})
+OTHER = "Other"
+
+
+def reason_label(reason: str) -> str:
+    """The ``reason`` label for a lost member's reason (one of :data:`REASONS`, or Other)."""
+    return reason if reason in REASONS else OTHER
 
 
 class Metrics:
@@ -53,7 +65,22 @@ class Metrics:
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
 
+    def lost_member(self, namespace: str, run: str, reason: str,
+                    detection_seconds: float | None) -> None:
+        """Count a removed member (and how long detecting it took) under a bounded reason."""
+        label = reason_label(reason)
+        self.lost.labels(namespace=namespace, run=run, reason=label).inc()
+        if detection_seconds is not None:
+            self.detection.labels(namespace=namespace, run=run, reason=label).observe(
+                detection_seconds)
+
     def forget(self, namespace: str, run: str) -> None:
-        for gauge in (self.members, self.waiting, self.round):
+        """Remove every series of a deleted run."""
+        for metric in (self.members, self.waiting, self.round, self.rounds,
+                       self.round_duration):
             with contextlib.suppress(KeyError):
-                gauge.remove(namespace, run)
+                metric.remove(namespace, run)
+        for by_reason in (self.lost, self.detection):
+            for reason in (*REASONS, OTHER):
+                with contextlib.suppress(KeyError):
+                    by_reason.remove(namespace, run, reason)

@@ -86,10 +86,12 @@ def _losses(run: ElasticRun, members: Members, now: dt.datetime
             found.append((name, pod_loss))
             continue
         lease = members.leases.get(name)
-        if lease is not None and lease.expired(now, members.lease_clock_start):
+        if lease is not None and lease.expired(now, spec.heartbeat_timeout,
+                                               members.lease_clock_start):
             found.append((name, Loss("LeaseExpired", f"{name} did not renew its Lease for "
                                      f"{spec.heartbeat_timeout}s",
-                                     lease.expired_at(members.lease_clock_start))))
+                                     lease.expired_at(spec.heartbeat_timeout,
+                                                      members.lease_clock_start))))
         elif lease is None and since is not None and now - since > grace:
             found.append((name, Loss("LeaseMissing", f"{name} has no Lease",
                                      since + grace)))
@@ -143,7 +145,8 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
         plan.events.append(("Normal", "Reopened", "run reopened (spec.closed=false)"))
 
     # ---------------------------------------------------------------- who is waiting
-    new = new.replace(waiting=pending_joins(members.leases.values(), new, now, run.uid))
+    new = new.replace(waiting=pending_joins(members.leases.values(), new, now, run.uid,
+                                            spec.heartbeat_timeout))
 
     # ---------------------------------------------------------------- lost members
     for name, loss in _losses(run.replace_status(new), members, now):
@@ -201,7 +204,7 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
 
     # ---------------------------------------------------------------- wake-ups for leases
     for lease in members.leases.values():
-        plan.wake(lease.expired_at(members.lease_clock_start))
+        plan.wake(lease.expired_at(spec.heartbeat_timeout, members.lease_clock_start))
     for w in new.waiting:
         if w.since is not None:
             plan.wake(w.since + dt.timedelta(seconds=spec.heartbeat_timeout + 0.5))

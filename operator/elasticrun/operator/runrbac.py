@@ -32,6 +32,7 @@ collector removes them with it; the operator also deletes them on TTL cleanup.
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -42,6 +43,21 @@ from elasticrun.api.naming import lease_name
 SERVICE_ACCOUNT_ANNOTATION = f"{crd.GROUP}/service-account"
 RBAC = "rbac.authorization.k8s.io"
 MANAGER = "elasticrun-operator"
+
+
+_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def service_account_problem(account: str) -> str | None:
+    """Why ``account`` cannot name a ServiceAccount (the annotation's value), or None.
+
+    Checked before anything is applied: an invalid name would be refused by
+    the API server on every reconcile of the run.
+    """
+    if len(account) <= 253 and _SUBDOMAIN.fullmatch(account):
+        return None
+    return (f"annotation {SERVICE_ACCOUNT_ANNOTATION}={account[:80]!r} is not a ServiceAccount "
+            "name (a DNS subdomain of at most 253 characters); no per-run Role was made")
 
 
 def object_name(run: str) -> str:

@@ -19,7 +19,6 @@ operator's entry point calls :func:`setup_webhook` (or
 from __future__ import annotations
 
 import argparse
-import asyncio
 import copy
 import logging
 import re
@@ -32,8 +31,7 @@ import jsonpatch
 import kopf
 
 from elasticrun.api import crd
-from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, runs_path
-from elasticrun.api.model import RunSpec, new_run_manifest
+from elasticrun.api.kube import KubeClient
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +42,6 @@ NPROC_ANNOTATION = f"{crd.GROUP}/nproc-per-node"
 #: (``https://HOST:PORT/elasticrun-pod-env``), which the chart's configuration names.
 HANDLER_ID = "elasticrun-pod-env"
 WEBHOOK_PATH = f"/{HANDLER_ID}"
-#: Label put on ElasticRuns this webhook creates, so users can tell them apart.
-CREATED_BY_LABEL = "app.kubernetes.io/created-by"
-CREATED_BY = "elasticrun-webhook"
-#: Bound on creating a missing ElasticRun: the API server gives the whole call
-#: at most the configuration's timeoutSeconds (the chart sets 10).
-CREATE_RUN_TIMEOUT = 4.0
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _COUNT = re.compile(r"^[0-9]+$")  # ASCII digits only: str.isdigit() also accepts "²"
@@ -222,49 +214,29 @@ def mutated(pod: Mapping[str, Any]) -> dict[str, Any]:
     return result
 
 
-# --------------------------------------------------------------------------- the run
-
-
-def run_manifest_for(opt_in: OptIn, namespace: str) -> dict[str, Any] | None:
-    """The ElasticRun to create for a pod, or ``None`` when the pod names no size.
-
-    Without ``elasticrun.dev/nnodes`` the webhook does not know the size the
-    user's ``torchrun --nnodes`` asks for, and an existing run's spec wins over
-    the command line; so it leaves creating the run to the first node's handler.
-    """
-    if opt_in.min_nodes is None or opt_in.max_nodes is None:
-        return None
-    spec = RunSpec(min_nodes=opt_in.min_nodes, max_nodes=opt_in.max_nodes)
-    return new_run_manifest(opt_in.run, namespace, spec, labels={CREATED_BY_LABEL: CREATED_BY})
-
-
-def ensure_run(client: KubeClient, manifest: Mapping[str, Any]) -> bool:
-    """Create the ElasticRun unless it exists; ``True`` when this call created it."""
-    namespace = manifest["metadata"]["namespace"]
-    try:
-        client.request("POST", runs_path(namespace), body=dict(manifest),
-                       timeout=CREATE_RUN_TIMEOUT)
-    except ApiError as exc:
-        if exc.conflict:
-            return False
-        raise
-    return True
-
+# --------------------------------------------------------------------------- the handler
 
 _client: KubeClient | None = None
 
 
-def _run_client() -> KubeClient:
-    """One client for the webhook's own calls: in-cluster credentials, else KUBECONFIG."""
+def _own_client() -> KubeClient:
+    """The operator's client for its caBundle: in-cluster credentials, else KUBECONFIG."""
     global _client  # noqa: PLW0603 - created lazily, once per process
     if _client is None:
-        _client = KubeClient.from_config(timeout=CREATE_RUN_TIMEOUT)
+        _client = KubeClient.from_config(timeout=10)
     return _client
 
 
-async def mutate_pod(body: kopf.Body, patch: kopf.Patch, dryrun: bool, warnings: list[str],
-                     logger: logging.Logger | kopf.Logger, **_: Any) -> None:
-    """Inject the torchrun environment; create the ElasticRun when the pod sizes it."""
+async def mutate_pod(body: kopf.Body, patch: kopf.Patch, warnings: list[str],
+                     **_: Any) -> None:
+    """Inject the torchrun environment; nothing else.
+
+    Admission has no side effects: the webhook writes no object.  It runs with
+    the operator's rights, so anything it created would be created for a
+    caller who may not create it, and a pod refused by a later admission step
+    would leave it behind.  A missing ElasticRun is created by the first
+    node's handler from the injected ``PET_NNODES`` (with the pod's own rights).
+    """
     pod: dict[str, Any] = dict(body)
     try:
         plan = plan_mutation(pod)
@@ -274,20 +246,6 @@ async def mutate_pod(body: kopf.Body, patch: kopf.Patch, dryrun: bool, warnings:
     if plan.ops:
         ops = plan.ops
         patch.fns.append(lambda raw: jsonpatch.apply_patch(raw, ops, in_place=True))
-    namespace = (pod.get("metadata") or {}).get("namespace")
-    opt_in = plan.opt_in
-    manifest = run_manifest_for(opt_in, namespace) if opt_in and namespace else None
-    if opt_in is None or manifest is None or dryrun:
-        return
-    try:
-        if await asyncio.to_thread(ensure_run, _run_client(), manifest):
-            logger.info(f"created ElasticRun {namespace}/{opt_in.run} ({opt_in.nnodes} nodes)")
-    except (ApiError, ApiConnectionError, OSError) as exc:
-        # Never block the pod for this: its handler creates the run as well.
-        logger.warning(f"could not create ElasticRun {namespace}/"
-                       f"{manifest['metadata']['name']}: {exc}; the first node will")
-        warnings.append(f"elasticrun could not create ElasticRun {manifest['metadata']['name']} "
-                        "yet; the first node's handler will create it")
 
 
 # --------------------------------------------------------------------------- wiring
@@ -326,7 +284,7 @@ def register_handler(registry: kopf.OperatorRegistry | None = None) -> None:
     if any(h.id == HANDLER_ID for h in registry._webhooks.get_all_handlers()):
         return
     kopf.on.mutate("pods", id=HANDLER_ID, labels={RUN_LABEL: kopf.PRESENT},
-                   operations=["CREATE"], side_effects=True, registry=registry)(mutate_pod)
+                   operations=["CREATE"], side_effects=False, registry=registry)(mutate_pod)
 
 
 def add_webhook_arguments(parser: argparse.ArgumentParser) -> None:
@@ -350,46 +308,55 @@ def add_webhook_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--webhook-configuration", default=None, metavar="NAME",
                        help="MutatingWebhookConfiguration whose caBundle the operator sets to "
                             "its self-signed CA")
+    group.add_argument("--webhook-ca-check-seconds", type=float, default=30.0,
+                       metavar="SECONDS",
+                       help="re-check the --webhook-configuration caBundle this often and "
+                            "repair it (default 30)")
     group.add_argument("--webhook-managed", default=None, metavar="NAME",
                        help="let kopf create and manage a configuration of this name "
                             "(local development only)")
 
 
 def setup_webhook(settings: kopf.OperatorSettings, args: argparse.Namespace,
-                  client: KubeClient | None = None) -> None:
+                  client: KubeClient | None = None) -> bytes | None:
     """Apply :func:`add_webhook_arguments`' flags; a no-op without ``--webhook-port``.
 
     With ``--webhook-self-signed`` it makes the certificate first and, with
     ``--webhook-configuration``, writes the new CA into that configuration, so
     the API server trusts the fresh certificate of every operator start.
     ``client`` (the operator's own, honouring its ``--kubeconfig``) is used for
-    that and for creating missing ElasticRuns; default: in-cluster or KUBECONFIG.
+    that; default: in-cluster or KUBECONFIG.
     It blocks on the API server: call it from a thread in an async startup handler.
+    Returns the self-signed CA written into the configuration (None otherwise),
+    for :func:`elasticrun.operator.webhookcert.keep_ca_bundle`.
     """
-    global _client  # noqa: PLW0603 - the operator's own client, shared with mutate_pod
+    global _client  # noqa: PLW0603 - the operator's own client
     if not args.webhook_port:
-        return
+        return None
     if client is not None:
         _client = client
     from elasticrun.operator import webhookcert  # noqa: PLC0415 - only when self-signing
 
     certfile, pkeyfile, cafile = args.webhook_cert, args.webhook_key, args.webhook_ca
+    written: bytes | None = None
     if args.webhook_self_signed:
         cert = webhookcert.generate_serving_cert(Path(args.webhook_cert_dir),
                                                  args.webhook_self_signed)
         certfile, pkeyfile, cafile = str(cert.certfile), str(cert.pkeyfile), str(cert.cafile)
         if args.webhook_configuration:
-            webhookcert.inject_ca_bundle(client or _run_client(), args.webhook_configuration,
+            webhookcert.inject_ca_bundle(client or _own_client(), args.webhook_configuration,
                                          cert.ca_pem)
+            written = cert.ca_pem
     configure_webhook(settings, addr=args.webhook_addr, port=args.webhook_port,
                       host=args.webhook_host, certfile=certfile, pkeyfile=pkeyfile,
                       cafile=cafile, managed=args.webhook_managed)
+    return written
 
 
 __all__: Sequence[str] = (
     "HANDLER_ID", "NNODES_ANNOTATION", "NPROC_ANNOTATION", "RUN_LABEL", "WEBHOOK_PATH",
     "Mutation", "OptIn", "OptInError", "add_webhook_arguments", "configure_webhook",
-    "desired_env", "ensure_run", "mutate_pod", "mutated", "mutation_for", "parse_nnodes",
+    "desired_env", "mutate_pod", "mutated", "mutation_for", "parse_nnodes",
     "parse_nproc_per_node", "plan_mutation", "read_opt_in", "register_handler",
-    "run_manifest_for", "setup_webhook",
+    "setup_webhook",
 )

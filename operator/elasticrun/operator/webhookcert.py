@@ -13,9 +13,11 @@ libcrypto from OpenSSL >= 3.0.10; ``cryptography`` has no such problem.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import ipaddress
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +29,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from elasticrun.api.kube import JSON_PATCH, KubeClient
+from elasticrun.api.kube import JSON_PATCH, ApiConnectionError, ApiError, KubeClient
+
+log = logging.getLogger(__name__)
 
 WEBHOOK_CONFIGURATIONS = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
 #: The CA key is discarded at once, so a long life costs little; a restart renews anyway.
@@ -134,3 +138,23 @@ def inject_ca_bundle(client: KubeClient, configuration: str, ca_pem: bytes) -> i
     if ops:
         client.request("PATCH", path, body=ops, content_type=JSON_PATCH)
     return len(ops) // 2
+
+
+async def keep_ca_bundle(client: KubeClient, configuration: str, ca_pem: bytes,
+                         interval: float) -> None:
+    """Re-check the configuration's caBundle every ``interval`` seconds and repair it.
+
+    The caBundle is written at start; an apply of the chart's configuration
+    (``helm upgrade --force``, a GitOps sync) blanks it, and admission would
+    fail until the next restart.  One GET per interval; a PATCH only when it
+    differs.  Runs until cancelled.
+    """
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            changed = await asyncio.to_thread(inject_ca_bundle, client, configuration, ca_pem)
+        except (ApiError, ApiConnectionError) as exc:
+            log.warning("checking the caBundle of %s failed: %s", configuration, exc)
+            continue
+        if changed:
+            log.warning("repaired the caBundle of %d webhook(s) in %s", changed, configuration)

@@ -1,0 +1,192 @@
+"""Property: nothing a pod can write makes a handler or the operator raise or loop.
+
+Leases and their join annotations are written by pods, and so are the status
+fields nodes write.  Every shape below reaches the same readers the handler and
+the operator use (``lease_state``, ``pending_joins``, ``parse_run``) and then
+the pure decisions both take (``decide_seal``, ``seal_round``, ``reconcile``):
+deep nesting, huge numbers, times at the edges of what Python can represent,
+wrong types, 256 KiB values.  The only exception allowed out is
+``InvalidRunError`` from the status parser (the handler's RendezvousStateError,
+the operator's repair).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from elasticrun.api import crd, rounds, untrusted
+from elasticrun.api.leases import JOIN_ANNOTATION, lease_run, lease_state, pending_joins
+from elasticrun.api.model import (
+    ElasticRun,
+    InvalidRunError,
+    Participant,
+    RunSpec,
+    RunStatus,
+    StoreAddress,
+    parse_run,
+)
+from elasticrun.operator.metrics import OTHER, Metrics, reason_label
+from elasticrun.operator.reconcile import Members, reconcile
+
+NOW = dt.datetime(2026, 11, 30, 12, tzinfo=dt.UTC)
+UID = "uid-b"
+#: Times at the edges: Python's limits, offsets that push past them in UTC, garbage.
+EXTREME_TIMES = [
+    "9999-12-31T23:59:59.999999Z", "9999-12-31T23:59:59-23:59", "0001-01-01T00:00:00+23:59",
+    "0001-01-01T00:00:00Z", "1970-01-01T00:00:00Z", "2026-11-30T12:00:00Z",
+    "2026-02-30T00:00:00Z", "99999-01-01T00:00:00Z", "", "now", "9" * 300,
+]
+HUGE_NUMBERS = [2**31 - 1, 2**63, 10**400, -(10**400), 1e308, -1e308, 0, -1]
+DEEP = "[" * 100_000 + "]" * 100_000
+SCALARS = st.one_of(
+    st.none(), st.booleans(), st.sampled_from(HUGE_NUMBERS), st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8),
+    st.sampled_from(EXTREME_TIMES),
+)
+JSON = st.recursive(SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=8)
+
+
+def _join_text(fields: dict[str, Any]) -> str:
+    return json.dumps(fields, default=str)
+
+
+JOIN_FIELDS = st.fixed_dictionaries({}, optional={
+    "address": JSON, "storePort": st.one_of(st.sampled_from(HUGE_NUMBERS), JSON),
+    "since": st.one_of(st.sampled_from(EXTREME_TIMES), JSON), "pod": JSON,
+})
+ANNOTATION = st.one_of(
+    JOIN_FIELDS.map(_join_text),
+    st.sampled_from([DEEP, '{"a":' * 5000 + "1" + "}" * 5000, "x" * 256 * 1024,
+                     json.dumps({"address": "y" * 256 * 1024}), "null", "[]", "1e999",
+                     "{", '{"since": "9999-12-31T23:59:59-23:59", "storePort": 1}']),
+    JSON,
+)
+
+
+def _lease(node: Any, join: Any, renew: Any, duration: Any, owner: Any,
+           created: Any) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": f"run-b.{node}", "creationTimestamp": created,
+            "labels": {crd.RUN_LABEL: "run-b"},
+            "annotations": {crd.RUN_LABEL: "run-b", crd.NODE_ANNOTATION: node,
+                            JOIN_ANNOTATION: join},
+            "ownerReferences": owner,
+        },
+        "spec": {"holderIdentity": node, "renewTime": renew, "leaseDurationSeconds": duration},
+    }
+
+
+LEASES = st.builds(
+    _lease,
+    node=st.one_of(st.sampled_from(["n0", "n1", "evil", "y" * 300]), JSON),
+    join=ANNOTATION,
+    renew=st.one_of(st.sampled_from(EXTREME_TIMES), JSON),
+    duration=st.one_of(st.sampled_from(HUGE_NUMBERS), JSON),
+    owner=st.one_of(st.just([{"kind": crd.KIND, "uid": UID}]), JSON),
+    created=st.one_of(st.sampled_from(EXTREME_TIMES), JSON),
+)
+#: Whole objects of any shape, as a Lease LIST could in theory return them.
+ANYTHING = st.one_of(JSON, st.dictionaries(st.sampled_from(["metadata", "spec"]), JSON))
+
+
+def _run(status: RunStatus, **spec: Any) -> ElasticRun:
+    return ElasticRun("run-b", "ns", RunSpec(min_nodes=2, max_nodes=3, **spec), status, "9",
+                      uid=UID)
+
+
+def _running() -> RunStatus:
+    members = tuple(Participant(name=f"n{i}", rank=i, address="10.0.0.1", store_port=100 + i,
+                                since=NOW) for i in range(2))
+    return RunStatus(phase="Running", round=1, signal=1, participants=members,
+                     store=StoreAddress("10.0.0.1", 100), sealed_at=NOW)
+
+
+def _decide_everything(leases: list[Any]) -> None:
+    """Every decision handler and operator take from these Leases, at several times."""
+    states = [lease_state(item) for item in leases]
+    by_node = {s.node: s for s in states if s.node}
+    for status in (RunStatus(), _running()):
+        for when in (NOW, untrusted.LATEST, untrusted.EARLIEST):
+            pending = pending_joins(states, status, when, UID, 15)
+            view = _run(status.replace(waiting=pending))
+            decision = rounds.decide_seal(view, when)
+            if decision.seal_now:
+                rounds.seal_round(view, when)
+            rounds.order_for_ranks(status.participants, pending)
+            rounds.nodes_waiting(view, 1)
+            plan = reconcile(_run(status), Members(leases=by_node), when)
+            if plan.status is not None:
+                RunStatus.from_dict(plan.status.to_dict())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(LEASES, max_size=4))
+def test_crafted_leases_never_make_a_reader_or_a_decision_raise(leases: list[Any]) -> None:
+    _decide_everything(leases)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(ANYTHING, max_size=3))
+def test_leases_of_any_shape_are_read_without_raising(items: list[Any]) -> None:
+    for item in items:
+        if isinstance(item, dict):
+            lease_state(item)
+            lease_run(item)
+    _decide_everything([i for i in items if isinstance(i, dict)])
+
+
+@pytest.mark.parametrize("join", [DEEP, "x" * 256 * 1024, '{"since": 1e999}', "[1]",
+                                  '{"since": "9999-12-31T23:59:59-23:59", "storePort": 1}'])
+def test_an_unreadable_join_request_is_no_request_and_says_why(join: str) -> None:
+    state = lease_state(_lease("n0", join, "2026-11-30T12:00:00Z", 15,
+                               [{"kind": crd.KIND, "uid": UID}], "2026-11-30T12:00:00Z"))
+    if state.join is not None:  # the year-9999 request: clamped, and harmless
+        assert state.join.since == untrusted.LATEST
+        assert pending_joins([state], RunStatus(), NOW, UID, 15)[0].name == "n0"
+    else:
+        assert state.problem is not None and "join request ignored" in state.problem
+
+
+def test_extreme_times_are_clamped_not_overflowed() -> None:
+    assert untrusted.read_time("9999-12-31T23:59:59-23:59") == untrusted.LATEST
+    assert untrusted.read_time("0001-01-01T00:00:00+23:59") == untrusted.EARLIEST
+    assert untrusted.read_time("2026-11-30T12:00:00Z") == NOW
+    assert untrusted.read_time("9" * 300) is None and untrusted.read_time(12) is None
+    far = untrusted.LATEST + dt.timedelta(seconds=2**31)  # the largest timeout we add
+    assert far.year < dt.MAXYEAR
+
+
+def test_a_status_written_with_year_9999_times_is_reconciled_without_overflow() -> None:
+    raw = {"metadata": {"name": "run-b", "namespace": "ns", "uid": UID},
+           "spec": {"minNodes": 2},
+           "status": {"phase": "Forming", "waiting": [
+               {"name": "n0", "since": "9999-12-31T23:59:59.999999Z"}],
+               "sealedAt": "9999-12-31T23:59:59-23:59",
+               "lostMembers": [{"name": "x", "round": 0, "reason": "r" * 64,
+                                "detectionSeconds": 10**400}]}}
+    run = parse_run(raw)
+    assert run.status.waiting[0].since == untrusted.LATEST
+    plan = reconcile(run, Members(), NOW)
+    assert plan.wake_at is None or plan.wake_at <= untrusted.LATEST + dt.timedelta(days=1)
+    with pytest.raises(InvalidRunError, match=r"status\.sealedAt"):
+        parse_run({**raw, "status": {"sealedAt": "not a time"}})
+
+
+def test_metric_reasons_come_from_a_fixed_set() -> None:
+    assert reason_label("LeaseExpired") == "LeaseExpired"
+    assert reason_label("x" * 64) == OTHER
+    metrics = Metrics()
+    for i in range(50):
+        metrics.lost_member("ns", "run-b", f"crafted-{i}", 1.0)
+    samples = {s.labels.get("reason") for m in metrics.registry.collect()
+               for s in m.samples if s.name == "elasticrun_members_lost_total"}
+    assert samples == {OTHER}
