@@ -164,14 +164,20 @@ def test_job_example_trains_through_a_deleted_pod(node_cluster: Cluster,
     assert {m.reason for m in final.status.lost_members if m.name != victim} == {"Left"}, summary
 
 
+def start_statefulset(cluster: Cluster, namespace: str, run: str) -> ElasticRun:
+    """The StatefulSet example, training for as long as a test needs; its first round."""
+    create_run(cluster, namespace, elastic_run(run, 1, 4))
+    apply_example(cluster, namespace, EXAMPLES / "statefulset.yaml",
+                  ["--epochs", "100000", "--steps-per-epoch", "10"])
+    first: ElasticRun = wait_for(lambda: round_with(cluster, namespace, run, 2), 180,
+                                 "the StatefulSet's two pods in one round", interval=0.5)
+    return first
+
+
 def test_statefulset_scale_up_eviction_and_a_crashed_container(
         node_cluster: Cluster, node_namespace: str) -> None:
     ns, run = node_namespace, "llama-sts"
-    create_run(node_cluster, ns, elastic_run(run, 1, 4))
-    apply_example(node_cluster, ns, EXAMPLES / "statefulset.yaml",
-                  ["--epochs", "100000", "--steps-per-epoch", "10"])
-    first = wait_for(lambda: round_with(node_cluster, ns, run, 2), 180,
-                     "the StatefulSet's two pods in one round", interval=0.5)
+    first = start_statefulset(node_cluster, ns, run)
 
     # kubectl scale: the new pod joins the next round.
     node_cluster.kubectl("scale", "statefulset", "-n", ns, run, "--replicas=3")
@@ -244,10 +250,7 @@ def torchrun_process(pod: str) -> int:
 def test_deleting_a_namespace_with_a_live_run_removes_everything(
         node_cluster: Cluster, node_namespace: str) -> None:
     ns, run = node_namespace, "llama-sts"
-    create_run(node_cluster, ns, elastic_run(run, 1, 4))
-    apply_example(node_cluster, ns, EXAMPLES / "statefulset.yaml",
-                  ["--epochs", "100000", "--steps-per-epoch", "10"])
-    wait_for(lambda: round_with(node_cluster, ns, run, 2), 180, "a live round", interval=0.5)
+    start_statefulset(node_cluster, ns, run)
     assert node_cluster.client.request("GET", leases_path(ns))["items"]
 
     started = time.monotonic()
