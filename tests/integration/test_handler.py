@@ -256,7 +256,7 @@ def test_watch_events_per_round_grow_linearly(make_handler: Any, cluster: Cluste
         before = watch_events(local.metrics)
         _ok(rendezvous_all(handlers, timeout=120))
         # The watches deliver the seal asynchronously; let them land before counting.
-        wait_for(lambda hs=handlers: all(h._watcher.latest.status.round == 1 for h in hs), 10,
+        wait_for(lambda hs=handlers: all(h.watcher.latest.status.round == 1 for h in hs), 10,
                  "every watch to deliver the sealed round")
         per_round[n] = watch_events(local.metrics) - before
         for h in handlers:

@@ -69,7 +69,7 @@ def test_tcpstore_listens_on_the_node_address_only(make_handler: Any, cluster: C
     handler = make_handler("bind", "solo", min_nodes=1)
     handler.settings = dataclasses.replace(handler.settings, address="127.0.0.2")
     info = handler.next_rendezvous()
-    host = handler._store_host
+    host = handler.stores.host
     assert host is not None
     port = host.port
     assert _listeners(port) == ["127.0.0.2"], _listeners(port)

@@ -23,9 +23,10 @@ from elasticrun.operator import webhook
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.posting.enabled = False
     settings.watching.server_timeout = 10
     parser = argparse.ArgumentParser()
     webhook.add_webhook_arguments(parser)
-    webhook.setup_webhook(settings, parser.parse_args(shlex.split(os.environ["WEBHOOK_ARGS"])))
+    webhook.setup_webhook(settings, parser.parse_args(shlex.split(os.environ["WEBHOOK_ARGS"])),
+                          memo)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elasticrun.api.model import RunSpec
+from elasticrun.api.naming import is_dns_label
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,6 @@ CONF_KEYS = (
     # injected by torch's launcher (LaunchConfig sets timeout=900); not ours to honour
     "timeout",
 )
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
@@ -60,11 +60,6 @@ class RendezvousSettings:
     watch_timeout: int = 300
     #: Port of the TCPStore this node hosts if it becomes rank 0 (0: any free port).
     store_port: int = 0
-
-    @property
-    def field_manager(self) -> str:
-        """One field manager per node: what makes server-side-apply joins conflict-free."""
-        return f"elasticrun-node-{self.node_name}"[:128]
 
 
 def _as_int(conf: dict[str, Any], key: str, default: int | None) -> int | None:
@@ -153,7 +148,7 @@ def from_parameters(run_id: str, endpoint: str, min_nodes: int, max_nodes: int,
     kubeconfig = conf.get("kubeconfig") or None
     context = conf.get("context") or None
     namespace = conf.get("namespace") or ep_namespace or _default_namespace(kubeconfig, context)
-    if not _DNS_LABEL.match(namespace):
+    if not is_dns_label(namespace):
         raise SettingsError(f"namespace {namespace!r} is not a valid Kubernetes namespace")
     pod = conf.get("pod") or os.environ.get("POD_NAME") or None
     node_name = conf.get("node_name") or pod or socket.gethostname()

@@ -63,13 +63,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:
         # kopf logs every handled event at INFO; the controller logs what matters.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    assert handlers.run_changed  # importing the module registered the kopf handlers
     metrics = Metrics()
     controller = Controller(KubeClient.from_config(args.kubeconfig, timeout=15), metrics,
                             workers=args.workers, per_run_rbac=args.per_run_rbac)
-    handlers.install(controller)
 
     @kopf.on.startup()
-    async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
         settings.posting.level = logging.WARNING
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
@@ -78,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.persistence.finalizer = "elasticrun.dev/operator"
         if args.webhook_port:
             # Making the certificate and patching the webhook configuration block.
-            await asyncio.to_thread(webhook.setup_webhook, settings, args, controller.client)
+            await asyncio.to_thread(webhook.setup_webhook, settings, args, memo,
+                                    controller.client)
         if args.metrics_port:
             metrics.serve(args.metrics_port, args.metrics_addr)
             log.info("metrics on %s:%d/metrics", args.metrics_addr, args.metrics_port)
@@ -94,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         kopf.run(standalone=True, clusterwide=clusterwide,
                  namespaces=() if clusterwide else tuple(args.namespace),
-                 liveness_endpoint=liveness)
+                 liveness_endpoint=liveness, memo=kopf.Memo(controller=controller))
     except KeyboardInterrupt:  # pragma: no cover - interactive use
         return 130
     finally:

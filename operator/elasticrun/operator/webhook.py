@@ -34,6 +34,7 @@ import kopf
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, runs_path
 from elasticrun.api.model import RunSpec, new_run_manifest
+from elasticrun.api.naming import is_dns_label
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,6 @@ CREATED_BY = "elasticrun-webhook"
 #: at most the configuration's timeoutSeconds (the chart sets 10).
 CREATE_RUN_TIMEOUT = 4.0
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _COUNT = re.compile(r"^[0-9]+$")  # ASCII digits only: str.isdigit() also accepts "²"
 #: torchrun's --nproc-per-node accepts a count or one of these words.
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
@@ -127,7 +127,7 @@ def read_opt_in(labels: Mapping[str, str] | None,
     if RUN_LABEL not in labels:
         return None
     run = labels[RUN_LABEL]
-    if not _DNS_LABEL.match(run) or len(run) > 63:
+    if not is_dns_label(run):
         raise OptInError(f"label {RUN_LABEL}: {run!r} cannot name an ElasticRun; use 1-63 "
                          "lower-case letters, digits and '-', starting and ending with a letter "
                          f"or digit, e.g. {RUN_LABEL}: {_suggest_name(run)}")
@@ -251,19 +251,12 @@ def ensure_run(client: KubeClient, manifest: Mapping[str, Any]) -> bool:
     return True
 
 
-_client: KubeClient | None = None
-
-
-def _run_client() -> KubeClient:
-    """One client for the webhook's own calls: in-cluster credentials, else KUBECONFIG."""
-    global _client  # noqa: PLW0603 - created lazily, once per process
-    if _client is None:
-        _client = KubeClient.from_config(timeout=CREATE_RUN_TIMEOUT)
-    return _client
+#: Key of the webhook's client in kopf's memo (the operator's own, or one of its own).
+MEMO_CLIENT = "webhook_client"
 
 
 async def mutate_pod(body: kopf.Body, patch: kopf.Patch, dryrun: bool, warnings: list[str],
-                     logger: logging.Logger | kopf.Logger, **_: Any) -> None:
+                     logger: logging.Logger | kopf.Logger, memo: kopf.Memo, **_: Any) -> None:
     """Inject the torchrun environment; create the ElasticRun when the pod sizes it."""
     pod: dict[str, Any] = dict(body)
     try:
@@ -280,7 +273,8 @@ async def mutate_pod(body: kopf.Body, patch: kopf.Patch, dryrun: bool, warnings:
     if opt_in is None or manifest is None or dryrun:
         return
     try:
-        if await asyncio.to_thread(ensure_run, _run_client(), manifest):
+        client = memo.get(MEMO_CLIENT) or KubeClient.from_config(timeout=CREATE_RUN_TIMEOUT)
+        if await asyncio.to_thread(ensure_run, client, manifest):
             logger.info(f"created ElasticRun {namespace}/{opt_in.run} ({opt_in.nnodes} nodes)")
     except (ApiError, ApiConnectionError, OSError) as exc:
         # Never block the pod for this: its handler creates the run as well.
@@ -309,22 +303,21 @@ def configure_webhook(settings: kopf.OperatorSettings, *, addr: str, port: int,
     if not certfile or not pkeyfile:
         raise ValueError("the webhook needs a serving certificate and key (--webhook-cert and "
                          "--webhook-key, or --webhook-self-signed DNS-NAME to make one)")
+    first = settings.admission.server is None
     settings.admission.server = kopf.WebhookServer(
         addr=addr, port=port, host=host, certfile=certfile, pkeyfile=pkeyfile, cafile=cafile)
     settings.admission.managed = managed
-    register_handler()
+    if first:  # a startup handler kopf retries configures the same settings again
+        register_handler()
 
 
 def register_handler(registry: kopf.OperatorRegistry | None = None) -> None:
-    """Register :func:`mutate_pod` with kopf, once.
+    """Register :func:`mutate_pod` with kopf (once per operator: see configure_webhook).
 
     Not done at import time: kopf refuses to start when admission handlers are
     registered but no webhook server is configured, and the operator serves the
     webhook only when asked to (``--webhook-port``).
     """
-    registry = registry or kopf.get_default_registry()
-    if any(h.id == HANDLER_ID for h in registry._webhooks.get_all_handlers()):
-        return
     kopf.on.mutate("pods", id=HANDLER_ID, labels={RUN_LABEL: kopf.PRESENT},
                    operations=["CREATE"], side_effects=True, registry=registry)(mutate_pod)
 
@@ -355,7 +348,7 @@ def add_webhook_arguments(parser: argparse.ArgumentParser) -> None:
                             "(local development only)")
 
 
-def setup_webhook(settings: kopf.OperatorSettings, args: argparse.Namespace,
+def setup_webhook(settings: kopf.OperatorSettings, args: argparse.Namespace, memo: kopf.Memo,
                   client: KubeClient | None = None) -> None:
     """Apply :func:`add_webhook_arguments`' flags; a no-op without ``--webhook-port``.
 
@@ -364,13 +357,14 @@ def setup_webhook(settings: kopf.OperatorSettings, args: argparse.Namespace,
     the API server trusts the fresh certificate of every operator start.
     ``client`` (the operator's own, honouring its ``--kubeconfig``) is used for
     that and for creating missing ElasticRuns; default: in-cluster or KUBECONFIG.
+    It is kept in kopf's ``memo`` (the operator-wide one a startup handler gets).
     It blocks on the API server: call it from a thread in an async startup handler.
     """
-    global _client  # noqa: PLW0603 - the operator's own client, shared with mutate_pod
     if not args.webhook_port:
         return
-    if client is not None:
-        _client = client
+    if client is None:
+        client = KubeClient.from_config(timeout=CREATE_RUN_TIMEOUT)
+    memo[MEMO_CLIENT] = client
     from elasticrun.operator import webhookcert  # noqa: PLC0415 - only when self-signing
 
     certfile, pkeyfile, cafile = args.webhook_cert, args.webhook_key, args.webhook_ca
@@ -379,7 +373,7 @@ def setup_webhook(settings: kopf.OperatorSettings, args: argparse.Namespace,
                                                  args.webhook_self_signed)
         certfile, pkeyfile, cafile = str(cert.certfile), str(cert.pkeyfile), str(cert.cafile)
         if args.webhook_configuration:
-            webhookcert.inject_ca_bundle(client or _run_client(), args.webhook_configuration,
+            webhookcert.inject_ca_bundle(client, args.webhook_configuration,
                                          cert.ca_pem)
     configure_webhook(settings, addr=args.webhook_addr, port=args.webhook_port,
                       host=args.webhook_host, certfile=certfile, pkeyfile=pkeyfile,
