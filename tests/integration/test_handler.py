@@ -21,7 +21,7 @@ from elasticrun.api.model import now
 
 from conftest import Cluster, wait_for
 from rdzv import (
-    audit_entries,
+    AuditLog,
     count_writes,
     is_waiting,
     read_run,
@@ -234,7 +234,7 @@ def test_writes_per_round_are_linear(make_handler: Any, cluster: Cluster,
     n = 16
     handlers = [make_handler("writes", f"n{i}", min_nodes=n) for i in range(n)]
     _ok(rendezvous_all(handlers, timeout=120))
-    entries = audit_entries(local.state.audit_log, namespace)  # type: ignore[union-attr]
+    entries = AuditLog(local.state.audit_log).entries(namespace)  # type: ignore[union-attr]
     writes = count_writes(entries)
     total = sum(writes.values())
     conflicts = sum(1 for e in entries if e.code == 409)

@@ -130,6 +130,30 @@ def parse_endpoint(endpoint: str) -> tuple[str | None, str | None, str | None]:
     return None, parts[0], parts[1] if len(parts) == 2 else None
 
 
+def _requested_spec(min_nodes: int, max_nodes: int, conf: dict[str, Any]) -> RunSpec:
+    """The spec this node asks for; torch's keep-alive keys stand in for the Lease timing."""
+    defaults = RunSpec()
+    heartbeat = _as_int(conf, "heartbeat_timeout", None)
+    keep_alive = _as_int(conf, "keep_alive_interval", None)
+    attempts = _as_int(conf, "keep_alive_max_attempt", None)
+    lease_interval = _as_int(conf, "lease_interval", keep_alive) or defaults.lease_renew_interval
+    if heartbeat is None:
+        heartbeat = (lease_interval * attempts if attempts
+                     else max(defaults.heartbeat_timeout, lease_interval * 3))
+    spec = RunSpec(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        join_timeout=_as_int(conf, "join_timeout", defaults.join_timeout) or 1,
+        last_call_timeout=_as_int(conf, "last_call_timeout", defaults.last_call_timeout) or 0,
+        heartbeat_timeout=heartbeat,
+        lease_renew_interval=lease_interval,
+    )
+    if spec.lease_renew_interval >= spec.heartbeat_timeout:
+        raise SettingsError(f"lease_interval ({spec.lease_renew_interval}s) must be shorter "
+                            f"than heartbeat_timeout ({spec.heartbeat_timeout}s)")
+    return spec
+
+
 def from_parameters(run_id: str, endpoint: str, min_nodes: int, max_nodes: int,
                     local_addr: str | None, conf: dict[str, Any]) -> RendezvousSettings:
     unknown = sorted(set(conf) - set(CONF_KEYS))
@@ -157,32 +181,13 @@ def from_parameters(run_id: str, endpoint: str, min_nodes: int, max_nodes: int,
                             "--rdzv-conf node_name=...")
     address = (conf.get("address") or local_addr or os.environ.get("POD_IP")
                or socket.getfqdn())
-    defaults = RunSpec()
-    heartbeat = _as_int(conf, "heartbeat_timeout", None)
-    keep_alive = _as_int(conf, "keep_alive_interval", None)
-    attempts = _as_int(conf, "keep_alive_max_attempt", None)
-    lease_interval = _as_int(conf, "lease_interval", keep_alive) or defaults.lease_renew_interval
-    if heartbeat is None:
-        heartbeat = (lease_interval * attempts if attempts
-                     else max(defaults.heartbeat_timeout, lease_interval * 3))
-    spec = RunSpec(
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        join_timeout=_as_int(conf, "join_timeout", defaults.join_timeout) or 1,
-        last_call_timeout=_as_int(conf, "last_call_timeout", defaults.last_call_timeout) or 0,
-        heartbeat_timeout=heartbeat,
-        lease_renew_interval=lease_interval,
-    )
-    if spec.lease_renew_interval >= spec.heartbeat_timeout:
-        raise SettingsError(f"lease_interval ({spec.lease_renew_interval}s) must be shorter "
-                            f"than heartbeat_timeout ({spec.heartbeat_timeout}s)")
     return RendezvousSettings(
         run_name=run_name,
         namespace=namespace,
         node_name=node_name,
         address=address,
         pod=pod,
-        requested_spec=spec,
+        requested_spec=_requested_spec(min_nodes, max_nodes, conf),
         api_server=api_server,
         kubeconfig=kubeconfig,
         context=context,

@@ -98,7 +98,8 @@ class Wait:
 Action = Closed | Join | Complete | Seal | Announce | TimedOut | Wait
 
 
-def next_action(known: Knowledge, now: dt.datetime, clock: float) -> Action:
+def next_action(  # noqa: PLR0911 - one return per action, in the order of the rules
+        known: Knowledge, now: dt.datetime, clock: float) -> Action:
     """The next step of ``next_rendezvous``; ``now`` is wall time, ``clock`` monotonic.
 
     In order: a closed run ends the call; the first step joins; a round that
