@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from elasticrun.api import crd
-from elasticrun.api.kube import ApiError, KubeClient, load_credentials
+from elasticrun.api.kube import APPLY_PATCH, ApiError, KubeClient, load_credentials
 
 from controlplane.kubelet import Kubelet
 from controlplane.localcluster import (
@@ -72,7 +72,7 @@ class Cluster:
         """Server-side apply of one object (namespaced or not), like kubectl apply."""
         return self.client.request("PATCH", object_path(manifest), body=manifest,
                                    query={"fieldManager": manager, "force": "true"},
-                                   content_type="application/apply-patch+yaml")
+                                   content_type=APPLY_PATCH)
 
     def require_local(self) -> LocalControlPlane:
         if self.local is None:

@@ -24,7 +24,14 @@ from typing import Any
 import pytest
 
 from elasticrun.api import crd
-from elasticrun.api.kube import ApiError, KubeClient, lease_path, load_credentials, run_path
+from elasticrun.api.kube import (
+    MERGE_PATCH,
+    ApiError,
+    KubeClient,
+    lease_path,
+    load_credentials,
+    run_path,
+)
 from elasticrun.api.naming import lease_name
 from elasticrun.handler.handler import ElasticRunForbiddenError
 from elasticrun.operator import runrbac
@@ -276,11 +283,11 @@ def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
             "PUT", run_path(namespace, "run-b", "status"), body=raw_b)),
         "patch run-b": _status(None, lambda: a.request(
             "PATCH", run_path(namespace, "run-b"), body={"spec": {"closed": True}},
-            content_type="application/merge-patch+json")),
+            content_type=MERGE_PATCH)),
         "patch run-b's Lease": _status(None, lambda: a.request(
             "PATCH", lease_path(namespace, lease_name("run-b", "run-b-0")),
             body={"spec": {"holderIdentity": "intruder"}},
-            content_type="application/merge-patch+json")),
+            content_type=MERGE_PATCH)),
         "delete run-b's Lease": _status(None, lambda: a.request(
             "DELETE", lease_path(namespace, lease_name("run-b", "run-b-1")))),
     }
