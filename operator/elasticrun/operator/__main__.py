@@ -19,7 +19,7 @@ from typing import Any
 import kopf
 
 from elasticrun.api.kube import KubeClient
-from elasticrun.operator import handlers, webhook
+from elasticrun.operator import handlers, webhook  # noqa: F401 - handlers: importing registers them
 from elasticrun.operator.controller import Controller
 from elasticrun.operator.metrics import Metrics
 
@@ -63,7 +63,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:
         # kopf logs every handled event at INFO; the controller logs what matters.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    assert handlers.run_changed  # importing the module registered the kopf handlers
     metrics = Metrics()
     controller = Controller(KubeClient.from_config(args.kubeconfig, timeout=15), metrics,
                             workers=args.workers, per_run_rbac=args.per_run_rbac)
