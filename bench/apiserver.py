@@ -1,9 +1,10 @@
 """What the API server itself says it did: its audit log and its ``/metrics``.
 
-The audit log is the ground truth for ``k8s`` requests: every request the
-server received for ``elasticrun.dev`` objects and Leases, logged at Metadata
-level by :class:`LocalControlPlane`.  A long request (a watch) is logged at
-two stages, so requests are counted once per ``auditID``.
+One reader of each, for the benchmarks and the tests.  The audit log is the
+ground truth for ``k8s`` requests: every request the server received for
+``elasticrun.dev`` objects and Leases, logged at Metadata level by
+:class:`LocalControlPlane`.  A long request (a watch) is logged at two stages,
+so requests are counted once per ``auditID``.
 
 Watch traffic comes from the server's own counters
 (``apiserver_watch_events_total`` and the ``apiserver_watch_events_sizes``
@@ -24,6 +25,23 @@ from elasticrun.api import crd
 
 WRITE_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection"})
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    """One request, as the API server logged it."""
+
+    verb: str
+    resource: str
+    subresource: str
+    name: str
+    code: int
+    user: str
+
+    @property
+    def kind(self) -> str:
+        """``verb resource[/subresource]``."""
+        return f"{self.verb} {self.resource}{'/' + self.subresource if self.subresource else ''}"
 
 
 @dataclass
@@ -74,13 +92,13 @@ class AuditLog:
                     continue  # a line still being written
         return events
 
+    def entries(self, namespace: str, since: int = 0) -> list[AuditEntry]:
+        """The requests of ``namespace`` logged after offset ``since``."""
+        return audit_entries(self.events_since(since), namespace)
 
-def tally(events: Iterable[dict[str, Any]], namespace: str) -> RequestTally:
-    """Count the requests of one namespace (one run per namespace), once per auditID.
 
-    Lease renewals (``patch`` of a Lease) are steady-state traffic, counted apart
-    from ``writes``; creating and deleting a Lease are writes.
-    """
+def audit_entries(events: Iterable[dict[str, Any]], namespace: str) -> list[AuditEntry]:
+    """The requests of one namespace, once per auditID (a watch is logged at two stages)."""
     seen: dict[str, dict[str, Any]] = {}
     for event in events:
         ref = event.get("objectRef") or {}
@@ -90,23 +108,48 @@ def tally(events: Iterable[dict[str, Any]], namespace: str) -> RequestTally:
         # Keep the final stage when both are present (it has the response code).
         if audit_id not in seen or event.get("stage") == "ResponseComplete":
             seen[audit_id] = event
-    result = RequestTally()
+    entries = []
     for event in seen.values():
         ref = event.get("objectRef") or {}
-        verb = str(event.get("verb"))
-        resource = str(ref.get("resource"))
-        if ref.get("subresource"):
-            resource += "/" + str(ref["subresource"])
-        code = int((event.get("responseStatus") or {}).get("code") or 0)
+        entries.append(AuditEntry(
+            verb=str(event.get("verb")), resource=str(ref.get("resource") or ""),
+            subresource=str(ref.get("subresource") or ""), name=str(ref.get("name") or ""),
+            code=int((event.get("responseStatus") or {}).get("code") or 0),
+            user=str((event.get("user") or {}).get("username") or "")))
+    return entries
+
+
+def count_writes(entries: Iterable[AuditEntry], resource: str | None = None,
+                 succeeded_only: bool = True) -> Counter[str]:
+    """Writes by kind (``verb resource[/subresource]``), optionally of one resource."""
+    counts: Counter[str] = Counter()
+    for e in entries:
+        if e.verb not in WRITE_VERBS or (resource and e.resource != resource):
+            continue
+        if succeeded_only and not 200 <= e.code < 300:
+            continue
+        counts[e.kind] += 1
+    return counts
+
+
+def tally(events: Iterable[dict[str, Any]], namespace: str) -> RequestTally:
+    """Count the requests of one namespace (one run per namespace), once per auditID.
+
+    Lease renewals (``patch`` of a Lease) are steady-state traffic, counted apart
+    from ``writes``; creating and deleting a Lease are writes.
+    """
+    result = RequestTally()
+    for entry in audit_entries(events, namespace):
+        code = entry.code
         result.total += 1
-        result.by_kind[f"{verb} {resource}" + (f" -> {code}" if code >= 400 else "")] += 1
-        if resource == "leases" and verb == "patch":
+        result.by_kind[entry.kind + (f" -> {code}" if code >= 400 else "")] += 1
+        if entry.resource == "leases" and not entry.subresource and entry.verb == "patch":
             result.lease_renewals += 1
-        elif verb in WRITE_VERBS:
+        elif entry.verb in WRITE_VERBS:
             result.writes += 1
         if code == 409:
             result.conflicts += 1
-        elif code == 422 and verb == "patch":
+        elif code == 422 and entry.verb == "patch":
             result.rejected_tests += 1
     return result
 
@@ -128,6 +171,12 @@ def parse_metrics(text: str) -> list[tuple[str, dict[str, str], float]]:
         except ValueError:
             continue
     return samples
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    return sum(value for sample, got, value in parse_metrics(text)
+               if sample == name and all(got.get(k) == v for k, v in labels.items()))
 
 
 def watch_counters(text: str, group: str = crd.GROUP) -> dict[str, float]:

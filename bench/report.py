@@ -98,7 +98,8 @@ def _med(by_n: dict[int, dict[str, float]], n: int) -> float | None:
 # --------------------------------------------------------------------------- plots
 
 
-def _plots(data: dict[str, Any], out: Path) -> list[str]:
+def _plots(  # noqa: PLR0912, PLR0915 - one figure after another, each a few plain calls
+        data: dict[str, Any], out: Path) -> list[str]:
     import matplotlib  # noqa: PLC0415 - only the report needs it
 
     matplotlib.use("Agg")

@@ -370,8 +370,9 @@ def recovery_pod_deleted(backend: K8sBackend, pool: Pool, extra: Extra, n: int, 
 # --------------------------------------------------------------------------- operator at load
 
 
-def operator_load(backend: K8sBackend, runs: int, members: int, window_s: float, losses: int,
-                  log_dir: Path) -> dict[str, Any]:
+def operator_load(  # noqa: PLR0915 - one scenario read top to bottom: set up, measure, report
+        backend: K8sBackend, runs: int, members: int, window_s: float, losses: int,
+        log_dir: Path) -> dict[str, Any]:
     """The operator watching ``runs`` running rounds of ``members`` each, then losing pods.
 
     Members are simulated on the API server, not run as handlers (1,600 handlers do

@@ -27,7 +27,7 @@ from typing import Any
 import yaml
 
 from elasticrun.api import crd
-from elasticrun.api.kube import ApiError, KubeClient, load_credentials
+from elasticrun.api.kube import APPLY_PATCH, ApiError, KubeClient, load_credentials
 
 from bench.proc import free_port, stop_pid
 from controlplane.localcluster import LocalControlPlane
@@ -134,7 +134,7 @@ class ControlPlane:
         self.client.request("PATCH", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
                             f"{crd.CRD_NAME}", body=manifest,
                             query={"fieldManager": "elasticrun-bench", "force": "true"},
-                            content_type="application/apply-patch+yaml")
+                            content_type=APPLY_PATCH)
         deadline = time.monotonic() + READY_BOUND
         while True:
             try:

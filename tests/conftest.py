@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from elasticrun.api import crd
-from elasticrun.api.kube import ApiError, KubeClient, load_credentials
+from elasticrun.api.kube import APPLY_PATCH, ApiError, KubeClient, load_credentials
 
 from controlplane.kubelet import Kubelet
 from controlplane.localcluster import (
@@ -72,7 +72,7 @@ class Cluster:
         """Server-side apply of one object (namespaced or not), like kubectl apply."""
         return self.client.request("PATCH", object_path(manifest), body=manifest,
                                    query={"fieldManager": manager, "force": "true"},
-                                   content_type="application/apply-patch+yaml")
+                                   content_type=APPLY_PATCH)
 
     def require_local(self) -> LocalControlPlane:
         if self.local is None:
@@ -212,28 +212,33 @@ def processes() -> Iterator[ProcessGroup]:
 # --------------------------------------------------------------------------- handlers
 
 
+#: The timing of test nodes unless a test says otherwise: short, so tests stay quick.
+TEST_NODE_CONF = {"join_timeout": 60, "last_call_timeout": 1, "heartbeat_timeout": 15,
+                  "lease_interval": 5, "api_timeout": 20, "close_timeout": 10}
+
+
 @pytest.fixture
 def make_handler(cluster: Cluster, namespace: str) -> Iterator[Callable[..., Any]]:
-    """Build K8sRendezvousHandlers as nodes of one namespace; all shut down at teardown."""
-    from elasticrun.api.model import RunSpec
+    """Build K8sRendezvousHandlers as nodes of one namespace; all shut down at teardown.
+
+    The settings come from the product's own ``from_parameters``, as torchrun's
+    would: keyword arguments are ``--rdzv-conf`` keys (``lease_renew_interval``
+    is accepted for ``lease_interval``).
+    """
     from elasticrun.handler.handler import K8sRendezvousHandler
-    from elasticrun.handler.settings import RendezvousSettings
+    from elasticrun.handler.settings import from_parameters
 
     made: list[K8sRendezvousHandler] = []
 
     def make(run: str, node: str, min_nodes: int = 1, max_nodes: int | None = None,
              kubeconfig: Path | None = None, **overrides: Any) -> K8sRendezvousHandler:
-        spec = RunSpec(min_nodes=min_nodes, max_nodes=max_nodes or min_nodes,
-                       join_timeout=overrides.pop("join_timeout", 60),
-                       last_call_timeout=overrides.pop("last_call_timeout", 1),
-                       heartbeat_timeout=overrides.pop("heartbeat_timeout", 15),
-                       lease_renew_interval=overrides.pop("lease_renew_interval", 5))
-        settings = RendezvousSettings(
-            run_name=run, namespace=overrides.pop("namespace", namespace), node_name=node,
-            address="127.0.0.1", pod=overrides.pop("pod", None), requested_spec=spec,
-            kubeconfig=str(kubeconfig or cluster.kubeconfig),
-            api_timeout=overrides.pop("api_timeout", 20),
-            close_timeout=overrides.pop("close_timeout", 10), **overrides)
+        if "lease_renew_interval" in overrides:
+            overrides["lease_interval"] = overrides.pop("lease_renew_interval")
+        conf = {**TEST_NODE_CONF, "namespace": namespace, **overrides, "node_name": node,
+                "kubeconfig": str(kubeconfig or cluster.kubeconfig)}
+        settings = from_parameters(run_id=run, endpoint="", min_nodes=min_nodes,
+                                   max_nodes=max_nodes or min_nodes, local_addr="127.0.0.1",
+                                   conf={k: str(v) for k, v in conf.items() if v is not None})
         handler = K8sRendezvousHandler(settings)
         made.append(handler)
         return handler

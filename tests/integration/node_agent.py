@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +41,14 @@ for extra in (ROOT / "handler", ROOT / "operator"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
-from elasticrun.api.model import RunSpec  # noqa: E402
+from elasticrun.api.gateway import RunGateway  # noqa: E402
+from elasticrun.handler.calls import connect_client  # noqa: E402
 from elasticrun.handler.handler import K8sRendezvousHandler  # noqa: E402
-from elasticrun.handler.settings import RendezvousSettings  # noqa: E402
+from elasticrun.handler.settings import RendezvousSettings, from_parameters  # noqa: E402
+
+#: The agent's timing unless --conf says otherwise: short, for tests.
+TEST_CONF = {"join_timeout": "60", "last_call_timeout": "1", "heartbeat_timeout": "15",
+             "lease_interval": "5", "close_timeout": "10"}
 
 DIE_POINTS = ("before-seal", "after-seal")
 
@@ -59,39 +65,48 @@ def parse_conf(text: str) -> dict[str, str]:
     return conf
 
 
-def build(args: argparse.Namespace) -> K8sRendezvousHandler:
+def settings_from(args: argparse.Namespace) -> RendezvousSettings:
+    """The settings torchrun would give the handler for these arguments."""
     low, _, high = args.nnodes.partition(":")
-    conf = parse_conf(args.conf)
-    spec = RunSpec(min_nodes=int(low), max_nodes=int(high or low),
-                   join_timeout=int(conf.get("join_timeout", 60)),
-                   last_call_timeout=int(conf.get("last_call_timeout", 1)),
-                   heartbeat_timeout=int(conf.get("heartbeat_timeout", 15)),
-                   lease_renew_interval=int(conf.get("lease_interval", 5)))
-    settings = RendezvousSettings(
-        run_name=args.run, namespace=args.namespace, node_name=args.node,
-        address=args.address, pod=args.pod, requested_spec=spec, kubeconfig=args.kubeconfig,
-        api_timeout=float(conf.get("api_timeout", 30)),
-        close_timeout=float(conf.get("close_timeout", 10)),
-        watch_timeout=int(conf.get("watch_timeout", 300)))
-    return K8sRendezvousHandler(settings)
+    conf = {**TEST_CONF, **parse_conf(args.conf), "namespace": args.namespace,
+            "node_name": args.node, "kubeconfig": args.kubeconfig, "pod": args.pod or ""}
+    return from_parameters(run_id=args.run, endpoint="", min_nodes=int(low),
+                           max_nodes=int(high or low), local_addr=args.address, conf=conf)
 
 
-def arm(handler: K8sRendezvousHandler, point: str) -> None:
-    """Make the node SIGKILL itself around its seal compare-and-set."""
-    original = handler._replace_status
+class DyingGateway(RunGateway):
+    """A gateway that SIGKILLs its own process around the node's seal compare-and-set."""
 
-    def replace_status(run: Any, status: Any) -> Any:
-        sealing = status.round > run.status.round
-        if sealing and point == "before-seal":
-            emit("dying", handler.settings.node_name, point=point, round=status.round)
-            os.kill(os.getpid(), signal.SIGKILL)
-        written = original(run, status)
-        if sealing and written is not None and point == "after-seal":
-            emit("dying", handler.settings.node_name, point=point, round=status.round)
-            os.kill(os.getpid(), signal.SIGKILL)
+    def __init__(self, settings: RendezvousSettings, point: str) -> None:
+        super().__init__(connect_client(settings), settings.namespace, settings.run_name)
+        self.node = settings.node_name
+        self.point = point
+
+    def replace_status(self, resource_version: str | None, status: Mapping[str, Any],
+                       manager: str) -> dict[str, Any] | None:
+        sealed_round = int(status.get("round") or 0)
+        sealing = sealed_round > self._stored_round()
+        if sealing and self.point == "before-seal":
+            self._die(sealed_round)
+        written = super().replace_status(resource_version, status, manager)
+        if sealing and written is not None and self.point == "after-seal":
+            self._die(sealed_round)
         return written
 
-    handler._replace_status = replace_status  # type: ignore[method-assign]
+    def _stored_round(self) -> int:
+        stored = self.read() or {}
+        return int((stored.get("status") or {}).get("round") or 0)
+
+    def _die(self, sealed_round: int) -> None:
+        emit("dying", self.node, point=self.point, round=sealed_round)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def build(args: argparse.Namespace) -> K8sRendezvousHandler:
+    settings = settings_from(args)
+    if args.die_at:
+        return K8sRendezvousHandler(settings, gateway=DyingGateway(settings, args.die_at))
+    return K8sRendezvousHandler(settings)
 
 
 def settle(info: Any, bound: float = 15.0) -> None:
@@ -130,8 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = build(args)
-    if args.die_at:
-        arm(handler, args.die_at)
     node = args.node
     emit("ready", node, pid=os.getpid())
     done = 0

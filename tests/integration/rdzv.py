@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import re
 import threading
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from elasticrun.api.kube import ApiError, KubeClient, run_path
 from elasticrun.api.model import ElasticRun, parse_run
+
+from bench.apiserver import AuditEntry, AuditLog, count_writes, metric
 
 
 @dataclass
@@ -68,69 +66,10 @@ def read_run(client: KubeClient, namespace: str, name: str) -> ElasticRun:
     return parse_run(client.request("GET", run_path(namespace, name)))
 
 
-# --------------------------------------------------------------------------- audit log
+# --------------------------------------------------------------------------- audit log, metrics
 
-
-@dataclass(frozen=True)
-class AuditEntry:
-    verb: str
-    resource: str
-    subresource: str
-    name: str
-    code: int
-    user: str
-
-
-def audit_entries(audit_log: Path, namespace: str) -> list[AuditEntry]:
-    entries = []
-    for line in audit_log.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        ref = event.get("objectRef") or {}
-        if event.get("stage") != "ResponseComplete" or ref.get("namespace") != namespace:
-            continue
-        entries.append(AuditEntry(
-            verb=event["verb"], resource=ref.get("resource", ""),
-            subresource=ref.get("subresource", ""), name=ref.get("name", ""),
-            code=int((event.get("responseStatus") or {}).get("code") or 0),
-            user=(event.get("user") or {}).get("username", "")))
-    return entries
-
-
-WRITE_VERBS = frozenset({"create", "update", "patch", "delete"})
-
-
-def count_writes(entries: Iterable[AuditEntry], resource: str | None = None,
-                 succeeded_only: bool = True) -> Counter[str]:
-    counts: Counter[str] = Counter()
-    for e in entries:
-        if e.verb not in WRITE_VERBS or (resource and e.resource != resource):
-            continue
-        if succeeded_only and not 200 <= e.code < 300:
-            continue
-        key = f"{e.verb} {e.resource}{'/' + e.subresource if e.subresource else ''}"
-        counts[key] += 1
-    return counts
-
-
-# --------------------------------------------------------------------------- metrics
-
-_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$')
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m or m.group("name") != name:
-            continue
-        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group("labels") or ""))
-        if all(got.get(k) == v for k, v in labels.items()):
-            total += float(m.group("value"))
-    return total
+# One reader of the API server's audit log and /metrics, shared with the benchmarks.
+__all__ = ["AuditEntry", "AuditLog", "count_writes", "metric"]
 
 
 def watch_events(metrics_text: Callable[[], str]) -> float:

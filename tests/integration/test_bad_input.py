@@ -194,7 +194,7 @@ def test_round_going_back_is_refused_by_the_members(make_handler: Any, cluster: 
                                                     namespace: str) -> None:
     a, _, _ = _round_two(make_handler, cluster, namespace, "backwards")
     _set_round_back(cluster, namespace, "backwards")
-    wait_for(lambda: a._watcher._error is not None, 10, "a's watch to deliver the edit")
+    wait_for(lambda: a.watcher._error is not None, 10, "a's watch to deliver the edit")
     with pytest.raises(RendezvousStateError,
                        match=r"status\.round: went back from 2 to 1") as info:
         a.next_rendezvous()

@@ -288,7 +288,7 @@ def test_apiserver_restarted_mid_rendezvous(operator: OperatorProcess, make_hand
     ranks = sorted([box["info"].rank for box in boxes] + [outcomes["c"].rank])
     assert ranks == [0, 1, 2]
     assert {box["info"].world_size for box in boxes} == {3}
-    resynced = sum(h._watcher.resyncs for h in (a, b))
+    resynced = sum(h.watcher.resyncs for h in (a, b))
     run = read_run(cluster.client, namespace, "apirestart")
     assert run.status.round == 1 and run.status.lost_members == ()
     record("kube-apiserver stopped and restarted mid-rendezvous",
@@ -444,8 +444,8 @@ def test_128_nodes_join_at_once_with_watches_closed_every_2s(
     run = read_run(cluster.client, namespace, "crowd")
     assert run.status.round == 1 and len(run.status.participants) == n
     # Let the server end every node's watch at least twice more, then send signals.
-    opened = [h._watcher.watches_opened for h in handlers]
-    wait_for(lambda: all(h._watcher.watches_opened >= o + 2
+    opened = [h.watcher.watches_opened for h in handlers]
+    wait_for(lambda: all(h.watcher.watches_opened >= o + 2
                          for h, o in zip(handlers, opened, strict=True)),
              30, "the server to end every node's watch twice more")
     leaver = handlers[-1]
@@ -456,15 +456,15 @@ def test_128_nodes_join_at_once_with_watches_closed_every_2s(
              "all 127 others to see the member leave")
     seen = time.monotonic() - signalled
     rest[0].set_closed()
-    wait_for(lambda: all(h._watcher.latest.closed for h in rest), 30,
+    wait_for(lambda: all(h.watcher.latest.closed for h in rest), 30,
              "all 127 to see the run closed")
     # Exactly once: no node was handed a round twice or skipped one, and each
     # watch delivered each signal once however often it was re-opened (the seal,
     # the leave, the close: at most 3 events, not one per reconnection).
     assert all(h._round == 1 for h in rest)
-    events = sorted(h._watcher.events_received for h in rest)
+    events = sorted(h.watcher.events_received for h in rest)
     assert events[-1] <= 3, events[-10:]
-    reopened = sum(h._watcher.watches_opened for h in rest) - sum(opened[:-1])
+    reopened = sum(h.watcher.watches_opened for h in rest) - sum(opened[:-1])
     record("128 nodes join at once; watches closed every 2s",
            fault="128 handler threads (min=max=128) join at once; the server ends every "
                  "watch after 2s",

@@ -21,7 +21,7 @@ from elasticrun.api.model import now
 
 from conftest import Cluster, wait_for
 from rdzv import (
-    audit_entries,
+    AuditLog,
     count_writes,
     is_waiting,
     read_run,
@@ -234,7 +234,7 @@ def test_writes_per_round_are_linear(make_handler: Any, cluster: Cluster,
     n = 16
     handlers = [make_handler("writes", f"n{i}", min_nodes=n) for i in range(n)]
     _ok(rendezvous_all(handlers, timeout=120))
-    entries = audit_entries(local.state.audit_log, namespace)  # type: ignore[union-attr]
+    entries = AuditLog(local.state.audit_log).entries(namespace)  # type: ignore[union-attr]
     writes = count_writes(entries)
     total = sum(writes.values())
     conflicts = sum(1 for e in entries if e.code == 409)
@@ -256,7 +256,7 @@ def test_watch_events_per_round_grow_linearly(make_handler: Any, cluster: Cluste
         before = watch_events(local.metrics)
         _ok(rendezvous_all(handlers, timeout=120))
         # The watches deliver the seal asynchronously; let them land before counting.
-        wait_for(lambda hs=handlers: all(h._watcher.latest.status.round == 1 for h in hs), 10,
+        wait_for(lambda hs=handlers: all(h.watcher.latest.status.round == 1 for h in hs), 10,
                  "every watch to deliver the sealed round")
         per_round[n] = watch_events(local.metrics) - before
         for h in handlers:

@@ -29,7 +29,14 @@ from typing import Any
 import pytest
 
 from elasticrun.api import crd
-from elasticrun.api.kube import ApiError, KubeClient, lease_path, load_credentials, run_path
+from elasticrun.api.kube import (
+    MERGE_PATCH,
+    ApiError,
+    KubeClient,
+    lease_path,
+    load_credentials,
+    run_path,
+)
 from elasticrun.api.leases import JOIN_ANNOTATION
 from elasticrun.api.model import format_time, now
 from elasticrun.api.naming import lease_name
@@ -76,7 +83,7 @@ def test_tcpstore_listens_on_the_node_address_only(make_handler: Any, cluster: C
     handler = make_handler("bind", "solo", min_nodes=1)
     handler.settings = dataclasses.replace(handler.settings, address="127.0.0.2")
     info = handler.next_rendezvous()
-    host = handler._store_host
+    host = handler.stores.host
     assert host is not None
     port = host.port
     assert _listeners(port) == ["127.0.0.2"], _listeners(port)
@@ -298,11 +305,11 @@ def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
             "PUT", run_path(namespace, "run-b", "status"), body=raw_b)),
         "patch run-b": _status(None, lambda: a.request(
             "PATCH", run_path(namespace, "run-b"), body={"spec": {"closed": True}},
-            content_type="application/merge-patch+json")),
+            content_type=MERGE_PATCH)),
         "patch run-b's Lease": _status(None, lambda: a.request(
             "PATCH", lease_path(namespace, lease_name("run-b", "run-b-0")),
             body={"spec": {"holderIdentity": "intruder"}},
-            content_type="application/merge-patch+json")),
+            content_type=MERGE_PATCH)),
         "delete run-b's Lease": _status(None, lambda: a.request(
             "DELETE", lease_path(namespace, lease_name("run-b", "run-b-1")))),
     }

@@ -103,8 +103,9 @@ def operator_kubeconfig(cluster: Cluster, helm_template: Any, namespace: str,
 
 
 @pytest.fixture(scope="module", params=["given-cert", "self-signed", "operator"])
-def served(request: pytest.FixtureRequest, cluster: Cluster, crds: None,
-           helm_binary: Path) -> Iterator[Served]:
+def served(  # noqa: PLR0915 - three ways of serving the webhook, set up side by side
+        request: pytest.FixtureRequest, cluster: Cluster, crds: None,
+        helm_binary: Path) -> Iterator[Served]:
     """kopf serving the webhook, registered by URL, for this module's namespace.
 
     ``given-cert``: the test CA's certificate, as with cert-manager. ``self-signed``:

@@ -12,9 +12,12 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
-from elasticrun.api.model import InvalidRunError, RunSpec
-from elasticrun.handler.handler import K8sRendezvousHandler
-from elasticrun.handler.settings import RendezvousSettings
+from elasticrun.api.gateway import RunGateway
+from elasticrun.api.kube import Credentials, KubeClient
+from elasticrun.api.model import InvalidRunError, parse_run
+from elasticrun.api.ordering import RoundMark
+from elasticrun.handler.session import RunSession
+from elasticrun.handler.settings import from_parameters
 from elasticrun.handler.watcher import RunWatcher
 
 
@@ -59,12 +62,22 @@ def test_a_recreated_run_starts_again_from_round_0() -> None:
         w.offer(raw(0, 23, uid="uid-2"))
 
 
+def test_the_mark_is_per_object_and_only_moves_up() -> None:
+    mark = RoundMark().advance(parse_run(raw(3, 10)))
+    assert (mark.floor("uid-1"), mark.floor("uid-2")) == (3, 0)
+    assert mark.advance(parse_run(raw(5, 11))).highest == 5
+    assert mark.advance(parse_run(raw(0, 30, uid="uid-2"))) == RoundMark("uid-2", 0)
+    with pytest.raises(InvalidRunError, match="resourceVersion 12"):
+        mark.advance(parse_run(raw(2, 12)))
+
+
 def test_handler_maps_it_to_rendezvous_state_error_naming_the_field() -> None:
-    settings = RendezvousSettings(run_name="r", namespace="ns", node_name="a",
-                                  address="127.0.0.1", pod=None, requested_spec=RunSpec())
-    handler = K8sRendezvousHandler(settings)
-    handler._watcher = watcher()
-    handler._accept(raw(3, 10))
+    settings = from_parameters(run_id="r", endpoint="ns", min_nodes=1, max_nodes=1,
+                               local_addr="127.0.0.1", conf={"node_name": "a"})
+    offline = KubeClient(Credentials(host="https://192.0.2.1:6443", ca_file=None, cert_file=None,
+                                     key_file=None, verify=False, config=None))
+    session = RunSession(settings, RunGateway(offline, "ns", "r"))
+    session.accept(raw(3, 10))
     with pytest.raises(RendezvousStateError,
                        match=r"node 'a'.*status\.round: went back from 3 to 2"):
-        handler._accept(raw(2, 11))
+        session.accept(raw(2, 11))

@@ -43,7 +43,6 @@ def test_pod_environment_gives_namespace_node_and_address() -> None:
     assert (s.namespace, s.node_name, s.pod, s.address) == ("team", "trainer-3", "trainer-3",
                                                             "10.1.2.3")
     assert (s.requested_spec.min_nodes, s.requested_spec.max_nodes) == (2, 4)
-    assert s.field_manager == "elasticrun-node-trainer-3"
 
 
 def test_endpoint_names_namespace_and_run() -> None:

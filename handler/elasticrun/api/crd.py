@@ -52,12 +52,6 @@ def spec_properties() -> dict[str, Any]:
     return props
 
 
-@cache
-def status_properties() -> dict[str, Any]:
-    props: dict[str, Any] = _version_schema()["properties"]["status"]["properties"]
-    return props
-
-
 def spec_default(field: str) -> Any:
     return spec_properties()[field].get("default")
 

@@ -42,6 +42,11 @@ def format_time(value: dt.datetime) -> str:
     return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def format_time_seconds(value: dt.datetime) -> str:
+    """RFC 3339 in whole seconds, as core/v1 Events keep their timestamps."""
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def parse_time(value: Any) -> dt.datetime | None:
     """An RFC 3339 time from an object we do not own (Pods, Leases); None if unreadable.
 

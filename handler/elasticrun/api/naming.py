@@ -7,6 +7,12 @@ import re
 
 _LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _OBJECT_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def is_dns_label(text: str) -> bool:
+    """An RFC 1123 label, as namespaces and label-valued names must be (at most 63 characters)."""
+    return len(text) <= 63 and _DNS_LABEL.fullmatch(text) is not None
 
 
 def label_value(text: str) -> str:

@@ -8,7 +8,7 @@ exactly what the operator would have, and so it can be unit tested.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from elasticrun.api import untrusted
@@ -32,13 +32,23 @@ class SealDecision:
     deadline: dt.datetime | None = None
 
 
-def eligible_waiting(run: ElasticRun) -> list[WaitingNode]:
+Waiting = Sequence[WaitingNode] | None
+"""The join requests a decision is about.  ``None`` means the run's stored
+``status.waiting``; a node passes the requests it listed from the Leases, which
+are newer than the stored summary."""
+
+
+def _waiting(run: ElasticRun, waiting: Waiting) -> Sequence[WaitingNode]:
+    return run.status.waiting if waiting is None else waiting
+
+
+def eligible_waiting(run: ElasticRun, waiting: Waiting = None) -> list[WaitingNode]:
     """Waiting nodes that may be admitted (drained nodes stay waiting, unadmitted)."""
     drained = run.drained
-    return [w for w in run.status.waiting if w.name not in drained]
+    return [w for w in _waiting(run, waiting) if w.name not in drained]
 
 
-def decide_seal(run: ElasticRun, now: dt.datetime) -> SealDecision:
+def decide_seal(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> SealDecision:
     """torch's rules, with survivors first and one fast path.
 
     * every remaining member of the current round is waiting again, and there are
@@ -53,7 +63,7 @@ def decide_seal(run: ElasticRun, now: dt.datetime) -> SealDecision:
     spec, status = run.spec, run.status
     if run.closed:
         return SealDecision(False, "run is closed")
-    eligible = eligible_waiting(run)
+    eligible = eligible_waiting(run, waiting)
     count = len(eligible)
     if count < spec.min_nodes:
         return SealDecision(False, f"{count} of at least {spec.min_nodes} nodes waiting")
@@ -96,10 +106,13 @@ def order_for_ranks(previous: Iterable[Participant],
     return survivors + newcomers
 
 
-def seal_round(run: ElasticRun, now: dt.datetime) -> RunStatus:
-    """The status after moving up to ``maxNodes`` waiting nodes into a new round."""
+def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> RunStatus:
+    """The status after moving up to ``maxNodes`` waiting nodes into a new round.
+
+    The nodes not admitted stay in ``status.waiting``.
+    """
     status = run.status
-    ordered = order_for_ranks(status.participants, eligible_waiting(run))
+    ordered = order_for_ranks(status.participants, eligible_waiting(run, waiting))
     admitted = ordered[: run.spec.max_nodes]
     admitted_names = {w.name for w in admitted}
     new_round = status.round + 1
@@ -124,7 +137,7 @@ def seal_round(run: ElasticRun, now: dt.datetime) -> RunStatus:
         round=new_round,
         signal=status.signal + 1,
         participants=participants,
-        waiting=tuple(w for w in status.waiting if w.name not in admitted_names),
+        waiting=tuple(w for w in _waiting(run, waiting) if w.name not in admitted_names),
         store=store,
         sealed_at=now,
     )
@@ -168,7 +181,7 @@ def request_restart(status: RunStatus) -> RunStatus | None:
     return status.replace(phase="Degraded", restart_round=status.round, signal=status.signal + 1)
 
 
-def nodes_waiting(run: ElasticRun, my_round: int) -> int:
+def nodes_waiting(run: ElasticRun, my_round: int, waiting: Waiting = None) -> int:
     """What ``num_nodes_waiting()`` reports to a member of ``my_round``.
 
     A round that lost a member or was superseded reports at least one waiting
@@ -178,7 +191,7 @@ def nodes_waiting(run: ElasticRun, my_round: int) -> int:
     the round is full, or the members would restart forever.
     """
     status = run.status
-    eligible = eligible_waiting(run)
+    eligible = eligible_waiting(run, waiting)
     if my_round and (status.round > my_round or status.restart_round >= my_round
                      or status.join_notice >= my_round):
         # Superseded, lost a member, or a node announced that it is waiting.
@@ -188,3 +201,23 @@ def nodes_waiting(run: ElasticRun, my_round: int) -> int:
     newcomers = len(eligible) - rejoining
     has_room = len(status.participants) < run.spec.max_nodes
     return rejoining + (newcomers if has_room else 0)
+
+
+def arrival_index(run: ElasticRun, node: str, waiting: Waiting = None) -> int:
+    """``node``'s place in the rank order of the next round (last if it is not waiting)."""
+    ordered = order_for_ranks(run.status.participants, _waiting(run, waiting))
+    names = [w.name for w in ordered]
+    return names.index(node) if node in names else len(names)
+
+
+def announce_needed(run: ElasticRun, waiting: Waiting = None) -> bool:
+    """Whether a waiting node should tell the members of the running round about itself.
+
+    Once per round (``joinNotice``), not while the round already re-forms, and
+    not for a spare beside a full round: its members would have nothing to do.
+    """
+    status = run.status
+    if status.round == 0 or status.degraded or status.join_notice >= status.round:
+        return False
+    return nodes_waiting(run, status.round, waiting) > 0
+

@@ -8,7 +8,6 @@ pod object may look healthy for minutes.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import threading
 import uuid
@@ -16,17 +15,19 @@ from collections.abc import Callable
 from typing import Any
 
 from elasticrun.api import crd
-from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, lease_path, leases_path
+from elasticrun.api.kube import (
+    MERGE_PATCH,
+    ApiConnectionError,
+    ApiError,
+    KubeClient,
+    lease_path,
+    leases_path,
+)
 from elasticrun.api.leases import JOIN_ANNOTATION, holder_alive, join_value
-from elasticrun.api.model import WaitingNode, now
+from elasticrun.api.model import WaitingNode, format_time, now
 from elasticrun.api.naming import label_value, lease_name
 
 log = logging.getLogger(__name__)
-
-def micro_time(value: dt.datetime) -> str:
-    """A Lease's MicroTime: RFC 3339 with microseconds."""
-    return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
 
 class NodeNameInUseError(RuntimeError):
     """Another live agent already holds this node name's Lease."""
@@ -58,7 +59,7 @@ class LeaseKeeper:
         self.acquired = False
 
     def _manifest(self, join: WaitingNode | None = None) -> dict[str, Any]:
-        stamp = micro_time(now())
+        stamp = format_time(now())
         meta: dict[str, Any] = {
             "name": self.name,
             "labels": {crd.RUN_LABEL: label_value(self.run)},
@@ -105,7 +106,7 @@ class LeaseKeeper:
             self.client.request(
                 "PATCH", lease_path(self.namespace, self.name),
                 body={"metadata": {"annotations": {JOIN_ANNOTATION: value}}},
-                content_type="application/merge-patch+json")
+                content_type=MERGE_PATCH)
         except ApiError as exc:
             if not exc.not_found:
                 raise
@@ -135,9 +136,9 @@ class LeaseKeeper:
             try:
                 self.client.request(
                     "PATCH", lease_path(self.namespace, self.name),
-                    body={"spec": {"renewTime": micro_time(now()),
+                    body={"spec": {"renewTime": format_time(now()),
                                    "holderIdentity": self.holder}},
-                    content_type="application/merge-patch+json")
+                    content_type=MERGE_PATCH)
             except ApiError as exc:
                 if exc.not_found:
                     if self.on_deleted is not None and not self.on_deleted():

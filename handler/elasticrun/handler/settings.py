@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elasticrun.api.model import RunSpec
+from elasticrun.api.naming import is_dns_label
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,6 @@ CONF_KEYS = (
     # injected by torch's launcher (LaunchConfig sets timeout=900); not ours to honour
     "timeout",
 )
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
@@ -60,11 +60,6 @@ class RendezvousSettings:
     watch_timeout: int = 300
     #: Port of the TCPStore this node hosts if it becomes rank 0 (0: any free port).
     store_port: int = 0
-
-    @property
-    def field_manager(self) -> str:
-        """One field manager per node: what makes server-side-apply joins conflict-free."""
-        return f"elasticrun-node-{self.node_name}"[:128]
 
 
 def _as_int(conf: dict[str, Any], key: str, default: int | None) -> int | None:
@@ -135,33 +130,8 @@ def parse_endpoint(endpoint: str) -> tuple[str | None, str | None, str | None]:
     return None, parts[0], parts[1] if len(parts) == 2 else None
 
 
-def from_parameters(run_id: str, endpoint: str, min_nodes: int, max_nodes: int,
-                    local_addr: str | None, conf: dict[str, Any]) -> RendezvousSettings:
-    unknown = sorted(set(conf) - set(CONF_KEYS))
-    if unknown:
-        log.warning("k8s rendezvous: ignoring unknown --rdzv-conf keys %s (known: %s)",
-                    unknown, ", ".join(k for k in CONF_KEYS if k != "timeout"))
-    api_server, ep_namespace, ep_name = parse_endpoint(endpoint)
-    run_name = ep_name or run_id
-    if ep_name and run_id not in ("", "none", ep_name):
-        log.warning("k8s rendezvous: --rdzv-endpoint names run %r, --rdzv-id says %r; using %r",
-                    ep_name, run_id, ep_name)
-    if not run_name or run_name == "none" or not _DNS_SUBDOMAIN.match(run_name) \
-            or len(run_name) > 253:
-        raise SettingsError(f"--rdzv-id={run_name!r} is not a valid ElasticRun name: use lower "
-                            "case letters, digits and '-', e.g. --rdzv-id=my-run")
-    kubeconfig = conf.get("kubeconfig") or None
-    context = conf.get("context") or None
-    namespace = conf.get("namespace") or ep_namespace or _default_namespace(kubeconfig, context)
-    if not _DNS_LABEL.match(namespace):
-        raise SettingsError(f"namespace {namespace!r} is not a valid Kubernetes namespace")
-    pod = conf.get("pod") or os.environ.get("POD_NAME") or None
-    node_name = conf.get("node_name") or pod or socket.gethostname()
-    if not node_name or len(node_name) > 253:
-        raise SettingsError(f"node name {node_name!r} must be 1-253 characters; set "
-                            "--rdzv-conf node_name=...")
-    address = (conf.get("address") or local_addr or os.environ.get("POD_IP")
-               or socket.getfqdn())
+def _requested_spec(min_nodes: int, max_nodes: int, conf: dict[str, Any]) -> RunSpec:
+    """The spec this node asks for; torch's keep-alive keys stand in for the Lease timing."""
     defaults = RunSpec()
     heartbeat = _as_int(conf, "heartbeat_timeout", None)
     keep_alive = _as_int(conf, "keep_alive_interval", None)
@@ -181,13 +151,43 @@ def from_parameters(run_id: str, endpoint: str, min_nodes: int, max_nodes: int,
     if spec.lease_renew_interval >= spec.heartbeat_timeout:
         raise SettingsError(f"lease_interval ({spec.lease_renew_interval}s) must be shorter "
                             f"than heartbeat_timeout ({spec.heartbeat_timeout}s)")
+    return spec
+
+
+def from_parameters(run_id: str, endpoint: str, min_nodes: int, max_nodes: int,
+                    local_addr: str | None, conf: dict[str, Any]) -> RendezvousSettings:
+    unknown = sorted(set(conf) - set(CONF_KEYS))
+    if unknown:
+        log.warning("k8s rendezvous: ignoring unknown --rdzv-conf keys %s (known: %s)",
+                    unknown, ", ".join(k for k in CONF_KEYS if k != "timeout"))
+    api_server, ep_namespace, ep_name = parse_endpoint(endpoint)
+    run_name = ep_name or run_id
+    if ep_name and run_id not in ("", "none", ep_name):
+        log.warning("k8s rendezvous: --rdzv-endpoint names run %r, --rdzv-id says %r; using %r",
+                    ep_name, run_id, ep_name)
+    if not run_name or run_name == "none" or not _DNS_SUBDOMAIN.match(run_name) \
+            or len(run_name) > 253:
+        raise SettingsError(f"--rdzv-id={run_name!r} is not a valid ElasticRun name: use lower "
+                            "case letters, digits and '-', e.g. --rdzv-id=my-run")
+    kubeconfig = conf.get("kubeconfig") or None
+    context = conf.get("context") or None
+    namespace = conf.get("namespace") or ep_namespace or _default_namespace(kubeconfig, context)
+    if not is_dns_label(namespace):
+        raise SettingsError(f"namespace {namespace!r} is not a valid Kubernetes namespace")
+    pod = conf.get("pod") or os.environ.get("POD_NAME") or None
+    node_name = conf.get("node_name") or pod or socket.gethostname()
+    if not node_name or len(node_name) > 253:
+        raise SettingsError(f"node name {node_name!r} must be 1-253 characters; set "
+                            "--rdzv-conf node_name=...")
+    address = (conf.get("address") or local_addr or os.environ.get("POD_IP")
+               or socket.getfqdn())
     return RendezvousSettings(
         run_name=run_name,
         namespace=namespace,
         node_name=node_name,
         address=address,
         pod=pod,
-        requested_spec=spec,
+        requested_spec=_requested_spec(min_nodes, max_nodes, conf),
         api_server=api_server,
         kubeconfig=kubeconfig,
         context=context,

@@ -48,6 +48,61 @@ class StoreHost:
         self.__dict__.pop("store", None)
 
 
+class RoundStores:
+    """The store this node serves for the round it may lead, and its client to a leader's.
+
+    torchrun's workers share the agent's store and key their process group by
+    restart count only (``/worker/attempt_N``).  A node restarted because a
+    peer was lost keeps its count while a node whose workers failed bumps it,
+    so a store that outlives a round hands new workers the addresses of dead
+    ones (pytorch/pytorch#135712).  A fresh server per round starts every
+    worker group from an empty store; the previous one is kept until the next
+    round so nothing still holding it breaks mid-call.
+    """
+
+    def __init__(self) -> None:
+        self.host: StoreHost | None = None
+        self._retired: StoreHost | None = None
+        self._clients: dict[tuple[str, int], dist.Store] = {}
+
+    @property
+    def port(self) -> int | None:
+        """The port this node's server listens on (published in its join request)."""
+        return self.host.port if self.host is not None else None
+
+    def fresh(self, address: str, pinned_port: int = 0) -> None:
+        """Start a new server for the next round, retiring the current one."""
+        old, self.host = self.host, None
+        if old is not None and pinned_port:
+            old.close()  # a pinned port can serve one store at a time
+            old = None
+        if self._retired is not None:
+            self._retired.close()
+        self._retired = old
+        self.host = StoreHost(address, pinned_port)
+        self._clients.clear()
+
+    def store_for(self, rank: int, host: str, port: int, timeout: float) -> dist.Store:
+        """Our own server if we lead the round on it, else a client of the leader's.
+
+        Raises RuntimeError or OSError when the leader's store cannot be reached.
+        """
+        assert self.host is not None
+        if rank == 0 and port == self.host.port:
+            return self.host.store
+        client = self._clients.get((host, port))
+        if client is None:
+            client = connect(host, port, timeout)
+            self._clients = {(host, port): client}
+        return client
+
+    def close(self) -> None:
+        for host in (self._retired, self.host):
+            if host is not None:
+                host.close()
+        self._retired = self.host = None
+
+
 def _bind_address(address: str) -> str:
     """The IP to bind for ``address`` (an IP, or a name that resolves to this host)."""
     try:

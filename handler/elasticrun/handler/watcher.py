@@ -20,6 +20,7 @@ from typing import Any
 
 from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, run_path, runs_path
 from elasticrun.api.model import ElasticRun, InvalidRunError, parse_run
+from elasticrun.api.ordering import RoundMark, newer
 
 log = logging.getLogger(__name__)
 
@@ -28,17 +29,6 @@ RECONNECT_DELAYS = (0.1, 0.2, 0.5, 1.0, 2.0)
 
 class RunDeletedError(Exception):
     """The ElasticRun was deleted while this node belonged to it."""
-
-
-def newer(candidate: str, current: str) -> bool:
-    """Whether resourceVersion ``candidate`` is after ``current``.
-
-    resourceVersions are opaque, but on every API server backed by etcd they
-    are its revision numbers; when they are not numeric, trust the later write.
-    """
-    if candidate.isdigit() and current.isdigit():
-        return int(candidate) > int(current)
-    return candidate != current
 
 
 class RunWatcher:
@@ -73,8 +63,8 @@ class RunWatcher:
         #: Watch requests opened, and re-lists after 410 Gone (for the chaos tests).
         self.watches_opened = 0
         self.resyncs = 0
-        #: (uid, highest status.round seen of that object): rounds never go back.
-        self._highest_round: tuple[str | None, int] = (None, 0)
+        #: The highest status.round seen of the object: rounds never go back.
+        self._round_mark = RoundMark()
 
     # ------------------------------------------------------------------ cache
 
@@ -105,12 +95,13 @@ class RunWatcher:
         with self._cond:
             current = self._latest
             if current is None or newer(run.resource_version, current.resource_version):
-                error = self._round_went_back(run)
-                if error is not None:
+                try:
+                    self._round_mark = self._round_mark.advance(run)
+                except InvalidRunError as error:
                     self._error = error
                     self._version += 1
                     self._cond.notify_all()
-                    raise error
+                    raise
                 self._latest = run
                 self._error = None
                 self._version += 1
@@ -124,25 +115,6 @@ class RunWatcher:
             self._error = error
             self._version += 1
             self._cond.notify_all()
-
-    def _round_went_back(self, run: ElasticRun) -> InvalidRunError | None:
-        """Rounds only move forward; a newer write with a lower round is not to be trusted.
-
-        Each copy of the status reads fine on its own, so only a reader that
-        remembers can tell: a status restored from an old backup or edited by
-        hand would otherwise hand out ranks of a round the members already left.
-        The high-water mark is per object (uid): a re-created run starts at 0.
-        """
-        uid, highest = self._highest_round
-        if run.uid != uid:
-            highest = 0
-        if run.status.round < highest:
-            return InvalidRunError(
-                "status.round", f"went back from {highest} to {run.status.round} (resourceVersion "
-                f"{run.resource_version}); rounds only move forward, so the status was edited "
-                "by hand or restored from an old copy")
-        self._highest_round = (run.uid, max(highest, run.status.round))
-        return None
 
     def wait(self, seen_version: int, timeout: float) -> None:
         """Block until the cache changes after ``seen_version``, or ``timeout`` passes."""

@@ -20,7 +20,7 @@ from typing import Any, cast
 import kopf
 
 from elasticrun.api.kube import KubeClient
-from elasticrun.operator import handlers, webhook, webhookcert
+from elasticrun.operator import handlers, webhook, webhookcert  # noqa: F401 - handlers: importing registers them
 from elasticrun.operator.controller import Controller
 from elasticrun.operator.metrics import Metrics
 
@@ -77,7 +77,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = Metrics()
     controller = Controller(KubeClient.from_config(args.kubeconfig, timeout=15), metrics,
                             workers=args.workers, per_run_rbac=args.per_run_rbac)
-    handlers.install(controller)
 
     @kopf.on.startup()
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -110,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         kopf.run(standalone=True, clusterwide=clusterwide,
                  namespaces=() if clusterwide else tuple(args.namespace),
-                 liveness_endpoint=liveness,
+                 liveness_endpoint=liveness, memo=kopf.Memo(controller=controller),
                  # kopf types this as its private NewType of str.
                  identity=cast(Any, operator_identity()))
     except KeyboardInterrupt:  # pragma: no cover - interactive use

@@ -20,18 +20,12 @@ from elasticrun.api import crd
 from elasticrun.api.leases import LeaseState, lease_run, lease_state
 from elasticrun.operator.controller import Controller, Key
 
-CONTROLLER: Controller | None = None
 
-
-def install(controller: Controller) -> None:
-    global CONTROLLER  # noqa: PLW0603 - kopf handlers are module-level functions
-    CONTROLLER = controller
-
-
-def _controller() -> Controller:
-    if CONTROLLER is None:  # pragma: no cover - wiring error
-        raise kopf.PermanentError("the elasticrun controller is not installed")
-    return CONTROLLER
+def _controller(memo: kopf.Memo) -> Controller:
+    controller = memo.get("controller")
+    if not isinstance(controller, Controller):  # pragma: no cover - wiring error
+        raise kopf.PermanentError("the elasticrun controller is not in kopf's memo")
+    return controller
 
 
 @kopf.index("coordination.k8s.io", "v1", "leases", labels={crd.RUN_LABEL: kopf.PRESENT})
@@ -44,17 +38,17 @@ def leases_by_run(*, body: kopf.Body, namespace: str | None, **_: Any
 
 
 @kopf.on.event("coordination.k8s.io", "v1", "leases", labels={crd.RUN_LABEL: kopf.PRESENT})
-async def lease_changed(*, body: kopf.Body, **_: Any) -> None:
-    _controller().lease_event(body)
+async def lease_changed(*, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    _controller(memo).lease_event(body)
 
 
 @kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL)
-async def run_changed(*, type: str, body: kopf.Body, **kwargs: Any) -> None:
-    controller = _controller()
+async def run_changed(*, type: str, body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    controller = _controller(memo)
     controller.lease_index = kwargs["leases_by_run"]
     controller.run_event(type or "", body)
 
 
 @kopf.on.event("", "v1", "pods", labels={crd.RUN_LABEL: kopf.PRESENT})
-async def pod_changed(*, type: str, body: kopf.Body, **_: Any) -> None:
-    _controller().pod_event(type or "", body)
+async def pod_changed(*, type: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    _controller(memo).pod_event(type or "", body)

@@ -25,8 +25,9 @@ class Loss:
     since: dt.datetime | None = None
 
 
-def pod_loss(pod: Mapping[str, Any], event_type: str | None = None,
-             first_restart_count: int | None = None) -> Loss | None:
+def pod_loss(  # noqa: PLR0911 - one return per kind of loss, in the order they are checked
+        pod: Mapping[str, Any], event_type: str | None = None,
+        first_restart_count: int | None = None) -> Loss | None:
     """The loss a Pod event reveals, or None while the Pod looks alive.
 
     ``first_restart_count`` is the container restart count the operator saw when

@@ -105,50 +105,89 @@ def _phase(status: RunStatus) -> str:
 
 
 def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
+    """The rules below, in order; each one may end the pass with its own plan.
+
+    A new rule goes where its order matters: before ``_seal_backstop`` if it
+    changes who may be sealed, after it if it only reports.
+    """
     plan = Plan()
-    spec, status = run.spec, run.status
-    generation = run.generation
-
-    # ---------------------------------------------------------------- finished runs
-    if (status.phase in ("Closed", "Succeeded") and spec.closed) or status.phase == "Succeeded":
-        if spec.ttl_seconds_after_finished is not None and status.finished_at is not None:
-            expiry = status.finished_at + dt.timedelta(seconds=spec.ttl_seconds_after_finished)
-            if now >= expiry:
-                plan.delete_run = True
-                ttl = spec.ttl_seconds_after_finished
-                plan.events.append(("Normal", "Deleted",
-                                    f"TTL of {ttl}s after {status.phase.lower()} passed"))
-            else:
-                plan.wake(expiry)
-        return plan
-
-    new = status
-    if spec.closed:
-        new = new.replace(phase="Closed", signal=new.signal + 1, finished_at=now)
-        conditions = set_condition(new.conditions, "Closed", True, "ClosedBySpec",
-                                   "spec.closed is true: waiting and late nodes are refused",
-                                   now, generation)
-        conditions = set_condition(conditions, "RoundComplete", False, "Closed",
-                                   "the run is closed", now, generation)
-        plan.status = new.replace(conditions=conditions, observed_generation=generation)
-        plan.events.append(("Normal", "Closed", "run closed (spec.closed=true)"))
-        plan.wake(now)  # TTL bookkeeping on the next pass
-        return plan
-    if status.phase == "Closed":
-        # Reopened by the user: every node must form a new round.
-        new = new.replace(phase="Forming", finished_at=None, signal=new.signal + 1,
-                          restart_round=new.round if new.round and not new.degraded
-                          else new.restart_round)
-        new = new.replace(conditions=set_condition(new.conditions, "Closed", False, "Reopened",
-                                                   "spec.closed was set back to false", now,
-                                                   generation))
-        plan.events.append(("Normal", "Reopened", "run reopened (spec.closed=false)"))
-
-    # ---------------------------------------------------------------- who is waiting
+    if _is_finished(run.status, run.spec.closed):
+        return _expire(run, now, plan)
+    if run.spec.closed:
+        return _close(run, now, plan)
+    new = _reopen(run, now, plan)
     new = new.replace(waiting=pending_joins(members.leases.values(), new, now, run.uid,
-                                            spec.heartbeat_timeout))
+                                            run.spec.heartbeat_timeout))
+    new = _remove_lost(run, new, members, now, plan)
+    new = _drain(run, new, now)
+    new = _forced_round(run, new, plan)
+    if _all_members_finished(new):
+        return _succeed(run, new, now, plan)
+    new = _seal_backstop(run, new, now, plan)
+    _lease_wakeups(run, new, members, plan)
+    material = new
+    new = _finish(_conditions(run, new.replace(phase=_phase(new)), now), run.generation)
+    return _write_or_wait(run.status, material, new, now, plan)
 
-    # ---------------------------------------------------------------- lost members
+
+# --------------------------------------------------------------------------- finished runs
+
+
+def _is_finished(status: RunStatus, closed: bool) -> bool:
+    return (status.phase in ("Closed", "Succeeded") and closed) or status.phase == "Succeeded"
+
+
+def _expire(run: ElasticRun, now: dt.datetime, plan: Plan) -> Plan:
+    """A finished run is deleted once its TTL after finishing has passed."""
+    spec, status = run.spec, run.status
+    if spec.ttl_seconds_after_finished is not None and status.finished_at is not None:
+        expiry = status.finished_at + dt.timedelta(seconds=spec.ttl_seconds_after_finished)
+        if now >= expiry:
+            plan.delete_run = True
+            ttl = spec.ttl_seconds_after_finished
+            plan.events.append(("Normal", "Deleted",
+                                f"TTL of {ttl}s after {status.phase.lower()} passed"))
+        else:
+            plan.wake(expiry)
+    return plan
+
+
+def _close(run: ElasticRun, now: dt.datetime, plan: Plan) -> Plan:
+    """``spec.closed``: the run is finished for every node, waiting or late."""
+    generation = run.generation
+    new = run.status.replace(phase="Closed", signal=run.status.signal + 1, finished_at=now)
+    conditions = set_condition(new.conditions, "Closed", True, "ClosedBySpec",
+                               "spec.closed is true: waiting and late nodes are refused",
+                               now, generation)
+    conditions = set_condition(conditions, "RoundComplete", False, "Closed",
+                               "the run is closed", now, generation)
+    plan.status = new.replace(conditions=conditions, observed_generation=generation)
+    plan.events.append(("Normal", "Closed", "run closed (spec.closed=true)"))
+    plan.wake(now)  # TTL bookkeeping on the next pass
+    return plan
+
+
+def _reopen(run: ElasticRun, now: dt.datetime, plan: Plan) -> RunStatus:
+    """Reopened by the user (closed, then ``spec.closed`` false): every node forms a new round."""
+    new = run.status
+    if new.phase != "Closed":
+        return new
+    new = new.replace(phase="Forming", finished_at=None, signal=new.signal + 1,
+                      restart_round=new.round if new.round and not new.degraded
+                      else new.restart_round)
+    new = new.replace(conditions=set_condition(new.conditions, "Closed", False, "Reopened",
+                                               "spec.closed was set back to false", now,
+                                               run.generation))
+    plan.events.append(("Normal", "Reopened", "run reopened (spec.closed=false)"))
+    return new
+
+
+# --------------------------------------------------------------------------- membership
+
+
+def _remove_lost(run: ElasticRun, new: RunStatus, members: Members, now: dt.datetime,
+                 plan: Plan) -> RunStatus:
+    """Members and waiting nodes Kubernetes says are gone leave; their Leases are deleted."""
     for name, loss in _losses(run.replace_status(new), members, now):
         detection = (now - loss.since).total_seconds() if loss.since else None
         removed = rounds.remove_member(new, name, loss.reason, now, message=loss.message,
@@ -157,38 +196,61 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
         if removed is not None:
             new = removed  # the MemberLost Event is posted when the removal is observed
             plan.delete_leases.append(name)
+    return new
+
+
+def _drain(run: ElasticRun, new: RunStatus, now: dt.datetime) -> RunStatus:
+    """Members named in the drain annotation leave the round."""
     for name in sorted(run.drained & new.member_names):
         removed = rounds.remove_member(new, name, "Drained", now,
                                        message=f"drained by annotation {crd.DRAIN_ANNOTATION}")
         if removed is not None:
             new = removed
+    return new
 
-    # ---------------------------------------------------------------- forced round
-    if crd.RESTART_ANNOTATION in run.annotations:
-        plan.remove_annotations.append(crd.RESTART_ANNOTATION)
-        restarted = rounds.request_restart(new)
-        if restarted is not None:
-            new = restarted
-            plan.events.append(("Normal", "RoundRestart",
-                                f"round {new.round} restart requested by annotation"))
 
-    # ---------------------------------------------------------------- success
+def _forced_round(run: ElasticRun, new: RunStatus, plan: Plan) -> RunStatus:
+    """The restart annotation re-forms the running round, once (the annotation is removed)."""
+    if crd.RESTART_ANNOTATION not in run.annotations:
+        return new
+    plan.remove_annotations.append(crd.RESTART_ANNOTATION)
+    restarted = rounds.request_restart(new)
+    if restarted is None:
+        return new
+    plan.events.append(("Normal", "RoundRestart",
+                        f"round {restarted.round} restart requested by annotation"))
+    return restarted
+
+
+def _all_members_finished(new: RunStatus) -> bool:
     current_lost = [m for m in new.lost_members if m.round == new.round]
-    if new.round > 0 and not new.participants and not new.waiting and current_lost \
-            and all(m.reason in ("Left", "PodSucceeded") for m in current_lost):
-        new = new.replace(phase="Succeeded", finished_at=now, signal=new.signal + 1)
-        conditions = set_condition(new.conditions, "Succeeded", True, "AllMembersLeft",
-                                   f"all {len(current_lost)} members of round {new.round} "
-                                   "finished", now, generation)
-        conditions = set_condition(conditions, "RoundComplete", False, "Finished",
-                                   "the run finished", now, generation)
-        plan.status = _finish(new.replace(conditions=conditions), generation)
-        plan.events.append(("Normal", "Succeeded", f"all members of round {new.round} left "
-                            "after finishing"))
-        plan.wake(now)
-        return plan
+    return (new.round > 0 and not new.participants and not new.waiting and bool(current_lost)
+            and all(m.reason in ("Left", "PodSucceeded") for m in current_lost))
 
-    # ---------------------------------------------------------------- sealing (backstop)
+
+def _succeed(run: ElasticRun, new: RunStatus, now: dt.datetime, plan: Plan) -> Plan:
+    """Every member of the round left after finishing: the run succeeded."""
+    generation = run.generation
+    count = len([m for m in new.lost_members if m.round == new.round])
+    new = new.replace(phase="Succeeded", finished_at=now, signal=new.signal + 1)
+    conditions = set_condition(new.conditions, "Succeeded", True, "AllMembersLeft",
+                               f"all {count} members of round {new.round} finished", now,
+                               generation)
+    conditions = set_condition(conditions, "RoundComplete", False, "Finished",
+                               "the run finished", now, generation)
+    plan.status = _finish(new.replace(conditions=conditions), generation)
+    plan.events.append(("Normal", "Succeeded", f"all members of round {new.round} left "
+                        "after finishing"))
+    plan.wake(now)
+    return plan
+
+
+# --------------------------------------------------------------------------- sealing
+
+
+def _seal_backstop(run: ElasticRun, new: RunStatus, now: dt.datetime,
+                   plan: Plan) -> RunStatus:
+    """Seal what the nodes should have sealed, ``SEAL_GRACE`` after they could have."""
     candidate = run.replace_status(new)
     decision = rounds.decide_seal(candidate, now)
     if decision.seal_now:
@@ -197,12 +259,16 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
         if decision.deadline is None and now < ready_at:
             plan.wake(ready_at)
         else:
-            new = rounds.seal_round(candidate, now)
             plan.sealed = True
+            return rounds.seal_round(candidate, now)
     elif decision.deadline is not None:
         plan.wake(decision.deadline + dt.timedelta(seconds=SEAL_GRACE))
+    return new
 
-    # ---------------------------------------------------------------- wake-ups for leases
+
+def _lease_wakeups(run: ElasticRun, new: RunStatus, members: Members, plan: Plan) -> None:
+    """Look again when a Lease can expire, a request goes stale, or a join times out."""
+    spec = run.spec
     for lease in members.leases.values():
         plan.wake(lease.expired_at(spec.heartbeat_timeout, members.lease_clock_start))
     for w in new.waiting:
@@ -210,9 +276,13 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
             plan.wake(w.since + dt.timedelta(seconds=spec.heartbeat_timeout + 0.5))
             plan.wake(w.since + dt.timedelta(seconds=spec.join_timeout))
 
-    # ---------------------------------------------------------------- phase and conditions
-    material = new
-    new = new.replace(phase=_phase(new))
+
+# --------------------------------------------------------------------------- reporting
+
+
+def _conditions(run: ElasticRun, new: RunStatus, now: dt.datetime) -> RunStatus:
+    """RoundComplete, Degraded and Stalled, for ``kubectl describe``."""
+    spec, generation = run.spec, run.generation
     conditions = new.conditions
     if new.phase == "Running":
         leader = new.participants[0].name if new.participants else "-"
@@ -239,14 +309,19 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
             f"{len(stalled)} node(s) waited longer than joinTimeoutSeconds "
             f"({spec.join_timeout}s) for a round of at least {spec.min_nodes}" if stalled
             else "no node waits past the join timeout", now, generation)
-    new = _finish(new.replace(conditions=conditions), generation)
+    return new.replace(conditions=conditions)
+
+
+def _write_or_wait(status: RunStatus, material: RunStatus, new: RunStatus, now: dt.datetime,
+                   plan: Plan) -> Plan:
+    """Write ``new`` if membership changed; bookkeeping alone waits for a quiet moment."""
     if new == status:
         return plan
     if material.replace(waiting=status.waiting) != status:
         plan.status = new
         return plan
-    # Only bookkeeping changed (the waiting summary, phase, counts, conditions).  While nodes are
-    # still joining, writing it would bump the resourceVersion under their
+    # Only bookkeeping changed (the waiting summary, phase, counts, conditions).  While nodes
+    # are still joining, writing it would bump the resourceVersion under their
     # seal; wait until the waiting set has been quiet for a moment.
     newest = max((w.since for w in new.waiting if w.since), default=None)
     quiet_at = newest + dt.timedelta(seconds=SEAL_GRACE) if newest else now

@@ -32,6 +32,7 @@ import kopf
 
 from elasticrun.api import crd
 from elasticrun.api.kube import KubeClient
+from elasticrun.api.naming import is_dns_label
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,6 @@ NPROC_ANNOTATION = f"{crd.GROUP}/nproc-per-node"
 HANDLER_ID = "elasticrun-pod-env"
 WEBHOOK_PATH = f"/{HANDLER_ID}"
 
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _COUNT = re.compile(r"^[0-9]+$")  # ASCII digits only: str.isdigit() also accepts "²"
 #: torchrun's --nproc-per-node accepts a count or one of these words.
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
@@ -119,7 +119,7 @@ def read_opt_in(labels: Mapping[str, str] | None,
     if RUN_LABEL not in labels:
         return None
     run = labels[RUN_LABEL]
-    if not _DNS_LABEL.match(run) or len(run) > 63:
+    if not is_dns_label(run):
         raise OptInError(f"label {RUN_LABEL}: {run!r} cannot name an ElasticRun; use 1-63 "
                          "lower-case letters, digits and '-', starting and ending with a letter "
                          f"or digit, e.g. {RUN_LABEL}: {_suggest_name(run)}")
@@ -216,17 +216,6 @@ def mutated(pod: Mapping[str, Any]) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- the handler
 
-_client: KubeClient | None = None
-
-
-def _own_client() -> KubeClient:
-    """The operator's client for its caBundle: in-cluster credentials, else KUBECONFIG."""
-    global _client  # noqa: PLW0603 - created lazily, once per process
-    if _client is None:
-        _client = KubeClient.from_config(timeout=10)
-    return _client
-
-
 async def mutate_pod(body: kopf.Body, patch: kopf.Patch, warnings: list[str],
                      **_: Any) -> None:
     """Inject the torchrun environment; nothing else.
@@ -267,22 +256,21 @@ def configure_webhook(settings: kopf.OperatorSettings, *, addr: str, port: int,
     if not certfile or not pkeyfile:
         raise ValueError("the webhook needs a serving certificate and key (--webhook-cert and "
                          "--webhook-key, or --webhook-self-signed DNS-NAME to make one)")
+    first = settings.admission.server is None
     settings.admission.server = kopf.WebhookServer(
         addr=addr, port=port, host=host, certfile=certfile, pkeyfile=pkeyfile, cafile=cafile)
     settings.admission.managed = managed
-    register_handler()
+    if first:  # a startup handler kopf retries configures the same settings again
+        register_handler()
 
 
 def register_handler(registry: kopf.OperatorRegistry | None = None) -> None:
-    """Register :func:`mutate_pod` with kopf, once.
+    """Register :func:`mutate_pod` with kopf (once per operator: see configure_webhook).
 
     Not done at import time: kopf refuses to start when admission handlers are
     registered but no webhook server is configured, and the operator serves the
     webhook only when asked to (``--webhook-port``).
     """
-    registry = registry or kopf.get_default_registry()
-    if any(h.id == HANDLER_ID for h in registry._webhooks.get_all_handlers()):
-        return
     kopf.on.mutate("pods", id=HANDLER_ID, labels={RUN_LABEL: kopf.PRESENT},
                    operations=["CREATE"], side_effects=False, registry=registry)(mutate_pod)
 
@@ -330,11 +318,8 @@ def setup_webhook(settings: kopf.OperatorSettings, args: argparse.Namespace,
     Returns the self-signed CA written into the configuration (None otherwise),
     for :func:`elasticrun.operator.webhookcert.keep_ca_bundle`.
     """
-    global _client  # noqa: PLW0603 - the operator's own client
     if not args.webhook_port:
         return None
-    if client is not None:
-        _client = client
     from elasticrun.operator import webhookcert  # noqa: PLC0415 - only when self-signing
 
     certfile, pkeyfile, cafile = args.webhook_cert, args.webhook_key, args.webhook_ca
@@ -344,7 +329,8 @@ def setup_webhook(settings: kopf.OperatorSettings, args: argparse.Namespace,
                                                  args.webhook_self_signed)
         certfile, pkeyfile, cafile = str(cert.certfile), str(cert.pkeyfile), str(cert.cafile)
         if args.webhook_configuration:
-            webhookcert.inject_ca_bundle(client or _own_client(), args.webhook_configuration,
+            webhookcert.inject_ca_bundle(client or KubeClient.from_config(timeout=10),
+                                         args.webhook_configuration,
                                          cert.ca_pem)
             written = cert.ca_pem
     configure_webhook(settings, addr=args.webhook_addr, port=args.webhook_port,

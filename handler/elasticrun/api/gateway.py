@@ -1,0 +1,151 @@
+"""The one gateway to an ElasticRun on the API server, for the handler and the operator.
+
+Every read and write of a run, and of its Leases as a set, goes through
+:class:`RunGateway`.  It builds the request bodies (the status compare-and-set,
+the announce patch) and answers the outcomes that are part of the protocol:
+``None`` means "someone else wrote first" (409), "a test of the patch failed"
+(422) or "no such run" (404), depending on the call.  Every other failure is
+raised as :class:`~elasticrun.api.kube.ApiError` or
+:class:`~elasticrun.api.kube.ApiConnectionError`, for the caller's policy
+(:mod:`elasticrun.api.policy`) to retry or report.
+
+Synchronous, like :class:`~elasticrun.api.kube.KubeClient`; the operator calls
+it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from elasticrun.api import crd
+from elasticrun.api.kube import (
+    JSON_PATCH,
+    MERGE_PATCH,
+    ApiError,
+    KubeClient,
+    lease_path,
+    leases_path,
+    run_path,
+    runs_path,
+)
+from elasticrun.api.leases import lease_state, leases_of, pending_joins, run_leases_query
+from elasticrun.api.model import RunSpec, RunStatus, WaitingNode, new_run_manifest
+
+
+def status_body(namespace: str, name: str, resource_version: str | None,
+                status: Mapping[str, Any]) -> dict[str, Any]:
+    """The body of a status compare-and-set: the whole status, fenced by ``resource_version``."""
+    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+            "metadata": {"name": name, "namespace": namespace,
+                         "resourceVersion": resource_version},
+            "status": dict(status)}
+
+
+def announce_patch(status: RunStatus) -> list[dict[str, Any]]:
+    """Bump ``signal`` once for this round's ``joinNotice``; conflicts only with another notice.
+
+    The ``test`` operations make the patch fail (422) when the counters moved
+    since ``status`` was read: the members then hear about the waiting node
+    with that other change.
+    """
+    return [
+        {"op": "test", "path": "/status/joinNotice", "value": status.join_notice},
+        {"op": "test", "path": "/status/signal", "value": status.signal},
+        {"op": "replace", "path": "/status/joinNotice", "value": status.round},
+        {"op": "replace", "path": "/status/signal", "value": status.signal + 1},
+    ]
+
+
+class RunGateway:
+    """One ElasticRun (``namespace``/``name``) and its Leases, over one client."""
+
+    def __init__(self, client: KubeClient, namespace: str, name: str) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.name = name
+
+    @property
+    def path(self) -> str:
+        return run_path(self.namespace, self.name)
+
+    @property
+    def host(self) -> str:
+        return self.client.credentials.host
+
+    # ------------------------------------------------------------------ the run
+
+    def read(self) -> dict[str, Any] | None:
+        """The run as stored; None when there is none."""
+        try:
+            return self.client.request("GET", run_path(self.namespace, self.name))
+        except ApiError as exc:
+            if exc.not_found:
+                return None
+            raise
+
+    def create(self, spec: RunSpec) -> dict[str, Any] | None:
+        """Create the run with ``spec``; None when it exists already."""
+        manifest = new_run_manifest(self.name, self.namespace, spec)
+        try:
+            return self.client.request("POST", runs_path(self.namespace), body=manifest)
+        except ApiError as exc:
+            if exc.conflict:
+                return None
+            raise
+
+    def close(self) -> None:
+        """Set ``spec.closed``: the operator, and every node, treat the run as finished."""
+        self.client.request("PATCH", run_path(self.namespace, self.name),
+                            body={"spec": {"closed": True}}, content_type=MERGE_PATCH)
+
+    def remove_annotations(self, names: Iterable[str]) -> None:
+        patch = {"metadata": {"annotations": dict.fromkeys(names)}}
+        self.client.request("PATCH", run_path(self.namespace, self.name), body=patch,
+                            content_type=MERGE_PATCH)
+
+    def replace_status(self, resource_version: str | None, status: Mapping[str, Any],
+                       manager: str) -> dict[str, Any] | None:
+        """Compare-and-set of the whole status; None when someone wrote first (409)."""
+        body = status_body(self.namespace, self.name, resource_version, status)
+        try:
+            return self.client.request("PUT", run_path(self.namespace, self.name, "status"),
+                                       body=body, query={"fieldManager": manager})
+        except ApiError as exc:
+            if exc.conflict:
+                return None
+            raise
+
+    def announce(self, status: RunStatus) -> dict[str, Any] | None:
+        """Apply :func:`announce_patch`; None when a test failed (the counters moved).
+
+        The API server reports a failed test only as a 422 "the server rejected
+        our request due to an error in our request", with no details; the patch
+        is built here and is valid, so a 422 means a test failed.
+        """
+        try:
+            return self.client.request(
+                "PATCH", run_path(self.namespace, self.name, "status"),
+                body=announce_patch(status), content_type=JSON_PATCH)
+        except ApiError as exc:
+            if exc.status == 422:
+                return None
+            raise
+
+    # ------------------------------------------------------------------ its Leases
+
+    def leases(self) -> list[dict[str, Any]]:
+        """The run's Leases, from one consistent LIST (served by the watch cache)."""
+        listed = self.client.request("GET", leases_path(self.namespace),
+                                     query=run_leases_query(self.name))
+        return leases_of(listed, self.name)
+
+    def pending(self, status: RunStatus, now: dt.datetime, run_uid: str | None,
+                heartbeat: float) -> tuple[WaitingNode, ...]:
+        """The join requests no round has answered yet (:func:`pending_joins`)."""
+        return pending_joins([lease_state(item) for item in self.leases()], status, now,
+                             run_uid, heartbeat)
+
+    def lease_path(self, lease: str) -> str:
+        return lease_path(self.namespace, lease)

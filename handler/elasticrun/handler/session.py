@@ -1,0 +1,175 @@
+"""A node's link to its run: gateway calls under the handler's policy, and the watch cache.
+
+Every copy of the run the node reads or writes passes through :meth:`RunSession.accept`,
+so the watcher's cache always holds the newest one and a round that went back
+is refused wherever it shows up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousStateError,
+)
+
+from elasticrun.api.gateway import RunGateway
+from elasticrun.api.model import ElasticRun, InvalidRunError, RunStatus, WaitingNode, now
+from elasticrun.api.ordering import newer
+from elasticrun.handler.calls import ApiCalls, who
+from elasticrun.handler.settings import RendezvousSettings
+from elasticrun.handler.watcher import RunDeletedError, RunWatcher
+
+log = logging.getLogger(__name__)
+
+#: Field manager of the status writes nodes make (seal, leave, close).
+SEAL_MANAGER = "elasticrun-seal"
+
+
+class RunSession:
+    def __init__(self, settings: RendezvousSettings, gateway: RunGateway) -> None:
+        self.settings = settings
+        self.gateway = gateway
+        self.call = ApiCalls(settings, gateway.host)
+        self.watcher = RunWatcher(gateway.client, settings.namespace, settings.run_name,
+                                  settings.watch_timeout)
+        self._mismatch_logged = False
+
+    @property
+    def who(self) -> str:
+        return who(self.settings)
+
+    # ------------------------------------------------------------------ reading
+
+    def accept(self, raw: dict[str, Any]) -> ElasticRun:
+        """Parse what the API server returned, and keep it if it is the newest we know."""
+        try:
+            return self.watcher.offer(raw)
+        except InvalidRunError as exc:
+            raise RendezvousStateError(f"{self.who}: cannot read the ElasticRun: {exc}. The "
+                                       "status was probably edited by hand") from exc
+
+    def read(self) -> ElasticRun | None:
+        raw = self.call("read the run", self.gateway.read)
+        return None if raw is None else self.accept(raw)
+
+    def read_or_raise(self) -> ElasticRun:
+        run = self.read()
+        if run is None:
+            raise RendezvousClosedError(f"{self.who}: the ElasticRun was deleted while this "
+                                        "node was waiting; re-create it to start a new run")
+        return run
+
+    def cached_or_read(self) -> ElasticRun | None:
+        return self.watcher.latest or self.read()
+
+    def current(self) -> ElasticRun:
+        """The cached run if the watch trusts it, else the run read (or created) afresh."""
+        if self.watcher.latest is not None:
+            try:
+                self.watcher.check()
+                return self.watcher.latest
+            except (RunDeletedError, InvalidRunError):
+                pass  # read it afresh below
+        return self.accept(self.ensure_run())
+
+    def ensure_run(self) -> dict[str, Any]:
+        """The run as stored, created from the command line's spec if there is none."""
+        s = self.settings
+        raw = self.call("read the run", self.gateway.read)
+        if raw is None:
+            if not s.create_run:
+                raise RendezvousStateError(
+                    f"{self.who}: ElasticRun {s.namespace}/{s.run_name} does not exist and "
+                    "creating it is disabled (create_run=false); create it first: kubectl apply "
+                    "-f an ElasticRun manifest")
+            raw = self.call("create the run", lambda: self.gateway.create(s.requested_spec))
+            if raw is None:
+                raw = self.call("read the run", self.gateway.read)
+            else:
+                log.info("%s: created ElasticRun from the command line (%s)", self.who,
+                         s.requested_spec)
+            if raw is None:
+                raise RendezvousClosedError(f"{self.who}: the ElasticRun was deleted as "
+                                            "this node created it")
+        self._log_spec_mismatch(self.accept(raw))
+        return raw
+
+    def _log_spec_mismatch(self, run: ElasticRun) -> None:
+        if self._mismatch_logged:
+            return
+        asked = self.settings.requested_spec
+        if (asked.min_nodes, asked.max_nodes) != (run.spec.min_nodes, run.spec.max_nodes):
+            log.warning("%s: --nnodes=%d:%d differs from the ElasticRun's spec (%d:%d); the spec "
+                        "wins", self.who, asked.min_nodes, asked.max_nodes,
+                        run.spec.min_nodes, run.spec.max_nodes)
+            self._mismatch_logged = True
+
+    def pending(self, run: ElasticRun) -> tuple[WaitingNode, ...]:
+        """The join requests no round has answered yet, from one consistent LIST of Leases.
+
+        The node whose request completed the set sees every earlier one.
+        """
+        return self.call("list the run's Leases",
+                         lambda: self.gateway.pending(run.status, now(), run.uid,
+                                                      run.spec.heartbeat_timeout))
+
+    # ------------------------------------------------------------------ writing
+
+    def replace_status(self, run: ElasticRun, status: RunStatus,
+                       bound: float | None = None) -> ElasticRun | None:
+        """Compare-and-set of the whole status; None when someone wrote first."""
+        raw = self.call("update the run status", lambda: self.gateway.replace_status(
+            run.resource_version, status.to_dict(), SEAL_MANAGER), bound)
+        return None if raw is None else self.accept(raw)
+
+    def announce(self, run: ElasticRun) -> ElasticRun:
+        """Bump the signal for this round's join notice; the run returned is as stored."""
+        raw = self.call("announce a waiting node", lambda: self.gateway.announce(run.status))
+        if raw is None:
+            # A test failed: the signal moved after our request was written, so the
+            # members hear about us with that change.
+            return self.read_or_raise()
+        return self.accept(raw)
+
+    # ------------------------------------------------------------------ waiting
+
+    def wait_for_change(self, run: ElasticRun, wake_at: float,
+                        closing: Callable[[], bool]) -> ElasticRun:
+        """A newer copy of the run, or ``run`` itself if none came before ``wake_at``."""
+        watcher = self.watcher
+        seen = watcher.version
+        latest = watcher.latest
+        if latest is not None and newer(latest.resource_version, run.resource_version):
+            return latest
+        watcher.wait(seen, wake_at - time.monotonic())
+        if closing():
+            raise RendezvousClosedError(f"{self.who}: the agent is shutting down")
+        self.check_watch()
+        if time.monotonic() >= wake_at - 1e-3:
+            # A timer (last call, join deadline) fired: look at the newest state once.
+            return self.read_or_raise()
+        latest = watcher.latest
+        if latest is not None and newer(latest.resource_version, run.resource_version):
+            return latest
+        return run
+
+    def check_watch(self) -> None:
+        """Raise, as torch's error, what the watch learned that makes waiting pointless."""
+        try:
+            self.watcher.check()
+        except RunDeletedError as exc:
+            raise RendezvousClosedError(f"{self.who}: {exc} while this node was waiting; "
+                                        "re-create it to start a new run") from exc
+        except InvalidRunError as exc:
+            raise RendezvousStateError(f"{self.who}: cannot read the ElasticRun: {exc}. "
+                                       "The status was probably edited by hand") from exc
+        if self.watcher.disconnected_for > self.settings.api_timeout:
+            raise RendezvousConnectionError(
+                f"{self.who}: lost the watch on the API server for more than "
+                f"{self.settings.api_timeout:.0f}s (api_timeout)")

@@ -1,0 +1,133 @@
+"""What a node does next in ``next_rendezvous``, as a pure function.
+
+:func:`next_action` looks at what the node knows (:class:`Knowledge`: the
+newest run it holds, the join requests it listed, its previous round, its join
+deadline) and the time, and returns one :class:`Action`.  The handler's
+executor carries the action out through the gateway, updates the knowledge,
+and asks again, until an action returns a round or raises.  Every decision of
+the rendezvous is here, so unit tests reach them without an API server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+from dataclasses import dataclass
+
+from elasticrun.api import rounds
+from elasticrun.api.model import ElasticRun, WaitingNode
+
+#: Stagger between nodes that all hold a last-call timer, so that one seals and
+#: the rest see its signal before their own timer fires.
+LAST_CALL_STAGGER = 0.05
+
+
+@dataclass(frozen=True)
+class Knowledge:
+    """Everything a node's next step depends on, apart from the time."""
+
+    node: str
+    #: The newest copy of the run this node holds.
+    run: ElasticRun
+    #: The round this node belonged to when ``next_rendezvous`` was called (0: none).
+    previous_round: int
+    #: When ``next_rendezvous`` gives up (monotonic clock).
+    join_deadline: float
+    #: The join requests no round has answered yet, as last listed from the Leases.
+    pending: tuple[WaitingNode, ...] = ()
+    #: Whether this call has written its join request yet.
+    joined: bool = False
+
+    def replace(self, **changes: object) -> Knowledge:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def rank(self) -> int | None:
+        """This node's rank in a round newer than its previous one, if it has one."""
+        me = self.run.status.participant(self.node)
+        return me.rank if me is not None and self.run.status.round > self.previous_round \
+            else None
+
+    @property
+    def requested(self) -> bool:
+        """Whether this node's join request is among the pending ones."""
+        return any(w.name == self.node for w in self.pending)
+
+
+@dataclass(frozen=True)
+class Closed:
+    """The run is closed or finished: withdraw the request, raise RendezvousClosedError."""
+
+
+@dataclass(frozen=True)
+class Join:
+    """Write (or write again) this node's join request, then list the pending ones."""
+
+
+@dataclass(frozen=True)
+class Complete:
+    """A round holds this node: hand torch its rank and the store."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Seal:
+    """Compare-and-set the pending requests into the next round."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Announce:
+    """Tell the running round's members, once per round, that a node waits."""
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    """The join timeout passed: withdraw the request, raise RendezvousTimeoutError."""
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Wait for the run to change, or until ``until`` (monotonic), then look again."""
+
+    until: float
+
+
+Action = Closed | Join | Complete | Seal | Announce | TimedOut | Wait
+
+
+def next_action(  # noqa: PLR0911 - one return per action, in the order of the rules
+        known: Knowledge, now: dt.datetime, clock: float) -> Action:
+    """The next step of ``next_rendezvous``; ``now`` is wall time, ``clock`` monotonic.
+
+    In order: a closed run ends the call; the first step joins; a round that
+    holds this node completes it; a request that vanished (its Lease removed or
+    expired) is made again; then torch's sealing rules
+    (:func:`~elasticrun.api.rounds.decide_seal`) over the listed requests; a
+    running round hears of us once; past the deadline the call fails; otherwise
+    it waits for a change or for the last call (staggered by arrival).
+    """
+    run, pending = known.run, known.pending
+    if run.closed:
+        return Closed()
+    if not known.joined:
+        return Join()
+    if known.rank is not None:
+        return Complete(known.rank)
+    if not known.requested:
+        return Join()
+    decision = rounds.decide_seal(run, now, pending)
+    if decision.seal_now:
+        return Seal(decision.reason)
+    if rounds.announce_needed(run, pending):
+        return Announce()
+    if clock >= known.join_deadline:
+        return TimedOut()
+    wake_at = known.join_deadline
+    if decision.deadline is not None:
+        stagger = LAST_CALL_STAGGER * rounds.arrival_index(run, known.node, pending)
+        wait = (decision.deadline - now).total_seconds() + stagger
+        wake_at = min(wake_at, clock + max(0.0, wait))
+    return Wait(wake_at)

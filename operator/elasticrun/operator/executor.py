@@ -1,0 +1,190 @@
+"""Carries out what :func:`~elasticrun.operator.reconcile.reconcile` planned for one run.
+
+Every write goes through :class:`~elasticrun.api.gateway.RunGateway` (the same
+compare-and-set the nodes use) from a worker thread.  A lost compare-and-set is
+not an error: the winner's write comes back as an event and the run is
+reconciled again from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from elasticrun.api.gateway import RunGateway
+from elasticrun.api.kube import APPLY_PATCH, ApiConnectionError, ApiError, KubeClient
+from elasticrun.api.leases import lease_state
+from elasticrun.api.model import ElasticRun, InvalidRunError, RunStatus, now, parse_run
+from elasticrun.api.naming import lease_name
+from elasticrun.api.ordering import newer, resource_version
+from elasticrun.operator import runrbac
+from elasticrun.operator.observer import COMPONENT, Observer
+from elasticrun.operator.reconcile import Plan, repair
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, run)
+
+
+class PlanExecutor:
+    """The operator's writes.  ``accept`` keeps a copy the operator wrote (or read) as the
+    newest; ``enqueue`` asks for another reconcile of a run."""
+
+    def __init__(self, client: KubeClient, observer: Observer,
+                 accept: Callable[[Key, dict[str, Any]], None],
+                 enqueue: Callable[[Key], None], per_run_rbac: bool = False) -> None:
+        self.client = client
+        #: Give runs naming a ServiceAccount a Role of their own (elasticrun.operator.runrbac).
+        self.per_run_rbac = per_run_rbac
+        self.observer = observer
+        self.accept = accept
+        self.enqueue = enqueue
+        self._rbac_applied: dict[Key, str] = {}
+        self._invalid_reported: dict[Key, str] = {}
+
+    def gateway(self, key: Key) -> RunGateway:
+        return RunGateway(self.client, *key)
+
+    def forget(self, key: Key) -> None:
+        self._rbac_applied.pop(key, None)
+        self._invalid_reported.pop(key, None)
+
+    def readable(self, key: Key) -> None:
+        """The run's status reads again: a later invalid one is reported anew."""
+        self._invalid_reported.pop(key, None)
+
+    async def carry_out(self, run: ElasticRun, plan: Plan) -> ElasticRun | None:
+        """Apply ``plan``; the run as written, or None when the plan is void (race, deletion)."""
+        key = (run.namespace, run.name)
+        if plan.delete_run:
+            await self.delete_run(run)
+            return None
+        if plan.status is not None:
+            written = await self.write_status(run, plan.status)
+            if written is None:
+                return None  # lost the race; the winner's event re-queues us
+            run = written
+        gateway = self.gateway(key)
+        for node in plan.delete_leases:
+            await self.delete_object(gateway.lease_path(lease_name(run.name, node)))
+        if plan.remove_annotations:
+            # Only after the status write took: a lost race must not eat the request.
+            await asyncio.to_thread(gateway.remove_annotations, plan.remove_annotations)
+        for type_, reason, message in plan.events:
+            await self.observer.post_event(run, type_, reason, message)
+        return run
+
+    async def write_status(self, run: ElasticRun, status: RunStatus) -> ElasticRun | None:
+        key = (run.namespace, run.name)
+        try:
+            raw = await asyncio.to_thread(self.gateway(key).replace_status,
+                                          run.resource_version, status.to_dict(), COMPONENT)
+        except ApiError as exc:
+            if exc.not_found:
+                return None
+            raise
+        if raw is None:
+            return None
+        self.accept(key, raw)
+        return parse_run(raw)
+
+    async def repair(self, key: Key, raw: Mapping[str, Any], error: InvalidRunError,
+                     min_round: int) -> None:
+        """A hand-edited status the model cannot read: make every node re-form a round."""
+        if self._invalid_reported.get(key) == str(error):
+            return
+        self._invalid_reported[key] = str(error)
+        meta = raw.get("metadata") or {}
+        log.warning("%s/%s: invalid status (%s); repairing", *key, error)
+        status = repair(raw.get("status"), error, now(), int(meta.get("generation") or 0),
+                        min_round=min_round)
+        gateway = self.gateway(key)
+        written = await asyncio.to_thread(gateway.replace_status, meta.get("resourceVersion"),
+                                          status, COMPONENT)
+        if written is None:
+            # Our copy is stale.  While the status is unreadable nobody else
+            # writes the run, so no newer event may come to re-queue it: read it.
+            self._invalid_reported.pop(key, None)
+            fresh = await asyncio.to_thread(gateway.read)
+            if fresh is not None and newer(resource_version(fresh), resource_version(raw)):
+                self.accept(key, fresh)
+            self.enqueue(key)
+            return
+        self.accept(key, written)
+        await self.observer.post_event(parse_run(written), "Warning", "InvalidStatus",
+                                       f"status could not be read ({error}); the round is "
+                                       "re-formed")
+
+    async def ensure_rbac(self, run: ElasticRun, nodes: list[str]) -> None:
+        """The run's own Role and RoleBinding, with the Leases its nodes created so far.
+
+        Applied only when they change (a node's Lease appears), so a reconcile
+        costs no RBAC write; a Lease event re-queues the run, and the node's
+        Lease is in the Role before its first renewal.
+        """
+        account = run.annotations.get(runrbac.SERVICE_ACCOUNT_ANNOTATION)
+        if not self.per_run_rbac or not account:
+            return
+        problem = runrbac.service_account_problem(account)
+        await self.observer.report_once(run, runrbac.SERVICE_ACCOUNT_ANNOTATION,
+                                        "InvalidServiceAccount", problem)
+        if problem is not None:
+            return  # nothing to apply; the rest of the run is reconciled as usual
+        key = (run.namespace, run.name)
+        role = runrbac.role(run.name, run.namespace, run.uid, nodes)
+        binding = runrbac.role_binding(run.name, run.namespace, run.uid, account)
+        fingerprint = json.dumps([role, binding], sort_keys=True)
+        if self._rbac_applied.get(key) == fingerprint:
+            return
+        for manifest in (role, binding):
+            await asyncio.to_thread(
+                self.client.request, "PATCH",
+                runrbac.path(manifest["kind"], run.namespace, run.name), body=manifest,
+                query={"fieldManager": runrbac.MANAGER, "force": "true"},
+                content_type=APPLY_PATCH)
+        self._rbac_applied[key] = fingerprint
+        log.info("%s/%s: Role %s allows ServiceAccount %s this run and %d Lease(s)", *key,
+                 runrbac.object_name(run.name), account, len(set(nodes)))
+
+    async def delete_run(self, run: ElasticRun) -> None:
+        key = (run.namespace, run.name)
+        await self.observer.post_event(
+            run, "Normal", "Deleted", "TTL after finishing passed; deleting the run and its Leases")
+        # The run goes last: should the operator stop half-way, the run is still
+        # there, finished, and the next reconcile deletes what is left.
+        gateway = self.gateway(key)
+        for lease in await asyncio.to_thread(gateway.leases):
+            await self.delete_object(gateway.lease_path(lease["metadata"]["name"]))
+        if self.per_run_rbac:  # owned by the run, but a cluster may run no garbage collector
+            for kind in ("RoleBinding", "Role"):
+                await self.delete_object(runrbac.path(kind, run.namespace, run.name))
+        await self.delete_object(gateway.path)
+
+    async def delete_orphaned_leases(self, key: Key, uid: str | None) -> None:
+        """Delete the Leases a deleted run owned, as the garbage collector would.
+
+        Not only tidiness: a waiting node cannot see its run's deletion through
+        its narrow watch, but its next Lease renewal finds the Lease gone and
+        makes it look.  Leases of a run re-created under the same name have
+        another owner uid and stay.
+        """
+        if not uid:
+            return
+        gateway = self.gateway(key)
+        try:
+            for item in await asyncio.to_thread(gateway.leases):
+                if lease_state(item).owner_uid == uid:
+                    await self.delete_object(gateway.lease_path(item["metadata"]["name"]))
+        except (ApiError, ApiConnectionError) as exc:
+            log.warning("deleting the Leases of deleted run %s/%s failed: %s", *key, exc)
+
+    async def delete_object(self, path: str) -> None:
+        """DELETE; an object already gone is fine, anything else is logged and left."""
+        try:
+            await asyncio.to_thread(self.client.request, "DELETE", path)
+        except ApiError as exc:
+            if not exc.not_found:
+                log.warning("DELETE %s failed: %s", path, exc)

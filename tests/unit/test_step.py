@@ -1,0 +1,165 @@
+"""``next_rendezvous`` decisions (elasticrun.handler.step), without a server.
+
+Each case is one the integration tests reach through the API server: first
+join, completion, a vanished request, the sealing rules, the join notice, the
+last-call stagger and the join timeout.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elasticrun.api.model import RunStatus, WaitingNode
+from elasticrun.handler import step
+from elasticrun.handler.step import Knowledge, next_action
+
+from test_rounds import at, run, sealed, waiting
+
+CLOCK = 1000.0  # monotonic seconds at the start of next_rendezvous
+JOIN_TIMEOUT = 60.0
+
+
+def knows(status: RunStatus, node: str = "a", pending: tuple[WaitingNode, ...] = (),
+          previous_round: int = 0, joined: bool = True, **spec: int) -> Knowledge:
+    return Knowledge(node=node, run=run(status, **spec), previous_round=previous_round,
+                     join_deadline=CLOCK + JOIN_TIMEOUT, pending=pending, joined=joined)
+
+
+def test_the_first_step_joins_unless_the_run_is_closed() -> None:
+    assert next_action(knows(RunStatus(), joined=False), at(0), CLOCK) == step.Join()
+    closed = Knowledge(node="a", run=run(RunStatus(), closed=True), previous_round=0,
+                       join_deadline=CLOCK + 1)
+    assert next_action(closed, at(0), CLOCK) == step.Closed()
+
+
+def test_a_closed_run_ends_the_call_even_while_waiting() -> None:
+    finished = RunStatus(phase="Succeeded", round=1)
+    assert next_action(knows(finished, pending=waiting("a")), at(0), CLOCK) == step.Closed()
+
+
+def test_a_newer_round_that_holds_the_node_completes_it_with_its_rank() -> None:
+    known = knows(sealed("b", "a"), pending=(), previous_round=0)
+    assert next_action(known, at(0), CLOCK) == step.Complete(rank=1)
+
+
+def test_the_round_the_node_was_in_does_not_complete_the_call() -> None:
+    known = knows(sealed("a", "b"), pending=waiting("a"), previous_round=1)
+    assert not isinstance(next_action(known, at(0), CLOCK), step.Complete)
+
+
+def test_a_request_that_vanished_is_made_again() -> None:
+    known = knows(RunStatus(), pending=waiting("b"))  # our Lease expired or was removed
+    assert next_action(known, at(0), CLOCK) == step.Join()
+
+
+def test_max_nodes_seals_at_once() -> None:
+    known = knows(RunStatus(), pending=waiting("a", "b", "c", "d"))
+    action = next_action(known, at(4), CLOCK)
+    assert isinstance(action, step.Seal) and "maxNodes (4)" in action.reason
+
+
+def test_survivors_all_back_seal_at_once_despite_the_last_call() -> None:
+    known = knows(sealed("a", "b"), pending=waiting("b", "a"), previous_round=1,
+                  max_nodes=3)
+    action = next_action(known, at(1), CLOCK)
+    assert isinstance(action, step.Seal) and "remaining members" in action.reason
+
+
+def test_below_min_nodes_the_node_waits_for_the_join_deadline() -> None:
+    known = knows(RunStatus(), pending=waiting("a"))
+    assert next_action(known, at(0), CLOCK) == step.Wait(until=CLOCK + JOIN_TIMEOUT)
+
+
+def test_during_the_last_call_nodes_wake_staggered_by_arrival() -> None:
+    pending = waiting("a", "b")  # a at 0 s, b at 1 s: the window runs from b's arrival
+    first = next_action(knows(RunStatus(), "a", pending), at(1), CLOCK)
+    second = next_action(knows(RunStatus(), "b", pending), at(1), CLOCK)
+    assert first == step.Wait(until=CLOCK + 30)
+    assert second == step.Wait(until=CLOCK + 30 + step.LAST_CALL_STAGGER)
+
+
+def test_the_last_call_never_waits_past_the_join_deadline() -> None:
+    known = knows(RunStatus(), pending=waiting("a", "b"), last_call=300)
+    assert next_action(known, at(1), CLOCK) == step.Wait(until=CLOCK + JOIN_TIMEOUT)
+
+
+def test_a_passed_last_call_seals() -> None:
+    known = knows(RunStatus(), pending=waiting("a", "b"))
+    action = next_action(known, at(31), CLOCK)
+    assert isinstance(action, step.Seal) and action.reason.startswith("last call (30s)")
+
+
+def test_a_newcomer_beside_a_round_with_room_announces_itself_once() -> None:
+    running = sealed("a", "b")
+    known = knows(running, node="c", pending=waiting("c"), max_nodes=3)
+    assert next_action(known, at(0), CLOCK) == step.Announce()
+    told = running.replace(join_notice=1, signal=2)
+    assert next_action(knows(told, node="c", pending=waiting("c"), max_nodes=3), at(0),
+                       CLOCK) == step.Wait(until=CLOCK + JOIN_TIMEOUT)
+
+
+def test_a_spare_beside_a_full_round_does_not_disturb_it() -> None:
+    known = knows(sealed("a", "b"), node="s", pending=waiting("s"), max_nodes=2)
+    assert next_action(known, at(0), CLOCK) == step.Wait(until=CLOCK + JOIN_TIMEOUT)
+
+
+def test_a_round_already_reforming_needs_no_notice() -> None:
+    degraded = sealed("a", "b").replace(phase="Degraded", restart_round=1)
+    known = knows(degraded, node="c", pending=waiting("c"), max_nodes=3)
+    assert next_action(known, at(0), CLOCK) == step.Wait(until=CLOCK + JOIN_TIMEOUT)
+
+
+def test_past_the_join_deadline_the_call_times_out() -> None:
+    known = knows(RunStatus(), pending=waiting("a"))
+    assert next_action(known, at(60), CLOCK + JOIN_TIMEOUT) == step.TimedOut()
+
+
+def test_sealing_wins_over_the_join_deadline() -> None:
+    known = knows(RunStatus(), pending=waiting("a", "b", "c", "d"))
+    assert isinstance(next_action(known, at(99), CLOCK + 99), step.Seal)
+
+
+NAMES = st.lists(st.sampled_from("abcdef"), unique=True, max_size=6)
+
+
+@given(names=NAMES, me=st.sampled_from("abcdef"), elapsed=st.floats(0, 120),
+       min_nodes=st.integers(1, 4), extra=st.integers(0, 3), last_call=st.integers(0, 40))
+def test_every_state_gets_one_consistent_action(names: list[str], me: str, elapsed: float,
+                                                min_nodes: int, extra: int,
+                                                last_call: int) -> None:
+    known = knows(RunStatus(), node=me, pending=waiting(*names), min_nodes=min_nodes,
+                  max_nodes=min_nodes + extra, last_call=last_call)
+    clock = CLOCK + elapsed
+    action = next_action(known, at(elapsed), clock)
+    if me not in names:
+        assert action == step.Join()
+    elif len(names) < min_nodes:
+        # Never a round below minNodes: wait for more, or give up at the deadline.
+        expected = step.TimedOut() if clock >= known.join_deadline \
+            else step.Wait(until=known.join_deadline)
+        assert action == expected
+    elif isinstance(action, step.Wait):
+        assert clock <= action.until <= known.join_deadline
+        assert len(names) < min_nodes + extra  # at maxNodes it would have sealed
+    else:
+        assert isinstance(action, step.Seal | step.TimedOut)
+
+
+@given(members=st.lists(st.sampled_from("abcdef"), unique=True, min_size=1, max_size=6),
+       previous=st.integers(0, 3), round_=st.integers(1, 4))
+def test_completion_needs_a_newer_round_that_holds_the_node(members: list[str], previous: int,
+                                                           round_: int) -> None:
+    known = knows(sealed(*members, round_=round_), node="a", pending=waiting("a"),
+                  previous_round=previous, max_nodes=6)
+    action = next_action(known, at(0), CLOCK)
+    if "a" in members and round_ > previous:
+        assert action == step.Complete(rank=members.index("a"))
+    else:
+        assert not isinstance(action, step.Complete)
+
+
+def test_knowledge_reports_rank_only_for_a_newer_round() -> None:
+    known = knows(sealed("b", "a", round_=2), previous_round=2)
+    assert known.rank is None
+    assert known.replace(previous_round=1).rank == 1

@@ -1,0 +1,71 @@
+"""The operator's work queue, without a server: one entry per run, retries after failures."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+
+from elasticrun.api.kube import ApiConnectionError
+from elasticrun.api.model import now
+from elasticrun.operator.workqueue import Key, WorkQueue
+
+
+def test_a_run_is_queued_once_however_often_it_is_woken() -> None:
+    done: list[Key] = []
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+
+        async def work(key: Key) -> None:
+            await gate.wait()
+            done.append(key)
+
+        queue = WorkQueue(work, workers=1)
+        queue.start()
+        queue.enqueue(("ns", "a"))
+        await asyncio.sleep(0)  # the worker takes "a" and blocks on the gate
+        for _ in range(3):
+            queue.enqueue(("ns", "b"))
+        gate.set()
+        await asyncio.sleep(0.05)
+        await queue.stop()
+
+    asyncio.run(scenario())
+    assert done == [("ns", "a"), ("ns", "b")]
+
+
+def test_a_failed_reconcile_is_tried_again() -> None:
+    calls: list[Key] = []
+
+    async def scenario() -> None:
+        async def work(key: Key) -> None:
+            calls.append(key)
+            if len(calls) == 1:
+                raise ApiConnectionError("refused")
+
+        queue = WorkQueue(work, workers=1)
+        queue.start()
+        queue.enqueue(("ns", "r"))
+        await asyncio.sleep(1.3)  # retried after REQUEUE_AFTER_API_ERROR (1 s)
+        await queue.stop()
+
+    asyncio.run(scenario())
+    assert calls == [("ns", "r"), ("ns", "r")]
+
+
+def test_a_later_timer_replaces_an_earlier_one() -> None:
+    calls: list[Key] = []
+
+    async def scenario() -> None:
+        async def work(key: Key) -> None:
+            calls.append(key)
+
+        queue = WorkQueue(work, workers=1)
+        queue.start()
+        queue.schedule(("ns", "r"), now() + dt.timedelta(seconds=0.1))
+        queue.schedule(("ns", "r"), now() + dt.timedelta(seconds=30))
+        await asyncio.sleep(0.3)
+        await queue.stop()
+
+    asyncio.run(scenario())
+    assert calls == []
