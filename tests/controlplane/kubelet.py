@@ -23,6 +23,7 @@ from elasticrun.api import crd
 from elasticrun.api.kube import KubeClient
 
 STARTED = "2026-01-01T00:00:00Z"
+UNSCHEDULED = "elasticrun-tests-no-scheduler"
 
 
 class Kubelet:
@@ -38,7 +39,10 @@ class Kubelet:
         """A training pod of ``run``, already Running at ``ip``."""
         body = {"apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": name, "labels": {crd.RUN_LABEL: run}},
-                "spec": {"containers": [{"name": "trainer", "image": "trainer:latest",
+                # A scheduler nobody runs: on a cluster with a real node the pod is
+                # never bound, so no kubelet overwrites the status this class sets.
+                "spec": {"schedulerName": UNSCHEDULED,
+                         "containers": [{"name": "trainer", "image": "trainer:latest",
                                          "command": ["torchrun", "train.py"]}]}}
         self.client.request("POST", f"/api/v1/namespaces/{self.namespace}/pods", body=body)
         return self.set_status(name, {

@@ -71,6 +71,9 @@ def test_examples_are_valid_and_opt_in(cluster: Cluster, namespace: str, path: P
         assert plan.ops and not plan.warnings
         assert pod["spec"]["serviceAccountName"] == TRAINER
         assert pod["spec"]["containers"][0]["command"][0] == "torchrun"
+    # The chart creates this ServiceAccount in each training namespace; a cluster with
+    # the ServiceAccount admission plugin (any real one) refuses pods naming a missing one.
+    cluster.kubectl("create", "serviceaccount", "-n", namespace, TRAINER)
     dry = cluster.kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(path),
                           check=False)
     assert dry.returncode == 0, dry.stderr

@@ -183,13 +183,13 @@ def test_webhook_serves_tls_only_and_no_secret_reaches_a_log(
         proc.wait(timeout=60)
         assert proc.returncode == 0
     assert read_run(cluster.client, namespace, "logs").status.round == 1
-    assert cluster.local is not None
-    admin_token = cluster.local.state.token  # type: ignore[union-attr]
+    # The admin token is ours only on the suite's own control plane.
+    admin_token = cluster.local.state.token if cluster.local and cluster.local.state else None
     logs = {p.name: p.read_text(errors="replace") for p in tmp_path.glob("*.log")}
     assert "operator.log" in logs and any(n.startswith("node-") for n in logs)
     assert any("DEBUG" in text for text in logs.values())
     for name, text in logs.items():
-        assert admin_token not in text, name
+        assert admin_token is None or admin_token not in text, name
         assert "BEGIN" not in text and "PRIVATE KEY" not in text, name
         assert not re.search(r"Bearer\s+\S{10,}", text), name
         assert not re.search(r"eyJ[\w-]{20,}\.[\w-]{20,}\.", text), name  # a JWT
