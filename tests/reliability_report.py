@@ -2,8 +2,8 @@
 """Turn the chaos tests' measurements into docs/reliability.md.
 
     ELASTICRUN_RELIABILITY_JSON=/tmp/rel.jsonl make test \
-        PYTEST_ARGS="tests/integration/test_chaos.py tests/integration/test_bad_input.py \
-                     tests/integration/test_security.py"
+        PYTEST_ARGS="tests/integration/test_chaos.py tests/integration/test_worst_moments.py \
+                     tests/integration/test_bad_input.py tests/integration/test_security.py"
     python tests/reliability_report.py /tmp/rel.jsonl > docs/reliability.md
 
 Each line of the input is one row recorded by ``chaoskit.record`` after a test
@@ -23,7 +23,8 @@ GROUPS = (("fault", "Faults"), ("bad input", "Bad input"), ("security", "Securit
 HEADER = """# Reliability and security under faults and bad input
 
 Every row is a test against a real kube-apiserver and etcd on 127.0.0.1
-(`tests/integration/test_chaos.py`, `test_bad_input.py`, `test_security.py`):
+(`tests/integration/test_chaos.py`, `test_worst_moments.py`, `test_bad_input.py`,
+`test_security.py`):
 the fault is injected for real (SIGKILL of node processes and of the operator,
 the API server or etcd stopped and restarted, objects edited or deleted with
 kubectl), the test asserts the outcome (ranks, world sizes, membership, error

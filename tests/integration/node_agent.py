@@ -16,7 +16,16 @@ protocol (a real SIGKILL: no ``finally``, no shutdown, the Lease is left to
 expire), which is how a test kills a node mid-seal deterministically:
 
 * ``before-seal``: the node computed a seal and dies before its compare-and-set;
-* ``after-seal``: its compare-and-set was written, and it dies before using it.
+* ``after-seal``: its compare-and-set was written, and it dies before using it;
+* ``leader-after-rendezvous``: if it became rank 0 of its first round, it dies as soon as
+  ``next_rendezvous()`` returned (a preempted pod: its TCPStore is gone, nobody
+  was told).
+
+``--use-store`` makes it use each round's store the way torch's agent and
+workers do (a write and a read by every member); if that fails, it calls
+``next_rendezvous()`` again, as torch's agent does when its workers fail::
+
+    {"event": "store", "node": ..., "round": R, "ok": true|false, "t": ...}
 
     python tests/integration/node_agent.py --kubeconfig K --namespace NS --run R \
         --node n0 --nnodes 2:3 [--rounds 2] [--conf heartbeat_timeout=2,...]
@@ -25,6 +34,7 @@ expire), which is how a test kills a node mid-seal deterministically:
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import logging
 import os
@@ -51,6 +61,9 @@ TEST_CONF = {"join_timeout": "60", "last_call_timeout": "1", "heartbeat_timeout"
              "lease_interval": "5", "close_timeout": "10"}
 
 DIE_POINTS = ("before-seal", "after-seal")
+LEADER_DIES = "leader-after-rendezvous"
+#: How long a member's first use of the round's store may take before it counts as failed.
+STORE_USE_TIMEOUT = 10.0
 
 
 def emit(event: str, node: str, **fields: Any) -> None:
@@ -104,7 +117,7 @@ class DyingGateway(RunGateway):
 
 def build(args: argparse.Namespace) -> K8sRendezvousHandler:
     settings = settings_from(args)
-    if args.die_at:
+    if args.die_at in DIE_POINTS:
         return K8sRendezvousHandler(settings, gateway=DyingGateway(settings, args.die_at))
     return K8sRendezvousHandler(settings)
 
@@ -126,6 +139,18 @@ def settle(info: Any, bound: float = 15.0) -> None:
         time.sleep(0.02)
 
 
+def use_store(info: Any, node: str) -> bool:
+    """Every member writes its key and reads rank 0's, through the round's store."""
+    try:
+        info.store.set_timeout(dt.timedelta(seconds=STORE_USE_TIMEOUT))
+        info.store.set(f"elasticrun.test.node.{info.rank}", node)
+        info.store.get("elasticrun.test.node.0")
+    except (RuntimeError, OSError) as exc:
+        emit("store-error", node, message=str(exc).splitlines()[0] if str(exc) else repr(exc))
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kubeconfig", required=True)
@@ -138,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conf", default="", help="key=value,... as --rdzv-conf")
     parser.add_argument("--rounds", type=int, default=0,
                         help="stop (with shutdown()) after this many rounds; 0: never")
-    parser.add_argument("--die-at", choices=DIE_POINTS, default=None)
+    parser.add_argument("--die-at", choices=(*DIE_POINTS, LEADER_DIES), default=None)
+    parser.add_argument("--use-store", action="store_true",
+                        help="use each round's store; rendezvous again if that fails")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="DEBUG logs on stderr (the security tests grep them)")
     args = parser.parse_args(argv)
@@ -159,6 +186,14 @@ def main(argv: list[str] | None = None) -> int:
             emit("rendezvous", node, round=handler._round, rank=info.rank,
                  world=info.world_size, store=[info.bootstrap_store_info.master_addr,
                                                info.bootstrap_store_info.master_port])
+            if args.die_at == LEADER_DIES and info.rank == 0 and done == 1:
+                emit("dying", node, point=LEADER_DIES, round=handler._round)
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.use_store:
+                ok = use_store(info, node)
+                emit("store", node, round=handler._round, ok=ok)
+                if not ok:
+                    continue  # the workers failed: torch's agent re-enters the rendezvous
             if args.rounds and done >= args.rounds:
                 settle(info)
                 break

@@ -163,3 +163,36 @@ def test_knowledge_reports_rank_only_for_a_newer_round() -> None:
     known = knows(sealed("b", "a", round_=2), previous_round=2)
     assert known.rank is None
     assert known.replace(previous_round=1).rank == 1
+
+
+# --------------------------------------------------------------------------- superseded rounds
+
+
+def test_a_round_that_still_holds_both_the_node_and_its_leader_is_not_superseded() -> None:
+    assert step.superseded(run(sealed("lead", "a", "b")), 1, "a", "lead") is None
+
+
+def test_a_round_is_superseded_when_its_leader_is_removed() -> None:
+    current = sealed("lead", "a", "b")
+    without = current.replace(participants=current.participants[1:])
+    assert step.superseded(run(without), 1, "a", "lead") == \
+        "its rank 0, lead, was removed from it"
+
+
+def test_a_round_is_superseded_by_a_newer_round_removal_closing_or_deletion() -> None:
+    status = sealed("lead", "a", "b")
+    assert step.superseded(run(sealed("a", "b", round_=2)), 1, "a", "lead") == \
+        "round 2 replaced it"
+    assert step.superseded(run(status.replace(participants=status.participants[:1]
+                                              + status.participants[2:])), 1, "a", "lead") \
+        == "this node was removed from it"
+    assert step.superseded(run(status, closed=True), 1, "a", "lead") == "the run was closed"
+    assert step.superseded(None, 1, "a", "lead") == "the run was deleted"
+
+
+def test_after_a_superseded_round_the_node_joins_again_and_never_completes_it() -> None:
+    # What the executor knows once it gave up on round 1's store.
+    known = knows(sealed("lead", "a", "b"), previous_round=1, joined=False)
+    assert next_action(known, at(0), CLOCK) == step.Join()
+    joined = known.replace(joined=True, pending=waiting("a"))
+    assert not isinstance(next_action(joined, at(0), CLOCK), step.Complete)

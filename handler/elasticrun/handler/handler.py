@@ -34,7 +34,6 @@ import time
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
-    RendezvousConnectionError,
     RendezvousError,
     RendezvousHandler,
     RendezvousInfo,
@@ -53,6 +52,7 @@ from elasticrun.handler import settings as settings_mod
 from elasticrun.handler import step
 from elasticrun.handler.calls import ElasticRunForbiddenError, connect_client, who
 from elasticrun.handler.lease import LeaseKeeper, NodeNameInUseError
+from elasticrun.handler.reach import reach_store
 from elasticrun.handler.session import RunSession
 from elasticrun.handler.settings import RendezvousSettings
 from elasticrun.handler.store import RoundStores
@@ -108,7 +108,14 @@ class K8sRendezvousHandler(RendezvousHandler):
             while True:
                 action = step.next_action(known, now(), time.monotonic())
                 if isinstance(action, step.Complete):
-                    return self._complete(known.run, action.rank)
+                    info = self._complete(session, known.run, action.rank)
+                    if info is not None:
+                        return info
+                    # The round ended before its store answered: join the next one.
+                    run = session.watcher.latest or session.read_or_raise()
+                    known = known.replace(run=run, previous_round=known.run.status.round,
+                                          joined=False)
+                    continue
                 known = self._carry_out(session, known, action)
 
     def is_closed(self) -> bool:
@@ -287,21 +294,19 @@ class K8sRendezvousHandler(RendezvousHandler):
             time.sleep(random.uniform(0, retry_delay(attempt)))
             attempt += 1
 
-    def _complete(self, run: ElasticRun, rank: int) -> RendezvousInfo:
+    def _complete(self, session: RunSession, run: ElasticRun,
+                  rank: int) -> RendezvousInfo | None:
+        """torch's view of the round, or None when it ended before its store answered."""
         status = run.status
-        self._round = status.round
         if status.store is None:
             raise RendezvousStateError(f"{self._who()}: round {status.round} was sealed without "
                                        "a store address (status.store); the rank-0 node did not "
                                        "publish its TCPStore port")
         host, port = status.store.host, status.store.port
-        try:
-            base = self.stores.store_for(rank, host, port,
-                                         timeout=max(60.0, self.settings.api_timeout))
-        except (RuntimeError, OSError) as exc:
-            raise RendezvousConnectionError(
-                f"{self._who()}: cannot reach rank 0's TCPStore at {host}:{port}: {exc}. Check "
-                "that pods can reach each other on that port (NetworkPolicy)") from exc
+        base = reach_store(session, self.stores, run, rank)
+        if base is None:
+            return None
+        self._round = status.round
         store = PrefixStore(f"torch.rendezvous.{self.settings.run_name}.{status.round}", base)
         log.info("%s: round %d, rank %d of %d, store %s:%d", self._who(), status.round, rank,
                  len(status.participants), host, port)

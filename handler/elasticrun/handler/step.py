@@ -131,3 +131,26 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
         wait = (decision.deadline - now).total_seconds() + stagger
         wake_at = min(wake_at, clock + max(0.0, wait))
     return Wait(wake_at)
+
+
+def superseded(run: ElasticRun | None, round_number: int, node: str,
+               leader: str) -> str | None:
+    """Why round ``round_number`` can no longer work for ``node``, or None if it still can.
+
+    A node that is still connecting to its round's store asks this between
+    attempts: once the round is over (the leader or this node removed, a newer
+    round sealed, the run closed or deleted), waiting for the leader's store is
+    pointless and the node joins the next round instead.
+    """
+    if run is None:
+        return "the run was deleted"
+    if run.closed:
+        return "the run was closed"
+    status = run.status
+    if status.round != round_number:
+        return f"round {status.round} replaced it"
+    if status.participant(node) is None:
+        return "this node was removed from it"
+    if status.participant(leader) is None:
+        return f"its rank 0, {leader}, was removed from it"
+    return None
