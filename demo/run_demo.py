@@ -131,6 +131,8 @@ class Story:
 
     rounds: list[dict[str, Any]] = field(default_factory=list)
     lost: list[dict[str, Any]] = field(default_factory=list)
+    #: Members that left after finishing (reason Left), in order.
+    left: list[str] = field(default_factory=list)
     epochs_done: int = 0
     final_loss: float | None = None
     world_sizes: list[int] = field(default_factory=list)
@@ -331,6 +333,10 @@ class Demo:
         seen = {(m.name, m.round, m.reason) for m in (o.lost_members if o else ())}
         for m in s.lost_members:
             if (m.name, m.round, m.reason) in seen:
+                continue
+            if m.reason == "Left":  # finished and shut down: a departure, not a loss
+                c.line("round", f"{m.name} left round {m.round} ({m.message or 'shut down'})")
+                self.story.left.append(m.name)
                 continue
             detection = ""
             if m.name == self.story.killed and self.story.killed_at is not None:
