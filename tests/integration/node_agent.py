@@ -17,7 +17,7 @@ expire), which is how a test kills a node mid-seal deterministically:
 
 * ``before-seal``: the node computed a seal and dies before its compare-and-set;
 * ``after-seal``: its compare-and-set was written, and it dies before using it;
-* ``leader-after-rendezvous``: if it became rank 0 of its first round, it dies as soon as
+* ``leader-after-rendezvous``: if it became rank 0 of the run's first round, it dies as soon as
   ``next_rendezvous()`` returned (a preempted pod: its TCPStore is gone, nobody
   was told).
 
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             emit("rendezvous", node, round=handler._round, rank=info.rank,
                  world=info.world_size, store=[info.bootstrap_store_info.master_addr,
                                                info.bootstrap_store_info.master_port])
-            if args.die_at == LEADER_DIES and info.rank == 0 and done == 1:
+            if args.die_at == LEADER_DIES and info.rank == 0 and handler._round == 1:
                 emit("dying", node, point=LEADER_DIES, round=handler._round)
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.use_store:
