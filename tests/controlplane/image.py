@@ -88,11 +88,16 @@ def write_image(out: Path, pause: Path, python_prefix: Path, project: Path,
                 name: str = IMAGE) -> str:
     """Write the OCI layout tar for ``name``; returns the manifest digest."""
     venv_bin = MOUNT_ROOT / "project" / ".venv" / "bin"
+    # The editable install points at the checkout's own path, which a pod's volume
+    # can hide (an emptyDir on /tmp, with the checkout under /tmp): the sources
+    # are found through the stable mount first.
+    sources = ":".join(str(MOUNT_ROOT / "project" / d) for d in ("handler", "operator"))
     layer = root_layer(pause.read_bytes(), path_links(python_prefix, project))
     config = json.dumps({
         "architecture": "amd64", "os": "linux", "created": _EPOCH,
         "config": {"Entrypoint": ["/pause"], "WorkingDir": "/",
-                   "Env": [f"PATH={venv_bin}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"]},
+                   "Env": [f"PATH={venv_bin}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+                           f"PYTHONPATH={sources}"]},
         "rootfs": {"type": "layers", "diff_ids": [_digest(layer)]},
         "history": [{"created": _EPOCH, "created_by": "tests/controlplane/image.py"}],
     }, sort_keys=True).encode()
