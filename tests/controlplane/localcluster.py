@@ -55,6 +55,7 @@ from controlplane.procs import (
     descendants,
     kill_tree,
     pid_alive,
+    processes_naming,
     stop_pid,
 )
 
@@ -179,28 +180,6 @@ class ClusterState:
             return None
 
 
-def _naming(directory: Path) -> list[int]:
-    """Processes whose command line or environment names ``directory``.
-
-    etcd and kube-apiserver are started with paths inside their control plane's
-    directory, and everything a test starts against it (the operator, node
-    agents, torchrun and its workers) carries its kubeconfig path.  Matching on
-    that, not on recorded PIDs alone, also guards against PID reuse.
-    """
-    needle = str(directory).encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            if needle in (proc / "cmdline").read_bytes() or \
-                    needle in (proc / "environ").read_bytes():
-                found.append(int(proc.name))
-        except OSError:
-            continue  # gone, or not ours to read
-    return found
-
-
 #: Directory prefixes of the clusters test sessions start (apiserver and node mode).
 SESSION_PREFIXES = ("elasticrun-cp-", "elasticrun-node-")
 
@@ -224,7 +203,7 @@ def reap_orphans(parent: Path, prefixes: Sequence[str] = SESSION_PREFIXES) -> li
         if state.mode == NODE:
             LocalNode(directory, state.kubeconfig, Path()).stop()
         servers = {state.apiserver_pid, state.etcd_pid}
-        left = _naming(Path(state.dir))
+        left = processes_naming(Path(state.dir))
         for pid in sorted(left, key=lambda p: p in servers):  # the servers last
             stop_pid(pid)
         shutil.rmtree(directory, ignore_errors=True)

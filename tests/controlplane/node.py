@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.image import IMAGE, write_image
-from controlplane.procs import clean_env, kill_tree, pid_alive, stop_pid
+from controlplane.procs import clean_env, kill_tree, pid_alive, processes_naming, stop_pid
 
 HERE = Path(__file__).resolve().parent
 PROJECT = HERE.parent.parent
@@ -325,7 +325,7 @@ class LocalNode:
 
     def leftovers(self) -> list[str]:
         """What a stopped node must not leave: processes, mounts, pod cgroups."""
-        found = [f"process {pid}" for pid in _processes_naming(self.dir)]
+        found = [f"process {pid}" for pid in processes_naming(self.dir)]
         mounts = Path("/proc/self/mounts").read_text()
         found += [f"mount {line.split()[1]}" for line in mounts.splitlines()
                   if str(self.dir) in line]
@@ -342,18 +342,6 @@ class LocalNode:
                 continue
             parts.append(f"--- {name}.log\n" + "\n".join(text.splitlines()[-lines:]))
         return "\n".join(parts)
-
-
-def _processes_naming(directory: Path) -> list[int]:
-    needle = str(directory).encode()
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            if needle in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-    return found
 
 
 def host_paths() -> set[str]:

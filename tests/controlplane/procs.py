@@ -97,3 +97,25 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
     for target in [pid, *descendants(pid)]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(target, sig)
+
+
+def processes_naming(directory: Path) -> list[int]:
+    """Processes whose command line or environment names ``directory``.
+
+    etcd and kube-apiserver are started with paths inside their control plane's
+    directory, and everything a test starts against it (the operator, node
+    agents, torchrun and its workers) carries its kubeconfig path.  Matching on
+    that, not on recorded PIDs alone, also guards against PID reuse.
+    """
+    needle = str(directory).encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if needle in (proc / "cmdline").read_bytes() or \
+                    needle in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue  # gone, or not ours to read
+    return found

@@ -52,7 +52,8 @@ def reach_store(session: RunSession, stores: RoundStores, run: ElasticRun,
         try:
             return stores.store_for(rank, host, port, timeout=attempt)
         except (RuntimeError, OSError) as exc:
-            attempts, error = attempts + 1, str(exc).splitlines()[0] if str(exc) else repr(exc)
+            attempts += 1
+            error = (str(exc).splitlines() or [repr(exc)])[0]
         session.check_watch()
         latest = session.watcher.latest or run
         why = step.superseded(latest, status.round, node, leader)
