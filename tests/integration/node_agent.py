@@ -15,17 +15,29 @@ again as soon as that is positive.  Every outcome is one JSON line on stdout::
 protocol (a real SIGKILL: no ``finally``, no shutdown, the Lease is left to
 expire), which is how a test kills a node mid-seal deterministically:
 
+* ``after-join``: the node wrote its first join request and dies before anything else;
 * ``before-seal``: the node computed a seal and dies before its compare-and-set;
 * ``after-seal``: its compare-and-set was written, and it dies before using it;
 * ``leader-after-rendezvous``: if it became rank 0 of the run's first round, it dies as soon as
   ``next_rendezvous()`` returned (a preempted pod: its TCPStore is gone, nobody
-  was told).
+  was told);
+* ``leader-at-admission``: as rank 0 of the first round, it dies the moment it
+  hears that a late node waits (the round is about to re-form to admit it);
+* ``leader-in-exit-barrier``: with ``--rounds``, as rank 0 of the first round it
+  dies while the others wait in torch's exit barrier (its store goes with it).
 
 ``--use-store`` makes it use each round's store the way torch's agent and
 workers do (a write and a read by every member); if that fails, it calls
 ``next_rendezvous()`` again, as torch's agent does when its workers fail::
 
     {"event": "store", "node": ..., "round": R, "ok": true|false, "t": ...}
+
+With ``--rounds`` the node stops after that many rounds the way torch's agent
+does when its workers succeeded: torch's own exit barrier on the round's
+store (an error there is logged, not raised, as in torch), then ``shutdown()``::
+
+    {"event": "exit-barrier", "node": ..., "ok": true|false, "t": ...}
+    {"event": "shutdown", "node": ..., "t": ...}
 
     python tests/integration/node_agent.py --kubeconfig K --namespace NS --run R \
         --node n0 --nnodes 2:3 [--rounds 2] [--conf heartbeat_timeout=2,...]
@@ -51,6 +63,8 @@ for extra in (ROOT / "handler", ROOT / "operator"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 
+import torch.distributed.elastic.utils.store as store_util  # noqa: E402
+
 from elasticrun.api.gateway import RunGateway  # noqa: E402
 from elasticrun.handler.calls import connect_client  # noqa: E402
 from elasticrun.handler.handler import K8sRendezvousHandler  # noqa: E402
@@ -61,7 +75,15 @@ TEST_CONF = {"join_timeout": "60", "last_call_timeout": "1", "heartbeat_timeout"
              "lease_interval": "5", "close_timeout": "10"}
 
 DIE_POINTS = ("before-seal", "after-seal")
+DIES_AFTER_JOIN = "after-join"
 LEADER_DIES = "leader-after-rendezvous"
+LEADER_DIES_AT_ADMISSION = "leader-at-admission"
+LEADER_DIES_IN_EXIT_BARRIER = "leader-in-exit-barrier"
+LEADER_POINTS = (LEADER_DIES, LEADER_DIES_AT_ADMISSION, LEADER_DIES_IN_EXIT_BARRIER)
+#: torch's default exit barrier timeout (``--exit-barrier-timeout``... of the agent).
+EXIT_BARRIER_TIMEOUT = 300.0
+#: How long rank 0 lets the others enter the exit barrier before it dies there.
+BARRIER_ENTRY = 1.0
 #: How long a member's first use of the round's store may take before it counts as failed.
 STORE_USE_TIMEOUT = 10.0
 
@@ -111,12 +133,21 @@ class DyingGateway(RunGateway):
         return int((stored.get("status") or {}).get("round") or 0)
 
     def _die(self, sealed_round: int) -> None:
-        emit("dying", self.node, point=self.point, round=sealed_round)
-        os.kill(os.getpid(), signal.SIGKILL)
+        die(self.node, self.point, sealed_round)
+
+
+class JoinThenDie(K8sRendezvousHandler):
+    """A node that SIGKILLs itself right after its join request was written."""
+
+    def _join(self) -> None:
+        super()._join()
+        die(self.settings.node_name, DIES_AFTER_JOIN, 0)
 
 
 def build(args: argparse.Namespace) -> K8sRendezvousHandler:
     settings = settings_from(args)
+    if args.die_at == DIES_AFTER_JOIN:
+        return JoinThenDie(settings)
     if args.die_at in DIE_POINTS:
         return K8sRendezvousHandler(settings, gateway=DyingGateway(settings, args.die_at))
     return K8sRendezvousHandler(settings)
@@ -139,6 +170,24 @@ def settle(info: Any, bound: float = 15.0) -> None:
         time.sleep(0.02)
 
 
+def exit_barrier(info: Any, node: str) -> bool:
+    """torch's agent at the end of training: its own barrier, errors logged, not raised."""
+    try:
+        store_util.barrier(store=info.store, world_size=info.world_size,
+                           key_prefix="elasticrun.test.exit", barrier_timeout=EXIT_BARRIER_TIMEOUT)
+    except Exception as exc:  # torch's _exit_barrier logs every error
+        emit("exit-barrier", node, ok=False,
+             message=str(exc).splitlines()[0] if str(exc) else repr(exc))
+        return False
+    emit("exit-barrier", node, ok=True)
+    return True
+
+
+def die(node: str, point: str, round_number: int) -> None:
+    emit("dying", node, point=point, round=round_number)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def use_store(info: Any, node: str) -> bool:
     """Every member writes its key and reads rank 0's, through the round's store."""
     try:
@@ -151,7 +200,7 @@ def use_store(info: Any, node: str) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kubeconfig", required=True)
     parser.add_argument("--namespace", required=True)
@@ -163,48 +212,71 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--conf", default="", help="key=value,... as --rdzv-conf")
     parser.add_argument("--rounds", type=int, default=0,
                         help="stop (with shutdown()) after this many rounds; 0: never")
-    parser.add_argument("--die-at", choices=(*DIE_POINTS, LEADER_DIES), default=None)
+    parser.add_argument("--die-at", default=None,
+                        choices=(*DIE_POINTS, DIES_AFTER_JOIN, *LEADER_POINTS))
     parser.add_argument("--use-store", action="store_true",
                         help="use each round's store; rendezvous again if that fails")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="DEBUG logs on stderr (the security tests grep them)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def finish(info: Any, node: str, die_at: str | None, leader: bool) -> None:
+    """The end of training: the exit barrier (torch's, or ``settle``) before shutdown."""
+    if die_at != LEADER_DIES_IN_EXIT_BARRIER:
+        settle(info)
+        return
+    if leader:
+        time.sleep(BARRIER_ENTRY)
+        die(node, LEADER_DIES_IN_EXIT_BARRIER, 1)
+    exit_barrier(info, node)
+
+
+def agent_loop(handler: K8sRendezvousHandler, args: argparse.Namespace) -> int:
+    """torch's agent, as far as the rendezvous sees it; the exit code."""
+    node, done = args.node, 0
+    while not args.rounds or done < args.rounds:
+        try:
+            info = handler.next_rendezvous()
+        except Exception as exc:  # reported, as torch's agent would
+            emit("error", node, type=type(exc).__name__, message=str(exc))
+            return 1
+        done += 1
+        emit("rendezvous", node, round=handler._round, rank=info.rank,
+             world=info.world_size, store=[info.bootstrap_store_info.master_addr,
+                                           info.bootstrap_store_info.master_port])
+        first_leader = info.rank == 0 and handler._round == 1
+        if args.die_at == LEADER_DIES and first_leader:
+            die(node, LEADER_DIES, handler._round)
+        if args.use_store:
+            ok = use_store(info, node)
+            emit("store", node, round=handler._round, ok=ok)
+            if not ok:
+                continue  # the workers failed: torch's agent re-enters the rendezvous
+        if args.rounds and done >= args.rounds:
+            finish(info, node, args.die_at, first_leader)
+            break
+        # Training: torch's monitor loop asks every 0.1 s whether to re-form.
+        while (waiting := handler.num_nodes_waiting()) == 0:
+            time.sleep(0.1)
+        if args.die_at == LEADER_DIES_AT_ADMISSION and first_leader:
+            die(node, LEADER_DIES_AT_ADMISSION, handler._round)
+        emit("restart", node, round=handler._round, waiting=waiting)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = build(args)
-    node = args.node
-    emit("ready", node, pid=os.getpid())
-    done = 0
+    emit("ready", args.node, pid=os.getpid())
     try:
-        while not args.rounds or done < args.rounds:
-            try:
-                info = handler.next_rendezvous()
-            except Exception as exc:  # reported, as torch's agent would
-                emit("error", node, type=type(exc).__name__, message=str(exc))
-                return 1
-            done += 1
-            emit("rendezvous", node, round=handler._round, rank=info.rank,
-                 world=info.world_size, store=[info.bootstrap_store_info.master_addr,
-                                               info.bootstrap_store_info.master_port])
-            if args.die_at == LEADER_DIES and info.rank == 0 and handler._round == 1:
-                emit("dying", node, point=LEADER_DIES, round=handler._round)
-                os.kill(os.getpid(), signal.SIGKILL)
-            if args.use_store:
-                ok = use_store(info, node)
-                emit("store", node, round=handler._round, ok=ok)
-                if not ok:
-                    continue  # the workers failed: torch's agent re-enters the rendezvous
-            if args.rounds and done >= args.rounds:
-                settle(info)
-                break
-            # Training: torch's monitor loop asks every 0.1 s whether to re-form.
-            while (waiting := handler.num_nodes_waiting()) == 0:
-                time.sleep(0.1)
-            emit("restart", node, round=handler._round, waiting=waiting)
+        return agent_loop(handler, args)
     finally:
         if args.rounds:
             handler.shutdown()
-    return 0
+            emit("shutdown", args.node)
 
 
 if __name__ == "__main__":

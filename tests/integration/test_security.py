@@ -37,7 +37,7 @@ from elasticrun.api.kube import (
     load_credentials,
     run_path,
 )
-from elasticrun.api.leases import JOIN_ANNOTATION
+from elasticrun.api.leases import JOIN_ANNOTATION, UNREACHABLE_ANNOTATION, unreachable_value
 from elasticrun.api.model import format_time, now
 from elasticrun.api.naming import lease_name
 from elasticrun.handler.handler import ElasticRunForbiddenError
@@ -478,6 +478,34 @@ def test_a_lease_claiming_to_live_forever_expires_with_the_runs_heartbeat(
                            body=_forged_lease("hb", "orphan", None))
     time.sleep(1.5)
     assert "orphan" not in read_run(cluster.client, namespace, "hb").status.waiting_names
+
+
+def test_a_false_report_of_an_unreachable_rank0_removes_nobody(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster,
+        namespace: str) -> None:
+    """A member's report is evidence the operator checks, never a verdict.
+
+    A writer of the run (a buggy or hostile member; the admin token stands in for
+    its own) reports the live rank 0 unreachable, again and again: the operator
+    looks at rank 0's Lease, sees it renewed, and removes nobody.
+    """
+    nodes = [make_handler("liar", f"liar-{i}", min_nodes=3, heartbeat_timeout=3,
+                          lease_renew_interval=1) for i in range(3)]
+    assert_all_ok(rendezvous_all(nodes))
+    run = read_run(cluster.client, namespace, "liar")
+    leader = next(p.name for p in run.status.participants if p.rank == 0)
+    liar = next(p.name for p in run.status.participants if p.rank == 1)
+    path = lease_path(namespace, lease_name("liar", liar))
+    for _ in range(4):  # past the 2 s suspicion window, and a renewal of the report
+        cluster.client.request("PATCH", path, body={"metadata": {"annotations": {
+            UNREACHABLE_ANNOTATION: unreachable_value(leader, run.status.round)}}},
+            content_type=MERGE_PATCH)
+        time.sleep(1)
+    final = read_run(cluster.client, namespace, "liar")
+    assert final.status.round == run.status.round
+    assert final.status.member_names == {"liar-0", "liar-1", "liar-2"}
+    assert final.status.lost_members == ()
+    assert all(node.num_nodes_waiting() == 0 for node in nodes)
 
 
 def test_metric_series_of_deleted_runs_are_removed(operator: OperatorProcess,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from typing import Any
 
 import pytest
 
 from elasticrun.api.kube import ApiConnectionError, ApiError
-from elasticrun.api.leases import LeaseState
+from elasticrun.api.leases import LeaseState, Unreachable
 from elasticrun.api.model import (
     ElasticRun,
     InvalidRunError,
@@ -223,3 +224,69 @@ def test_the_probe_counts_only_a_missing_or_unwell_server_as_unreachable(
         outcome: Exception | None, reachable: bool) -> None:
     api = ApiAvailability(client=_Answers(outcome))  # type: ignore[arg-type]
     assert api._probe() is reachable
+
+
+# --------------------------------------------------------------------------- reported rank 0
+
+#: Heartbeat 10 s, renewed every second: a reported rank 0 is lost after 2 quiet seconds.
+RENEW_1 = RunSpec(min_nodes=2, max_nodes=3, heartbeat_timeout=10, lease_renew_interval=1)
+
+
+def _reported(leader_renewed: dt.datetime, *, about: str = "a", round_: int = 1,
+              reporter: str = "b") -> dict[str, LeaseState]:
+    leases = _leases({"a": leader_renewed, "b": T0, "c": T0})
+    leases[reporter] = dataclasses.replace(leases.get(reporter) or _leases({reporter: T0})[
+        reporter], unreachable=Unreachable(node=about, round=round_))
+    return leases
+
+
+def test_a_reported_rank0_whose_lease_went_quiet_is_removed_before_its_heartbeat() -> None:
+    run = running_run(RENEW_1)
+    plan = reconcile(run, Members(leases=_reported(T0 - dt.timedelta(seconds=2.5))), T0)
+    assert plan.status is not None and plan.status.member_names == {"b", "c"}
+    lost = plan.status.lost_members[-1]
+    assert (lost.name, lost.reason) == ("a", "StoreUnreachable")
+    assert "did not answer b" in (lost.message or "")
+    assert plan.delete_leases == ["a"]
+
+
+def test_a_reported_rank0_that_still_renews_is_kept_and_looked_at_again() -> None:
+    run = running_run(RENEW_1)
+    renewed = T0 - dt.timedelta(seconds=0.5)
+    plan = reconcile(run, Members(leases=_reported(renewed)), T0)
+    assert plan.status is None or plan.status.member_names == {"a", "b", "c"}
+    assert plan.delete_leases == []
+    assert plan.wake_at == renewed + dt.timedelta(seconds=2.05)
+
+
+@pytest.mark.parametrize(("about", "round_", "reporter"), [
+    ("b", 1, "c"),      # not rank 0: nobody connects to it
+    ("a", 0, "b"),      # an older round's report
+    ("a", 1, "x"),      # from a node that is not a member
+])
+def test_reports_that_do_not_concern_the_current_rank0_change_nothing(
+        about: str, round_: int, reporter: str) -> None:
+    run = running_run(RENEW_1)
+    leases = _reported(T0 - dt.timedelta(seconds=2.5), about=about, round_=round_,
+                       reporter=reporter)
+    plan = reconcile(run, Members(leases=leases), T0)
+    assert plan.status is None or plan.status.member_names == {"a", "b", "c"}
+
+
+def test_after_an_api_outage_a_reported_rank0_gets_its_quiet_time_again() -> None:
+    run = running_run(RENEW_1)
+    back = T0 - dt.timedelta(seconds=1)
+    plan = reconcile(run, Members(leases=_reported(T0 - dt.timedelta(seconds=30)),
+                                  lease_clock_start=back), T0)
+    assert plan.status is None or plan.status.member_names == {"a", "b", "c"}
+
+
+def test_an_expired_lease_of_a_node_already_removed_is_deleted() -> None:
+    # An operator stopped between writing a removal and deleting the Lease.
+    run = running_run(HEARTBEAT_10)
+    leases = _leases({"a": T0, "b": T0, "c": T0, "gone": T0 - dt.timedelta(seconds=11)})
+    plan = reconcile(run, Members(leases=leases), T0)
+    assert plan.delete_leases == ["gone"]
+    assert plan.status is None or plan.status.member_names == {"a", "b", "c"}
+    live = _leases({"a": T0, "b": T0, "c": T0, "between-rounds": T0})
+    assert reconcile(run, Members(leases=live), T0).delete_leases == []

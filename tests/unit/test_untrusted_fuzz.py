@@ -21,7 +21,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from elasticrun.api import crd, rounds, untrusted
-from elasticrun.api.leases import JOIN_ANNOTATION, lease_run, lease_state, pending_joins
+from elasticrun.api.leases import (
+    JOIN_ANNOTATION,
+    UNREACHABLE_ANNOTATION,
+    Unreachable,
+    lease_run,
+    lease_state,
+    pending_joins,
+    read_unreachable,
+)
 from elasticrun.api.model import (
     ElasticRun,
     InvalidRunError,
@@ -72,13 +80,13 @@ ANNOTATION = st.one_of(
 
 
 def _lease(node: Any, join: Any, renew: Any, duration: Any, owner: Any,
-           created: Any) -> dict[str, Any]:
+           created: Any, unreachable: Any = None) -> dict[str, Any]:
     return {
         "metadata": {
             "name": f"run-b.{node}", "creationTimestamp": created,
             "labels": {crd.RUN_LABEL: "run-b"},
             "annotations": {crd.RUN_LABEL: "run-b", crd.NODE_ANNOTATION: node,
-                            JOIN_ANNOTATION: join},
+                            JOIN_ANNOTATION: join, UNREACHABLE_ANNOTATION: unreachable},
             "ownerReferences": owner,
         },
         "spec": {"holderIdentity": node, "renewTime": renew, "leaseDurationSeconds": duration},
@@ -93,6 +101,9 @@ LEASES = st.builds(
     duration=st.one_of(st.sampled_from(HUGE_NUMBERS), JSON),
     owner=st.one_of(st.just([{"kind": crd.KIND, "uid": UID}]), JSON),
     created=st.one_of(st.sampled_from(EXTREME_TIMES), JSON),
+    unreachable=st.one_of(st.sampled_from(['{"node": "n0", "round": 1}',
+                                           '{"node": "n0", "round": 1e999}']),
+                          ANNOTATION),
 )
 #: Whole objects of any shape, as a Lease LIST could in theory return them.
 ANYTHING = st.one_of(JSON, st.dictionaries(st.sampled_from(["metadata", "spec"]), JSON))
@@ -190,3 +201,17 @@ def test_metric_reasons_come_from_a_fixed_set() -> None:
     samples = {s.labels.get("reason") for m in metrics.registry.collect()
                for s in m.samples if s.name == "elasticrun_members_lost_total"}
     assert samples == {OTHER}
+
+
+@pytest.mark.parametrize("raw", [
+    "", "{}", "[]", "null", '{"node": "a"}', '{"node": "a", "round": "1"}',
+    '{"node": "a", "round": true}', '{"node": "a", "round": -1}',
+    '{"node": "a", "round": 1e400}', '{"node": "a", "round": 99999999999}',
+    '{"node": "", "round": 1}', '{"node": {"x": 1}, "round": 1}', "x" * 600, 7,
+    '{"node": "a", "round": 1, "more": {"deep": [1]}}'])
+def test_an_unreadable_unreachable_report_is_no_report(raw: Any) -> None:
+    assert read_unreachable(raw) is None
+
+
+def test_a_readable_unreachable_report_is_read() -> None:
+    assert read_unreachable('{"node": "n0", "round": 3}') == Unreachable("n0", 3)

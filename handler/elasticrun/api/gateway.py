@@ -32,6 +32,7 @@ from elasticrun.api.kube import (
 )
 from elasticrun.api.leases import lease_state, leases_of, pending_joins, run_leases_query
 from elasticrun.api.model import RunSpec, RunStatus, WaitingNode, new_run_manifest
+from elasticrun.api.naming import lease_name
 
 
 def status_body(namespace: str, name: str, resource_version: str | None,
@@ -146,6 +147,15 @@ class RunGateway:
         """The join requests no round has answered yet (:func:`pending_joins`)."""
         return pending_joins([lease_state(item) for item in self.leases()], status, now,
                              run_uid, heartbeat)
+
+    def lease(self, node: str) -> dict[str, Any] | None:
+        """``node``'s Lease in this run; None when there is none."""
+        try:
+            return self.client.request("GET", self.lease_path(lease_name(self.name, node)))
+        except ApiError as exc:
+            if exc.not_found:
+                return None
+            raise
 
     def lease_path(self, lease: str) -> str:
         return lease_path(self.namespace, lease)

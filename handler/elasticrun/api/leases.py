@@ -26,6 +26,22 @@ from elasticrun.api.rounds import arrival_key
 
 #: Annotation on a node's Lease: its join request, as JSON (a waiting entry without the name).
 JOIN_ANNOTATION = f"{crd.GROUP}/join"
+#: Annotation on a node's Lease: the round's rank 0 whose TCPStore it could not reach,
+#: as JSON ``{"node": ..., "round": R}``.  Evidence for the operator, never a verdict.
+UNREACHABLE_ANNOTATION = f"{crd.GROUP}/unreachable"
+#: A rank 0 reported unreachable is lost once it has not renewed its Lease for this
+#: many renewal intervals (at most the heartbeat timeout): two independent signals,
+#: its store refusing a member and its Lease going quiet, instead of waiting for the
+#: heartbeat alone.
+SUSPECT_RENEWALS = 2
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    """A member's report that it could not reach ``node``'s TCPStore in round ``round``."""
+
+    node: str
+    round: int
 
 
 @dataclass(frozen=True)
@@ -45,6 +61,8 @@ class LeaseState:
     created: dt.datetime | None = None
     #: Why a join request on the Lease was not readable (for one Event).
     problem: str | None = None
+    #: The rank 0 this node reports unreachable, if it does.
+    unreachable: Unreachable | None = None
 
     def expired(self, now: dt.datetime, timeout: float,
                 not_before: dt.datetime | None = None) -> bool:
@@ -63,6 +81,11 @@ class LeaseState:
             return None
         start = self.renewed if not_before is None else max(self.renewed, not_before)
         return start + dt.timedelta(seconds=timeout)
+
+
+def suspicion_window(heartbeat: float, renew_interval: float) -> float:
+    """How long a reported rank 0 may go without renewing its Lease before it counts as lost."""
+    return min(heartbeat, SUSPECT_RENEWALS * renew_interval)
 
 
 def run_leases_query(run: str) -> dict[str, str]:
@@ -118,6 +141,25 @@ def read_join(node: str | None, raw: Any, where: str) -> tuple[WaitingNode | Non
     return join, None
 
 
+def unreachable_value(node: str, round_number: int) -> str:
+    return json.dumps({"node": node, "round": round_number}, sort_keys=True)
+
+
+def read_unreachable(raw: Any) -> Unreachable | None:
+    """A report from a Lease annotation; anything unreadable is no report."""
+    if raw is None or raw == "":
+        return None
+    try:
+        fields = untrusted.json_object(raw, limit=512, max_depth=1)
+    except untrusted.UnreadableError:
+        return None
+    node, round_number = untrusted.text(fields.get("node")), fields.get("round")
+    if node is None or isinstance(round_number, bool) or not isinstance(round_number, int) \
+            or not 0 < round_number < 2**31:
+        return None
+    return Unreachable(node=node, round=round_number)
+
+
 def lease_state(lease: Mapping[str, Any]) -> LeaseState:
     """Read a Lease; anything unreadable counts as no request (see ``problem``)."""
     meta = untrusted.mapping(lease.get("metadata"))
@@ -136,7 +178,8 @@ def lease_state(lease: Mapping[str, Any]) -> LeaseState:
                       renewed=untrusted.read_time(spec.get("renewTime")),
                       duration=untrusted.number(spec.get("leaseDurationSeconds")), join=join,
                       owner_uid=owners[0] if owners else None, created=created,
-                      problem=problem)
+                      problem=problem,
+                      unreachable=read_unreachable(annotations.get(UNREACHABLE_ANNOTATION)))
 
 
 def holder_alive(current: Mapping[str, Any], run: str, owner_uid: str | None,

@@ -52,7 +52,7 @@ from elasticrun.handler import settings as settings_mod
 from elasticrun.handler import step
 from elasticrun.handler.calls import ElasticRunForbiddenError, connect_client, who
 from elasticrun.handler.lease import LeaseKeeper, NodeNameInUseError
-from elasticrun.handler.reach import reach_store
+from elasticrun.handler.reach import REPORT_TIMEOUT, reach_store
 from elasticrun.handler.session import RunSession
 from elasticrun.handler.settings import RendezvousSettings
 from elasticrun.handler.store import RoundStores
@@ -294,6 +294,11 @@ class K8sRendezvousHandler(RendezvousHandler):
             time.sleep(random.uniform(0, retry_delay(attempt)))
             attempt += 1
 
+    def _report_unreachable(self, leader: str, round_number: int) -> None:
+        if self._lease is not None and self._lease.acquired:
+            self._lease.report_unreachable(leader, round_number,
+                                           min(REPORT_TIMEOUT, self.settings.close_timeout))
+
     def _complete(self, session: RunSession, run: ElasticRun,
                   rank: int) -> RendezvousInfo | None:
         """torch's view of the round, or None when it ended before its store answered."""
@@ -303,7 +308,7 @@ class K8sRendezvousHandler(RendezvousHandler):
                                        "a store address (status.store); the rank-0 node did not "
                                        "publish its TCPStore port")
         host, port = status.store.host, status.store.port
-        base = reach_store(session, self.stores, run, rank)
+        base = reach_store(session, self.stores, run, rank, self._report_unreachable)
         if base is None:
             return None
         self._round = status.round

@@ -23,7 +23,13 @@ from elasticrun.api.kube import (
     lease_path,
     leases_path,
 )
-from elasticrun.api.leases import JOIN_ANNOTATION, holder_alive, join_value
+from elasticrun.api.leases import (
+    JOIN_ANNOTATION,
+    UNREACHABLE_ANNOTATION,
+    holder_alive,
+    join_value,
+    unreachable_value,
+)
 from elasticrun.api.model import WaitingNode, format_time, now
 from elasticrun.api.naming import label_value, lease_name
 
@@ -100,18 +106,38 @@ class LeaseKeeper:
         self.acquired = True
 
     def set_join(self, join: WaitingNode | None) -> None:
-        """Ask to join the next round (or withdraw): one write to our own object."""
+        """Ask to join the next round (or withdraw): one write to our own object.
+
+        The same write withdraws a report of an unreachable rank 0, which
+        belonged to the round this node is leaving.
+        """
         value = join_value(join) if join is not None else None
         try:
             self.client.request(
                 "PATCH", lease_path(self.namespace, self.name),
-                body={"metadata": {"annotations": {JOIN_ANNOTATION: value}}},
+                body={"metadata": {"annotations": {JOIN_ANNOTATION: value,
+                                                   UNREACHABLE_ANNOTATION: None}}},
                 content_type=MERGE_PATCH)
         except ApiError as exc:
             if not exc.not_found:
                 raise
             if join is not None:  # removed (e.g. by the operator as lost): take it again
                 self.acquire(join)
+
+    def report_unreachable(self, leader: str, round_number: int, timeout: float) -> None:
+        """Tell the operator that ``leader``'s store did not answer us (best effort).
+
+        A report that does not get through only means the leader's loss is
+        noticed by its Lease expiring instead.
+        """
+        try:
+            self.client.request(
+                "PATCH", lease_path(self.namespace, self.name),
+                body={"metadata": {"annotations": {
+                    UNREACHABLE_ANNOTATION: unreachable_value(leader, round_number)}}},
+                content_type=MERGE_PATCH, timeout=timeout)
+        except (ApiError, ApiConnectionError) as exc:
+            log.info("lease %s: reporting %s unreachable failed: %s", self.name, leader, exc)
 
     def withdraw_join(self, timeout: float) -> bool:
         """Withdraw our join request, keeping the Lease; False if that failed."""

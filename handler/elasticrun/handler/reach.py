@@ -4,25 +4,35 @@ Connecting to rank 0's store is the one place where ``next_rendezvous()``
 waits on a peer instead of the run.  torch's TCPStore client would wait out
 its whole timeout for a leader that died right after the round was sealed, so
 the node tries in short attempts and, between them, looks at its watch: as
-soon as the round is superseded (the operator removed the dead leader, a newer
-round was sealed, the run was closed) it gives up and joins the next round.
-The wait is bounded by the run's heartbeat timeout: by then a dead leader's
-Lease has expired, and without an operator the node removes the leader itself
-(the same compare-and-set the operator would write).  A leader whose Lease is
-still renewed but whose store does not answer is a network problem, reported
-as such.
+soon as the round is superseded (the leader removed, a newer round sealed, the
+run closed) it gives up and joins the next round.
+
+A store that does not answer while rank 0's Lease has missed a renewal (one
+GET of that Lease tells) is evidence that rank 0 is gone, and the node passes
+it on at once: it reports the leader on its own Lease
+(:data:`~elasticrun.api.leases.UNREACHABLE_ANNOTATION`), where the operator
+sees it and looks at the leader's Lease again the moment it could count as
+lost, instead of when its heartbeat runs out.  The evidence alone removes
+nobody: a leader is taken out of the round once its Lease has been quiet for
+the suspicion window
+(:func:`~elasticrun.api.leases.suspicion_window`, two renewals), by the
+operator or, the same compare-and-set, by the node itself when no operator
+did it first.  A leader that keeps renewing but whose store does not answer
+is a network problem, reported as such after twice the heartbeat timeout.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from elasticrun.api import rounds
-from elasticrun.api.leases import lease_state
+from elasticrun.api.leases import lease_state, suspicion_window
 from elasticrun.api.model import ElasticRun, now
 from elasticrun.handler import step
 from elasticrun.handler.session import RunSession
@@ -30,27 +40,35 @@ from elasticrun.handler.store import RoundStores
 
 log = logging.getLogger(__name__)
 
-#: One connection attempt to rank 0's store; the run is looked at between attempts.
-ATTEMPT_SECONDS = 1.0
+#: One connection attempt to rank 0's store; the run is looked at between attempts,
+#: so this bounds how long a node keeps trying a round that was already replaced.
+ATTEMPT_SECONDS = 0.5
+#: Rank 0's Lease is read at most this often while its store does not answer.
+MIN_LOOK = 0.1
+#: The report of an unreachable leader may hold up the next attempt at most this long.
+REPORT_TIMEOUT = 2.0
 #: Reason recorded when a node removes a leader whose store and Lease both went silent.
-LEADER_LOST = "LeaseExpired"
+LEADER_LOST = "StoreUnreachable"
+
+#: Tells the operator that this node could not reach ``leader``'s store in round ``round``.
+Report = Callable[[str, int], None]
 
 
-def reach_store(session: RunSession, stores: RoundStores, run: ElasticRun,
-                rank: int) -> dist.Store | None:
+def reach_store(session: RunSession, stores: RoundStores, run: ElasticRun, rank: int,
+                report: Report) -> dist.Store | None:
     """The round's store, or None when the round was superseded before it answered."""
-    status = run.status
+    status, spec = run.status, run.spec
     assert status.store is not None
     host, port = status.store.host, status.store.port
     node = session.settings.node_name
     leader = next(p.name for p in status.participants if p.rank == 0)
+    window = suspicion_window(spec.heartbeat_timeout, spec.lease_renew_interval)
     started = time.monotonic()
-    deadline = started + run.spec.heartbeat_timeout
-    attempts, error = 0, ""
+    look_at, give_up_at = started, started + 2 * spec.heartbeat_timeout
+    attempts, error, reported = 0, "", False
     while True:
-        attempt = min(ATTEMPT_SECONDS, max(0.1, deadline - time.monotonic()))
         try:
-            return stores.store_for(rank, host, port, timeout=attempt)
+            return stores.store_for(rank, host, port, timeout=ATTEMPT_SECONDS)
         except (RuntimeError, OSError) as exc:
             attempts += 1
             error = (str(exc).splitlines() or [repr(exc)])[0]
@@ -61,54 +79,49 @@ def reach_store(session: RunSession, stores: RoundStores, run: ElasticRun,
             log.info("%s: round %d ended before its store at %s:%d answered (%s); joining "
                      "the next round", session.who, status.round, host, port, why)
             return None
-        if time.monotonic() < deadline:
+        if time.monotonic() < look_at:
             continue
-        silent_for = time.monotonic() - started
-        remaining = _leader_lease_remaining(session, latest, leader)
-        if remaining is None:
-            _remove_leader(session, latest, leader, host, port, silent_for)
+        quiet = _quiet_for(session, latest, leader)
+        if quiet >= window:
+            _remove_leader(session, latest, leader, host, port,
+                           time.monotonic() - started, window)
             return None
-        if remaining > 0 and silent_for < 2 * run.spec.heartbeat_timeout:
-            deadline = time.monotonic() + remaining  # the Lease may yet run out
-            continue
-        raise RendezvousConnectionError(
-            f"{session.who}: cannot reach rank 0's TCPStore ({leader}) at {host}:{port} for "
-            f"round {status.round}: {attempts} attempts over {silent_for:.1f}s (the run's "
-            f"heartbeatTimeoutSeconds is {run.spec.heartbeat_timeout}), last error: {error}. "
-            f"{leader} still renews its Lease, so it is alive: check that pods can reach each "
-            "other on that port (NetworkPolicy, firewall)")
+        if quiet >= spec.lease_renew_interval and not reported:
+            report(leader, status.round)  # a renewal missed, and its store silent
+            reported = True
+        if time.monotonic() >= give_up_at:
+            raise RendezvousConnectionError(
+                f"{session.who}: cannot reach rank 0's TCPStore ({leader}) at {host}:{port} "
+                f"for round {status.round}: {attempts} attempts over "
+                f"{time.monotonic() - started:.1f}s (twice the run's heartbeatTimeoutSeconds "
+                f"of {spec.heartbeat_timeout}), last error: {error}. {leader} still renews its "
+                "Lease, so it is alive: check that pods can reach each other on that port "
+                "(NetworkPolicy, firewall)")
+        look_at = time.monotonic() + max(MIN_LOOK, min(window - quiet, spec.lease_renew_interval))
 
 
-def _leader_lease_remaining(session: RunSession, run: ElasticRun, leader: str) -> float | None:
-    """Seconds until the leader's Lease expires by the run's heartbeat; None if it has."""
-    listed = session.call("list the run's Leases", session.gateway.leases)
-    heartbeat = run.spec.heartbeat_timeout
-    for item in listed:
-        state = lease_state(item)
-        if state.node != leader or state.owner_uid != run.uid:
-            continue
-        expiry = state.expired_at(heartbeat)
-        if expiry is None:
-            return None
-        remaining = (expiry - now()).total_seconds()
-        return remaining if remaining > 0 else None
-    return None
+def _quiet_for(session: RunSession, run: ElasticRun, leader: str) -> float:
+    """Seconds since the leader last renewed its Lease (one GET); infinite without one.
 
-
+    A Lease that is not this run's (another owner) counts as none.
+    """
+    item = session.call("read rank 0's Lease", lambda: session.gateway.lease(leader))
+    state = lease_state(item) if item is not None else None
+    if state is None or state.owner_uid != run.uid or state.renewed is None:
+        return math.inf
+    return max(0.0, (now() - state.renewed).total_seconds())
 def _remove_leader(session: RunSession, run: ElasticRun, leader: str, host: str, port: int,
-                   silent_for: float) -> None:
-    """Take a leader that stopped answering and renewing out of the round (no operator).
+                   silent_for: float, window: float) -> None:
+    """Take a leader whose store and Lease both went silent out of the round.
 
-    Whether this write or someone else's wins, the round is over: the caller
-    joins the next one.
+    The operator writes the same removal when it runs; whichever compare-and-set
+    wins, the round is over and the caller joins the next one.
     """
     status = rounds.remove_member(
         run.status, leader, LEADER_LOST, now(),
         message=f"its TCPStore at {host}:{port} did not answer for {silent_for:.1f}s and its "
-                f"Lease was not renewed for {run.spec.heartbeat_timeout}s",
+                f"Lease was not renewed for {window:g}s",
         detection_seconds=silent_for)
     if status is not None and session.replace_status(run, status) is not None:
         log.warning("%s: removed rank 0 (%s) from round %d: its store and its Lease went "
                     "silent", session.who, leader, run.status.round)
-
-

@@ -16,7 +16,8 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0,
 #: value is counted as ``Other`` and a pod cannot grow the series without bound.
 REASONS = frozenset({
     "PodDeleted", "PodDisrupted", "PodFailed", "PodSucceeded", "ContainerTerminated",
-    "ContainerRestarted", "LeaseExpired", "LeaseMissing", "Left", "Drained"})
+    "ContainerRestarted", "LeaseExpired", "LeaseMissing", "StoreUnreachable", "Left",
+    "Drained"})
 OTHER = "Other"
 
 

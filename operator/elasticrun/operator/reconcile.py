@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from elasticrun.api import crd, rounds
-from elasticrun.api.leases import LeaseState, pending_joins
+from elasticrun.api.leases import LeaseState, pending_joins, suspicion_window
 from elasticrun.api.model import Condition, ElasticRun, LostMember, RunStatus
 from elasticrun.operator.liveness import Loss
 
@@ -26,6 +26,8 @@ SEAL_GRACE = 1.0
 #: (covers a node that died between joining and creating its Lease, without
 #: misreading a Lease the operator's watch has not delivered yet).
 MISSING_LEASE_GRACE_FACTOR = 1.0
+#: Look at a reported rank 0 again this soon after its Lease's quiet time is up.
+SUSPECT_RECHECK = dt.timedelta(seconds=0.05)
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,65 @@ def _losses(run: ElasticRun, members: Members, now: dt.datetime
         elif lease is None and since is not None and now - since > grace:
             found.append((name, Loss("LeaseMissing", f"{name} has no Lease",
                                      since + grace)))
+    suspect = _suspected_leader(run, members, now)
+    if suspect is not None and suspect.name not in {name for name, _ in found}:
+        loss = _unreachable_loss(run, members, suspect, now)
+        if loss is not None:
+            found.append((suspect.name, loss))
     return found
+
+
+@dataclass(frozen=True)
+class Suspect:
+    """The round's rank 0, reported unreachable by the members in ``reporters``."""
+
+    name: str
+    reporters: tuple[str, ...]
+
+
+def _suspected_leader(run: ElasticRun, members: Members, now: dt.datetime) -> Suspect | None:
+    """Rank 0 of the current round, if a live member of that round reports its store dead.
+
+    A report is a pod's word, so it only makes the operator look at rank 0's
+    Lease sooner (:func:`_unreachable_loss`); it never removes anyone by itself.
+    """
+    status = run.status
+    leader = next((p.name for p in status.participants if p.rank == 0), None)
+    if leader is None:
+        return None
+    reporters = tuple(sorted(
+        name for name, lease in members.leases.items()
+        if name != leader and name in status.member_names and lease.unreachable is not None
+        and lease.unreachable.node == leader and lease.unreachable.round == status.round
+        and lease.owner_uid == run.uid
+        and not lease.expired(now, run.spec.heartbeat_timeout, members.lease_clock_start)))
+    return Suspect(leader, reporters) if reporters else None
+
+
+def _suspect_silent_at(run: ElasticRun, members: Members, suspect: Suspect
+                       ) -> dt.datetime | None:
+    """When the suspect's Lease has been quiet for the suspicion window (None: no Lease)."""
+    lease = members.leases.get(suspect.name)
+    if lease is None:
+        return None
+    spec = run.spec
+    return lease.expired_at(suspicion_window(spec.heartbeat_timeout, spec.lease_renew_interval),
+                            members.lease_clock_start)
+
+
+def _unreachable_loss(run: ElasticRun, members: Members, suspect: Suspect,
+                      now: dt.datetime) -> Loss | None:
+    """A reported rank 0 whose Lease also went quiet (or is gone) is lost now."""
+    who = ", ".join(suspect.reporters)
+    silent_at = _suspect_silent_at(run, members, suspect)
+    if suspect.name not in members.leases:
+        return Loss("StoreUnreachable", f"{suspect.name}'s TCPStore did not answer {who}, "
+                    "and it has no Lease", now)
+    if silent_at is None or now <= silent_at:
+        return None
+    window = suspicion_window(run.spec.heartbeat_timeout, run.spec.lease_renew_interval)
+    return Loss("StoreUnreachable", f"{suspect.name}'s TCPStore did not answer {who}, and it "
+                f"did not renew its Lease for {window:g}s", silent_at)
 
 
 def _phase(status: RunStatus) -> str:
@@ -119,12 +179,13 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
     new = new.replace(waiting=pending_joins(members.leases.values(), new, now, run.uid,
                                             run.spec.heartbeat_timeout))
     new = _remove_lost(run, new, members, now, plan)
+    _collect_dead_leases(run, new, members, now, plan)
     new = _drain(run, new, now)
     new = _forced_round(run, new, plan)
     if _all_members_finished(new):
         return _succeed(run, new, now, plan)
     new = _seal_backstop(run, new, now, plan)
-    _lease_wakeups(run, new, members, plan)
+    _lease_wakeups(run, new, members, now, plan)
     material = new
     new = _finish(_conditions(run, new.replace(phase=_phase(new)), now), run.generation)
     return _write_or_wait(run.status, material, new, now, plan)
@@ -199,6 +260,21 @@ def _remove_lost(run: ElasticRun, new: RunStatus, members: Members, now: dt.date
     return new
 
 
+def _collect_dead_leases(run: ElasticRun, new: RunStatus, members: Members, now: dt.datetime,
+                         plan: Plan) -> None:
+    """Expired Leases of nodes that are neither members nor waiting are deleted.
+
+    Removing a member writes the status first and deletes its Lease after; an
+    operator that stopped in between finishes the job here, from the API
+    server's state alone.
+    """
+    present = new.member_names | {w.name for w in new.waiting}
+    for name, lease in sorted(members.leases.items()):
+        if name not in present and name not in plan.delete_leases and lease.expired(
+                now, run.spec.heartbeat_timeout, members.lease_clock_start):
+            plan.delete_leases.append(name)
+
+
 def _drain(run: ElasticRun, new: RunStatus, now: dt.datetime) -> RunStatus:
     """Members named in the drain annotation leave the round."""
     for name in sorted(run.drained & new.member_names):
@@ -266,11 +342,16 @@ def _seal_backstop(run: ElasticRun, new: RunStatus, now: dt.datetime,
     return new
 
 
-def _lease_wakeups(run: ElasticRun, new: RunStatus, members: Members, plan: Plan) -> None:
+def _lease_wakeups(run: ElasticRun, new: RunStatus, members: Members, now: dt.datetime,
+                   plan: Plan) -> None:
     """Look again when a Lease can expire, a request goes stale, or a join times out."""
     spec = run.spec
     for lease in members.leases.values():
         plan.wake(lease.expired_at(spec.heartbeat_timeout, members.lease_clock_start))
+    suspect = _suspected_leader(run.replace_status(new), members, now)
+    silent_at = _suspect_silent_at(run, members, suspect) if suspect is not None else None
+    if silent_at is not None:
+        plan.wake(silent_at + SUSPECT_RECHECK)
     for w in new.waiting:
         if w.since is not None:
             plan.wake(w.since + dt.timedelta(seconds=spec.heartbeat_timeout + 0.5))
