@@ -219,10 +219,39 @@ def test_statefulset_scale_up_eviction_and_a_crashed_container(
     back = wait_for(lambda: round_with(node_cluster, ns, run, 3, after=before.status.round,
                                        including=victim), 180,
                     f"the restarted {victim} back in a round", interval=0.5)
-    pod = node_cluster.client.request("GET", f"/api/v1/namespaces/{ns}/pods/{victim}")
-    assert pod["status"]["containerStatuses"][0]["restartCount"] >= 1
+    assert restart_count(node_cluster, ns, victim) >= 1
     print(f"restarted container back in round {back.status.round} after "
           f"{time.monotonic() - killed:.2f}s")
+
+    # Rank 0 deleted as soon as its round is seen sealed: its TCPStore goes with it.
+    # The others' torchrun must re-rendezvous in place, not exit.
+    sealed = wait_for(lambda: round_with(node_cluster, ns, run, 3, after=back.status.round - 1),
+                      180, "a round of three", interval=0.05)
+    leader = next(p.name for p in sealed.status.participants if p.rank == 0)
+    survivors = [p.name for p in sealed.status.participants if p.name != leader]
+    restarts = {name: restart_count(node_cluster, ns, name) for name in survivors}
+    deleted = time.monotonic()
+    node_cluster.kubectl("delete", "pod", "-n", ns, leader, "--wait=false")
+    without = wait_for(lambda: round_with(node_cluster, ns, run, 2, after=sealed.status.round,
+                                          without=leader), 60,
+                       f"a round of the two others after rank 0 ({leader}) was deleted",
+                       interval=0.05)
+    took = time.monotonic() - deleted
+    assert {p.name for p in without.status.participants} == set(survivors)
+    assert sorted(p.rank for p in without.status.participants) == [0, 1]
+    lost = [m.reason for m in without.status.lost_members
+            if m.name == leader and m.round == sealed.status.round]
+    assert lost and lost[-1] in ("PodDeleted", "Left"), lost
+    assert {name: restart_count(node_cluster, ns, name) for name in survivors} == restarts
+    print(f"rank 0 ({leader}) deleted right after round {sealed.status.round} was sealed -> "
+          f"round {without.status.round} of the other two after {took:.2f}s ({lost[-1]}); "
+          "no container restarted")
+
+
+def restart_count(cluster: Cluster, namespace: str, pod: str) -> int:
+    body = cluster.client.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
+    count: int = body["status"]["containerStatuses"][0]["restartCount"]
+    return count
 
 
 def torchrun_process(pod: str) -> int:

@@ -147,10 +147,10 @@ def _unreachable_loss(run: ElasticRun, members: Members, suspect: Suspect,
                       now: dt.datetime) -> Loss | None:
     """A reported rank 0 whose Lease also went quiet (or is gone) is lost now."""
     who = ", ".join(suspect.reporters)
-    silent_at = _suspect_silent_at(run, members, suspect)
     if suspect.name not in members.leases:
         return Loss("StoreUnreachable", f"{suspect.name}'s TCPStore did not answer {who}, "
                     "and it has no Lease", now)
+    silent_at = _suspect_silent_at(run, members, suspect)
     if silent_at is None or now <= silent_at:
         return None
     window = suspicion_window(run.spec.heartbeat_timeout, run.spec.lease_renew_interval)
