@@ -72,6 +72,14 @@ def assert_round_of(survivors: list[NodeProcess], final_round: int, cluster: Clu
     assert {p.name for p in status.participants} == {n.node for n in survivors}
 
 
+def dying(nodes: list[NodeProcess], timeout: float, what: str
+          ) -> tuple[NodeProcess, dict[str, Any]]:
+    """The node that killed itself at its die point, and its last word."""
+    node: NodeProcess = wait_for(lambda: next((n for n in nodes if n.of("dying")), None),
+                                 timeout, what)
+    return node, node.of("dying")[0]
+
+
 def how_out(cluster: Cluster, namespace: str, run: str, node: str, final_round: int) -> str:
     lost = [m for m in read_run(cluster.client, namespace, run).status.lost_members
             if m.name == node]
@@ -99,9 +107,7 @@ def test_rank0_lost_right_after_sealing(signal_: str, request: pytest.FixtureReq
                         *(["--pod", name] if pods is not None else extra))
              for name in names]
     started = min(n.wait_event("ready", 30)["t"] for n in nodes)
-    leader = wait_for(lambda: next((n for n in nodes if n.of("dying")), None), 60,
-                      "rank 0 of the first round to vanish")
-    died = leader.of("dying")[0]
+    leader, died = dying(nodes, 60, "rank 0 of the first round to vanish")
     if pods is not None:
         pods.delete(leader.node)  # preempted: the kubelet's last word on the pod
     survivors = [n for n in nodes if n is not leader]
@@ -137,9 +143,7 @@ def test_rank0_lost_while_a_late_node_is_admitted(operator: OperatorProcess, clu
     for node in first:
         node.wait_event("store", 60)
     late = start(processes, cluster, namespace, "admit", tmp_path, ["a3"], "3:4")[0]
-    leader = wait_for(lambda: next((n for n in first if n.of("dying")), None), 30,
-                      "rank 0 to vanish as the late node is announced")
-    died = leader.of("dying")[0]
+    leader, died = dying(first, 30, "rank 0 to vanish as the late node is announced")
     survivors = [n for n in first if n is not leader] + [late]
     final_round, last = one_working_round(survivors, 1, 45)
     recovered = last - died["t"]
@@ -162,9 +166,7 @@ def test_rank0_lost_during_the_exit_barrier(operator: OperatorProcess, cluster: 
                                             tmp_path: Path) -> None:
     nodes = start(processes, cluster, namespace, "barrier", tmp_path, ["b0", "b1", "b2"],
                   "3:3", "--rounds", "1", "--die-at", "leader-in-exit-barrier")
-    leader = wait_for(lambda: next((n for n in nodes if n.of("dying")), None), 60,
-                      "rank 0 to vanish in the exit barrier")
-    died = leader.of("dying")[0]
+    leader, died = dying(nodes, 60, "rank 0 to vanish in the exit barrier")
     survivors = [n for n in nodes if n is not leader]
     # torch's exit barrier waits up to 300 s; a dead rank 0 must not hold the others that long.
     done = [n.wait_event("shutdown", 30) for n in survivors]
