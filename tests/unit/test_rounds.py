@@ -201,3 +201,11 @@ def test_newcomers_are_ordered_by_the_servers_lease_creation_not_their_claimed_s
     assert [w.name for w in pending(leases, RunStatus(), at(6))] == ["honest", "early"]
     new = rounds.seal_round(run(RunStatus(waiting=(claimed, honest)), max_nodes=2), at(6))
     assert [p.name for p in new.participants] == ["honest", "early"]
+
+
+def test_nodes_leave_sealing_to_the_operator_from_64_nodes_on_and_wait_longer_for_more() -> None:
+    small, large, huge = RunSpec(min_nodes=2, max_nodes=63), RunSpec(max_nodes=64), \
+        RunSpec(max_nodes=2048)
+    assert not rounds.nodes_defer_seal(small)
+    assert rounds.nodes_defer_seal(large) and rounds.nodes_defer_seal(huge)
+    assert rounds.DEFER_SEAL_BASE < rounds.defer_seal_wait(large) < rounds.defer_seal_wait(huge)
