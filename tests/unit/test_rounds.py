@@ -101,9 +101,11 @@ def test_seal_round_moves_waiting_into_a_new_round_with_rank_0_hosting_the_store
     assert new.round == 2 and new.signal == status.signal + 1 and new.phase == "Running"
     assert [(p.name, p.rank) for p in new.participants] == [("a", 0), ("b", 1)]
     assert [w.name for w in new.waiting] == ["n"]  # beyond maxNodes: still a spare
-    leader = new.participants[0]
+    leader = next(w for w in status.waiting if w.name == "a")  # its join request
     assert new.store is not None and (new.store.host, new.store.port) == (
         leader.address, leader.store_port)
+    # The roster is compact: the round's one address is status.store.
+    assert all(p.address is None and p.store_port is None for p in new.participants)
     assert {p.joined_round for p in new.participants} == {0}  # kept from round 1
     assert new.sealed_at == at(7)
     RunStatus.from_dict(new.to_dict())  # what is written reads back

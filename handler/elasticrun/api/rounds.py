@@ -143,7 +143,11 @@ def order_for_ranks(previous: Iterable[Participant],
 def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> RunStatus:
     """The status after moving up to ``maxNodes`` waiting nodes into a new round.
 
-    The nodes not admitted stay in ``status.waiting``.
+    The nodes not admitted stay in ``status.waiting``.  A member's entry holds
+    what readers of the roster need (name, rank, round joined, Pod, the request
+    it answered); the round's one address, rank 0's store, is ``status.store``.
+    Every node receives the whole status with the seal, so each byte of an
+    entry is sent N times.
     """
     status = run.status
     ordered = order_for_ranks(status.participants, eligible_waiting(run, waiting))
@@ -155,15 +159,13 @@ def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> Ru
         Participant(
             name=w.name,
             rank=rank,
-            address=w.address,
-            store_port=w.store_port,
             joined_round=joined.get(w.name, new_round),
             pod=w.pod,
             since=w.since,
         )
         for rank, w in enumerate(admitted)
     )
-    leader = participants[0]
+    leader = admitted[0]
     store = (StoreAddress(leader.address, leader.store_port)
              if leader.address and leader.store_port else None)
     return status.replace(
