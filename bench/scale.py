@@ -22,13 +22,11 @@ a log-log plot; ``<out>/benchmarks.md`` embeds the latter (:mod:`bench.report`).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -45,7 +43,7 @@ from bench import apiserver, backends, dnsshim, report, scale_report, scenarios 
 from bench.backends import K8sBackend, Run, Timing  # noqa: E402
 from bench.pool import Pool, worker_env  # noqa: E402
 from bench.proc import cpu_seconds, machine, stop_pid  # noqa: E402
-from bench.run import commit, versions  # noqa: E402
+from bench.run import arguments, commit, directories, versions  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -244,17 +242,9 @@ def real_rounds(plan: Plan, backend: backends.Backend, sizes: tuple[int, ...], l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small N, one of each (CI smoke)")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="output directory (default: docs/, or bench/out/quick with --quick)")
-    args = parser.parse_args(argv)
+    args = arguments(__doc__.splitlines()[0]).parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
-    out: Path = args.out or (ROOT / "bench" / "out" / "quick" if args.quick else ROOT / "docs")
-    out.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="elasticrun-scale-"))
-    log_dir = work / "logs"
-    log_dir.mkdir()
+    out, work, log_dir = directories(args, "elasticrun-scale-")
     data: dict[str, Any] = {
         "command": "make bench-scale" if not args.quick else "python bench/scale.py --quick",
         "quick": args.quick, "plan": asdict(plan), "machine": machine(),

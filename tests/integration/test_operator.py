@@ -270,36 +270,30 @@ class _CountedLists:
         monkeypatch.setattr(RunGateway, "leases", leases)
 
 
-def _defer_from(monkeypatch: pytest.MonkeyPatch, size: int, wait: float) -> None:
-    """Make runs of ``size`` nodes defer their seal, for the handlers of this process."""
+def _form_deferring(make_handler: Any, monkeypatch: pytest.MonkeyPatch, run: str,
+                    wait: float) -> int:
+    """Form a round of 3 nodes that defer their seal for ``wait`` s; LISTs they made."""
     from elasticrun.api import rounds
 
-    monkeypatch.setattr(rounds, "DEFER_SEAL_FROM", size)
+    monkeypatch.setattr(rounds, "DEFER_SEAL_FROM", 3)
     monkeypatch.setattr(rounds, "DEFER_SEAL_BASE", wait)
     monkeypatch.setattr(rounds, "DEFER_SEAL_PER_NODE", 0.0)
+    lists = _CountedLists(monkeypatch)
+    outcomes = rendezvous_all([make_handler(run, f"n{i}", min_nodes=3) for i in range(3)])
+    _ok(outcomes)
+    assert sorted(o.rank for o in outcomes.values() if o.rank is not None) == [0, 1, 2]
+    assert {o.world_size for o in outcomes.values()} == {3}
+    return lists.count
 
 
 def test_deferring_nodes_never_list_the_leases_and_the_operator_seals(
         operator: OperatorProcess, make_handler: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The large-run protocol at small N: nodes write their request, the operator seals."""
-    _defer_from(monkeypatch, 3, wait=120.0)
-    lists = _CountedLists(monkeypatch)
-    nodes = [make_handler("deferred", f"n{i}", min_nodes=3) for i in range(3)]
-    outcomes = rendezvous_all(nodes)
-    _ok(outcomes)
-    assert sorted(o.rank for o in outcomes.values() if o.rank is not None) == [0, 1, 2]
-    assert {o.world_size for o in outcomes.values()} == {3}
-    assert lists.count == 0
+    assert _form_deferring(make_handler, monkeypatch, "deferred", wait=120.0) == 0
 
 
 def test_deferring_nodes_seal_themselves_when_no_operator_does(
         make_handler: Any, cluster: Cluster, namespace: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    _defer_from(monkeypatch, 3, wait=0.5)
-    lists = _CountedLists(monkeypatch)
-    nodes = [make_handler("unattended", f"n{i}", min_nodes=3) for i in range(3)]
-    outcomes = rendezvous_all(nodes)
-    _ok(outcomes)
-    assert sorted(o.rank for o in outcomes.values() if o.rank is not None) == [0, 1, 2]
+    assert _form_deferring(make_handler, monkeypatch, "unattended", wait=0.5) >= 1
     assert read_run(cluster.client, namespace, "unattended").status.round == 1
-    assert lists.count >= 1
