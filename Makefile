@@ -64,9 +64,11 @@ bench: setup controlplane
 bench-quick: setup controlplane
 	$(PY) bench/run.py --quick
 
-# Bounded: about 15 minutes on 2 cores; writes docs/benchmarks-scale.md, embedded in benchmarks.md.
+# Bounded: about 15 minutes on 2 cores; writes docs/benchmarks-scale.md, embedded in
+# benchmarks.md.  BASELINE is the protocol it is compared with (the commit before issue 14).
+BASELINE ?= 3849ad2
 bench-scale: setup controlplane
-	$(PY) bench/scale.py
+	$(PY) bench/scale.py --baseline $(BASELINE)
 
 cluster: setup $(if $(filter node,$(CLUSTER_MODE)),node,controlplane)
 	@$(PY) -m controlplane.localcluster up --dir $(CLUSTER_DIR) --mode $(CLUSTER_MODE)

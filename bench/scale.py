@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,8 @@ class Plan:
     sample: int = 16
     real_sizes: tuple[int, ...] = (64, 128, 256)
     c10d_sizes: tuple[int, ...] = (64, 128, 256)
+    #: Sizes at which ``--baseline`` measures the protocol before this one.
+    baseline_sizes: tuple[int, ...] = (128, 256)
     reps: int = 2
     workers: int = 4
     sim_processes: int = 4
@@ -60,8 +63,9 @@ class Plan:
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(mixed_sizes=(8, 16), sample=2, real_sizes=(8,), c10d_sizes=(8,), reps=1,
-                   workers=2, sim_processes=2, formation_bound=60.0)
+        return cls(mixed_sizes=(8, 16), sample=2, real_sizes=(8,), c10d_sizes=(8,),
+                   baseline_sizes=(8,), reps=1, workers=2, sim_processes=2,
+                   formation_bound=60.0)
 
 
 #: Simulated nodes renew their Lease at the run's interval; the benchmark's runs
@@ -241,8 +245,68 @@ def real_rounds(plan: Plan, backend: backends.Backend, sizes: tuple[int, ...], l
     return rows
 
 
+@contextlib.contextmanager
+def _python_path(value: str) -> Iterator[None]:
+    """``PYTHONPATH`` for the processes started inside (the operator reads os.environ)."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+def baseline(plan: Plan, rev: str, work: Path, log_dir: Path) -> list[dict[str, Any]]:
+    """The protocol before this one, same harness: ``rev``'s handler, operator and CRD.
+
+    ``rev`` is taken from git into a scratch folder (``git archive``), given its
+    own control plane, and measured on real rounds of :attr:`Plan.baseline_sizes`,
+    DNS-neutral, so that the report can say where the time and the bytes went.
+    """
+    tree = work / f"baseline-{rev}"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True,
+                             check=True, timeout=60).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True, timeout=60)
+    paths = os.pathsep.join(map(str, [ROOT, tree / "handler", tree / "operator", ROOT / "tests"]))
+    backend = K8sBackend(work / "controlplane-baseline",
+                         tree / "deploy" / "crds" / "elasticrun.dev_elasticruns.yaml")
+    from controlplane.operatorproc import OperatorProcess  # noqa: PLC0415
+
+    rows: list[dict[str, Any]] = []
+    try:
+        backend.start(log_dir)
+        with _python_path(paths):
+            operator = OperatorProcess(Path(backend.control_plane.kubeconfig), [], log_dir,
+                                       ["--workers", "4"])
+            operator.start()
+        try:
+            pool = Pool(plan.workers, log_dir, f"baseline-{rev}",
+                        {**dnsshim.environment(), "PYTHONPATH": paths})
+            try:
+                for n in plan.baseline_sizes:
+                    got = scenarios.formation(backend, pool, n, 1, plan.formation_bound)
+                    rows.extend({**r, "dns": "neutral", "backend": "k8s", "rev": rev}
+                                for r in got)
+                    print(f"  baseline {rev} N={n}: {[r['latency_s'] for r in got]}",
+                          file=sys.stderr, flush=True)
+            finally:
+                pool.stop()
+        finally:
+            operator.stop()
+    finally:
+        backend.stop()
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = arguments(__doc__.splitlines()[0]).parse_args(argv)
+    parser = arguments(__doc__.splitlines()[0])
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="also measure the protocol of git revision REV (before this one)")
+    args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
     out, work, log_dir = directories(args, "elasticrun-scale-")
     data: dict[str, Any] = {
@@ -281,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
             operator.stop()
     finally:
         k8s.stop()
+    if args.baseline:
+        data["baseline"] = step(f"baseline {args.baseline}", lambda: baseline(
+            plan, args.baseline, work, log_dir))
     c10d = backends.make("c10d", work)
     data["c10d"] = step("c10d as-is", lambda: real_rounds(
         plan, c10d, plan.c10d_sizes, log_dir, "as-is"))

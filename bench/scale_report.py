@@ -164,6 +164,35 @@ def _targets(data: dict[str, Any], facts: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _before_after(data: dict[str, Any]) -> list[str]:
+    """The protocol before this one against this one, real handlers, DNS-neutral."""
+    before = [r for r in data.get("baseline") or [] if r.get("formed")]
+    if not before:
+        return []
+    rev = before[0]["rev"]
+    now = [r for r in data.get("real", []) if r["dns"] == "neutral" and r.get("formed")]
+    lines = [f"## Where the time and the bytes went: before (`{rev}`) and now", "",
+             f"Real handlers, DNS-neutral, with the operator running, the same harness; `{rev}` "
+             "is taken from git with its own CRD. Bytes: the API server's responses plus its "
+             "watch events for the run's ElasticRun; client CPU: all handler processes.", "",
+             "| N | protocol | formation | requests | `list leases` | `get elasticruns` "
+             "| response bytes | watch bytes | server CPU | client CPU / node |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for n in sorted({int(r["n"]) for r in before}):
+        for label, rows in ((f"before (`{rev}`)", before), ("now", now)):
+            got = [r for r in rows if r["n"] == n]
+            if not got:
+                continue
+            r = got[0]
+            kinds = r.get("by_kind", {})
+            lines.append(
+                f"| {n} | {label} | {_s(r['latency_s'])} | {_num(r['requests'])} | "
+                f"{_num(kinds.get('list leases', 0))} | {_num(kinds.get('get elasticruns', 0))} "
+                f"| {_size(r.get('response_bytes'))} | {_size(r['watch_bytes'])} | "
+                f"{_s(r['server_cpu_s'])} | {r['client_cpu_s'] / n * 1e3:.1f} ms |")
+    return [*lines, ""]
+
+
 def _plot(data: dict[str, Any], out: Path) -> str | None:
     mixed = [r for r in data.get("mixed", []) if r.get("formed")]
     if len(mixed) < 2:
@@ -266,6 +295,7 @@ def render(data: dict[str, Any], plot: str | None) -> str:
         lines += [f"Requests of the round at N = {largest['n']:,}, from the audit log:", "",
                   "| request | count |", "|---|---|"]
         lines += [f"| `{k}` | {v:,} |" for k, v in largest["by_kind"].items()] + [""]
+    lines += _before_after(data)
     lines += ["## Formation with every node a real handler", "",
               "From the moment all N handlers are built to the last `next_rendezvous()` "
               "returning; median of the repetitions.", "", *formation_lines, ""]
