@@ -71,6 +71,11 @@ class Plan:
 #: Simulated nodes renew their Lease at the run's interval; the benchmark's runs
 #: renew every minute, so a formation's window holds no renewals.
 TIMING_KEEP_ALIVE = 60
+#: The real handlers of a mixed round join this long before the simulated ones:
+#: rank 0 hosts the round's TCPStore, which the real handlers connect to, and
+#: only a real handler serves one.  Newcomers are ranked by their Lease's
+#: creationTimestamp (whole seconds), so more than a second makes rank 0 real.
+REAL_HEAD_START = 1.5
 
 
 class SimNodes:
@@ -166,13 +171,14 @@ def mixed_round(backend: K8sBackend, pool: Pool, log_dir: Path, n: int, sample: 
         before = _server_state(backend)
         op_cpu = cpu_seconds(operator_pid)
         clients = sum(cpu_seconds(p) for p in [*pool.pids, *sims.pids])
-        start = time.monotonic() + 1.0  # every simulated process is connected and waiting
+        # Every simulated process is connected and waiting by then.
+        start = time.monotonic() + 1.0 + REAL_HEAD_START
         assert run.namespace is not None
         sims.start([simulated[i::sim_processes] for i in range(sim_processes)],
                    {"kubeconfig": backend.control_plane.kubeconfig, "namespace": run.namespace,
                     "run": run.name, "start_at": start,
                     "renew_interval": TIMING_KEEP_ALIVE})
-        pool.all("rendezvous", start_at=start)
+        pool.all("rendezvous", start_at=start - REAL_HEAD_START)
         real_results = scenarios.collect(pool.workers, bound)
         sim_results = sims.collect(bound)
         results = real_results + sim_results
@@ -189,6 +195,7 @@ def mixed_round(backend: K8sBackend, pool: Pool, log_dir: Path, n: int, sample: 
             "real_latency_s": (max(r["t_done"] for r in real_results) - start
                                if formed else None),
             "worlds": sorted({r.get("world") for r in results if "world" in r}),
+            "rank0_real": any(r.get("rank") == 0 for r in real_results),
             "requests": counted.total, "writes": counted.writes,
             "lost_cas": counted.conflicts, "by_kind": dict(sorted(counted.by_kind.items())),
             "operator_cpu_s": cpu_seconds(operator_pid) - op_cpu,

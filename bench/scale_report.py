@@ -247,8 +247,11 @@ def render(data: dict[str, Any], plot: str | None) -> str:
         f"* Mixed rounds: N nodes, of which {plan['sample']} are real handlers (threads in "
         f"{plan['workers']} bench workers) and the rest simulated nodes in "
         f"{plan['sim_processes']} asyncio processes (`bench/simnode.py`: the handler's own "
-        "request bodies, one request and one watch connection per node). One repetition "
-        "per N; `minNodes = maxNodes = N`.",
+        "request bodies, one request and one watch connection per node). The real handlers "
+        "join 1.5 s ahead, so that rank 0, whose TCPStore every real handler reaches, is one "
+        "of them; formation counts from the simulated nodes' start, the last N − "
+        f"{plan['sample']} arriving at once. One repetition per N; "
+        "`minNodes = maxNodes = N`.",
         f"* Real rounds: every node a real handler, {plan['reps']} repetitions, median. "
         "*DNS-neutral*: every worker process loads `bench/dnsshim.py`'s `getnameinfo()` "
         "(numeric hosts only, built with gcc into `~/.cache/elasticrun/`), for k8s and c10d "

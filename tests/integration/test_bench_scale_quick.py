@@ -43,6 +43,7 @@ def test_mixed_rounds_of_simulated_and_real_nodes_form_with_linear_requests(
     for row in rows:
         assert row["formed"] and row["worlds"] == [row["n"]], row
         assert row["real"] + row["simulated"] == row["n"] and row["real"] > 0
+        assert row["rank0_real"], row  # the real handlers reach a real TCPStore
         assert 0 < row["writes"] <= 2 * row["n"] + 5, row
         assert row["by_kind"]["create leases"] == row["n"], row
         assert row["bytes_sent"] > 0 and row["object_bytes"] > 0, row
