@@ -3,9 +3,9 @@
 :func:`next_action` looks at what the node knows (:class:`Knowledge`: the
 newest run it holds, the join requests it listed, its previous round, its join
 deadline, until when it leaves sealing to the operator) and the time, and
-returns one :class:`Action`.  The handler's
-executor carries the action out through the gateway, updates the knowledge,
-and asks again, until an action returns a round or raises.  Every decision of
+returns one :class:`Action`.  The handler's executor carries the action out
+through the gateway, updates the knowledge, and asks again, until an action
+returns a round or raises.  Every decision of
 the rendezvous is here, so unit tests reach them without an API server.
 """
 
