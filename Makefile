@@ -3,6 +3,7 @@
 #   make demo     set up, start a local control plane + operator, run the elastic demo job
 #   make test     set up (venv, torch, local cluster) and run the whole test suite
 #   make bench    benchmarks against torch's c10d and etcd-v2 backends (docs/benchmarks.md)
+#   make bench-scale  rounds of 64 to 2,048 nodes, simulated and real (docs/benchmarks-scale.md)
 #   make lint     ruff + mypy
 #   make cluster / cluster-down   a local single-node Kubernetes (kubelet, containerd) for
 #                 kubectl, helm and the examples; CLUSTER_MODE=apiserver for etcd + API server only
@@ -18,7 +19,7 @@ CONTROLPLANE_BIN = $$(bash tests/controlplane/build.sh --node)
 RUNTIME_BIN = $$(bash tests/controlplane/build-runtime.sh)
 PYTEST_ARGS ?=
 
-.PHONY: help setup controlplane node helm test test-fast lint demo bench bench-quick cluster cluster-down clean
+.PHONY: help setup controlplane node helm test test-fast lint demo bench bench-quick bench-scale cluster cluster-down clean
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -62,6 +63,12 @@ bench: setup controlplane
 
 bench-quick: setup controlplane
 	$(PY) bench/run.py --quick
+
+# Bounded: about 15 minutes on 2 cores; writes docs/benchmarks-scale.md, embedded in
+# benchmarks.md.  BASELINE is the protocol it is compared with (the commit before issue 14).
+BASELINE ?= 3849ad2
+bench-scale: setup controlplane
+	$(PY) bench/scale.py --baseline $(BASELINE)
 
 cluster: setup $(if $(filter node,$(CLUSTER_MODE)),node,controlplane)
 	@$(PY) -m controlplane.localcluster up --dir $(CLUSTER_DIR) --mode $(CLUSTER_MODE)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -196,3 +196,13 @@ def watch_counters(text: str, group: str = crd.GROUP) -> dict[str, float]:
 
 def diff(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {key: after[key] - before.get(key, 0.0) for key in after}
+
+
+#: The API groups of a run's objects: its ElasticRun, and its Leases.
+RUN_GROUPS = (crd.GROUP, "coordination.k8s.io")
+
+
+def response_bytes(text: str, groups: Sequence[str] = RUN_GROUPS) -> float:
+    """Bytes of the responses (not watch events) the API server sent for ``groups``."""
+    return sum(value for name, labels, value in parse_metrics(text)
+               if name == "apiserver_response_sizes_sum" and labels.get("group") in groups)

@@ -25,7 +25,7 @@ from elasticrun.api.model import RunSpec, new_run_manifest
 from bench import apiserver
 from bench.pool import Pool
 from bench.proc import cpu_seconds, free_port
-from bench.servers import ControlPlane, EtcdV2Server
+from bench.servers import CRD_FILE, ControlPlane, EtcdV2Server
 
 BACKENDS = ("k8s", "c10d", "etcd-v2")
 #: torch's opt-out of sharing rank 0's TCPStore with the workers ("1" = off).
@@ -203,12 +203,13 @@ class K8sBackend(Backend):
                    "run's ElasticRun and Leases in its namespace, once per auditID; a 409 is a "
                    "lost CAS. Writes = create/update/patch/delete, Lease renewals apart.")
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, crd_file: Path = CRD_FILE) -> None:
         self.directory = directory
+        self.crd_file = crd_file
         self.cp: ControlPlane | None = None
 
     def start(self, log_dir: Path) -> None:
-        self.cp = ControlPlane(self.directory)
+        self.cp = ControlPlane(self.directory, self.crd_file)
         self.cp.start()
 
     def stop(self) -> None:
@@ -255,7 +256,7 @@ class K8sBackend(Backend):
     def open_window(self, run: Run, pool: Pool) -> Window:
         cp = self.control_plane
         window = Window(run, time.monotonic(), audit_offset=apiserver.AuditLog(
-            cp.audit_log).mark(), watch=apiserver.watch_counters(cp.metrics()),
+            cp.audit_log).mark(), watch=_server_bytes(cp.metrics()),
             server_cpu=self.server_cpu(), client_cpu=sum(cpu_seconds(p) for p in pool.pids))
         return window
 
@@ -264,7 +265,7 @@ class K8sBackend(Backend):
         assert window.run.namespace
         events = apiserver.AuditLog(cp.audit_log).events_since(window.audit_offset)
         counted = apiserver.tally(events, window.run.namespace)
-        watch = apiserver.diff(apiserver.watch_counters(cp.metrics()), window.watch)
+        watch = apiserver.diff(_server_bytes(cp.metrics()), window.watch)
         return {
             "requests": counted.total,
             "writes": counted.writes,
@@ -274,9 +275,16 @@ class K8sBackend(Backend):
             "by_kind": dict(sorted(counted.by_kind.items())),
             "watch_events": watch["events"],
             "watch_bytes": watch["bytes"],
+            "response_bytes": watch["response_bytes"],
             "server_cpu_s": self.server_cpu() - window.server_cpu,
             "client_cpu_s": sum(cpu_seconds(pid) for pid in pool.pids) - window.client_cpu,
         }
+
+
+def _server_bytes(metrics: str) -> dict[str, float]:
+    """Watch events of the run's group and response bytes of its objects, as counted so far."""
+    return {**apiserver.watch_counters(metrics),
+            "response_bytes": apiserver.response_bytes(metrics)}
 
 
 def make(name: str, work_dir: Path) -> Backend:

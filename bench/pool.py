@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +50,11 @@ class WorkerProcess:
 
     _ids = itertools.count(1)
 
-    def __init__(self, name: str, log_dir: Path) -> None:
+    def __init__(self, name: str, log_dir: Path, env: Mapping[str, str] | None = None) -> None:
         self.name = name
         self._log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.worker"], cwd=ROOT, env=worker_env(),
+            [sys.executable, "-m", "bench.worker"], cwd=ROOT, env={**worker_env(), **(env or {})},
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
             start_new_session=True, text=True, bufsize=1)
         self.pid = self.proc.pid
@@ -120,11 +120,16 @@ class WorkerProcess:
 
 
 class Pool:
-    """A fixed set of workers; nodes are dealt to them round-robin."""
+    """A fixed set of workers; nodes are dealt to them round-robin.
 
-    def __init__(self, size: int, log_dir: Path, prefix: str) -> None:
-        self._log_dir, self._prefix, self._restarts = log_dir, prefix, 0
-        self.workers = [WorkerProcess(f"{prefix}-w{i}", log_dir) for i in range(size)]
+    ``env`` is added to every worker's environment from its start (``LD_PRELOAD``
+    must be there before the process runs).
+    """
+
+    def __init__(self, size: int, log_dir: Path, prefix: str,
+                 env: Mapping[str, str] | None = None) -> None:
+        self._log_dir, self._prefix, self._restarts, self._env = log_dir, prefix, 0, env
+        self.workers = [WorkerProcess(f"{prefix}-w{i}", log_dir, env) for i in range(size)]
 
     def restart(self) -> None:
         """Stop every worker by PID and start fresh ones.
@@ -136,8 +141,8 @@ class Pool:
             stop_pid(worker.pid, timeout=5)
             worker.stop()
         self._restarts += 1
-        self.workers = [WorkerProcess(f"{self._prefix}-w{i}.{self._restarts}", self._log_dir)
-                        for i in range(len(self.workers))]
+        self.workers = [WorkerProcess(f"{self._prefix}-w{i}.{self._restarts}", self._log_dir,
+                                      self._env) for i in range(len(self.workers))]
 
     def deal(self, nodes: Sequence[str]) -> list[list[str]]:
         shares: list[list[str]] = [[] for _ in self.workers]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import scale_report
 from bench.stats import growth_exponent, summary
 
 Row = dict[str, Any]
@@ -586,8 +587,13 @@ def render(data: dict[str, Any], plots: list[str]) -> str:
 
 
 def write(data: dict[str, Any], out: Path) -> None:
+    """``benchmarks.md``, with the scale page of ``bench/scale.py`` as its last section."""
     plots = _plots(data, out)
-    (out / "benchmarks.md").write_text(render(data, plots))
+    text = render(data, plots)
+    scale = scale_report.embedded(out)
+    if scale:
+        text += "\n" + "\n".join(scale) + "\n"
+    (out / "benchmarks.md").write_text(text)
 
 
 def main(argv: list[str]) -> int:

@@ -155,24 +155,36 @@ def versions() -> dict[str, str]:
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(description: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: ``--quick`` and ``--out``."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--quick", action="store_true", help="small N, 1-2 repetitions (CI)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default: docs/, or bench/out/quick with --quick)")
+    return parser
+
+
+def directories(args: argparse.Namespace, prefix: str) -> tuple[Path, Path, Path]:
+    """(output, scratch, logs) of a benchmark run; scratch and logs are fresh."""
+    out: Path = args.out or (ROOT / "bench" / "out" / "quick" if args.quick else ROOT / "docs")
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    log_dir = work / "logs"
+    log_dir.mkdir()
+    return out, work, log_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--backends", default=",".join(backends.BACKENDS),
                         help="comma-separated subset of k8s,c10d,etcd-v2")
     parser.add_argument("--no-setup", action="store_true",
                         help="skip bench/setup.sh (etcd-server must already be installed)")
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
-    out: Path = args.out or (ROOT / "bench" / "out" / "quick" if args.quick else ROOT / "docs")
-    out.mkdir(parents=True, exist_ok=True)
     if not args.no_setup:
         ensure_setup()
-    work = Path(tempfile.mkdtemp(prefix="elasticrun-bench-"))
-    log_dir = work / "logs"
-    log_dir.mkdir()
+    out, work, log_dir = directories(args, "elasticrun-bench-")
     command = "make bench-quick" if args.quick else "make bench"
     if argv is not None or sys.argv[1:] not in ([], ["--quick"]):
         command = "python bench/run.py " + " ".join(sys.argv[1:] if argv is None else argv)

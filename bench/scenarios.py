@@ -106,7 +106,7 @@ def _form(pool: Pool, workers: Sequence[WorkerProcess], world: int, what: str) -
     _check(collect(workers), world, what)
 
 
-def _teardown(backend: Backend, run: Run, workers: Sequence[WorkerProcess]) -> None:
+def teardown(backend: Backend, run: Run, workers: Sequence[WorkerProcess]) -> None:
     """Delete the run (its nodes stop waiting), then shut every node down."""
     backend.end_run(run)
     ids = [w.send("teardown") for w in workers if w.alive()]
@@ -131,7 +131,9 @@ def formation(backend: Backend, pool: Pool, n: int, reps: int, bound: float = RO
         nodes = node_names(n)
         run = backend.new_run(Timing(n, n), nodes)
         try:
+            built = time.monotonic()
             build(pool, run, nodes)
+            built = time.monotonic() - built
             window = backend.open_window(run, pool)
             start = time.monotonic() + START_DELAY
             pool.all("rendezvous", start_at=start)
@@ -150,8 +152,9 @@ def formation(backend: Backend, pool: Pool, n: int, reps: int, bound: float = RO
             time.sleep(SETTLE)
             measured = backend.close_window(window, pool)
         finally:
-            _teardown(backend, run, pool.workers)
+            teardown(backend, run, pool.workers)
         out.append({"n": n, "rep": rep, "formed": True, "latency_s": done - start,
+                    "build_s": built,
                     "first_done_s": min(r["t_done"] for r in results) - start, **measured})
     return out
 
@@ -183,7 +186,7 @@ def recovery(backend: Backend, pool: Pool, extra: Extra, n: int, reps: int,
             out.append(_recover_once(backend, pool, victim, run, nodes, rep, graceful,
                                      window_s))
         finally:
-            _teardown(backend, run, [*pool.workers, victim])
+            teardown(backend, run, [*pool.workers, victim])
             if not graceful:
                 extra.stop()  # its process was killed; the next repetition gets a new one
     return out
@@ -250,7 +253,7 @@ def scale_up(backend: Backend, pool: Pool, extra: Extra, n: int, reps: int
         try:
             out.append(_scale_once(backend, pool, late_worker, run, nodes, rep))
         finally:
-            _teardown(backend, run, [*pool.workers, late_worker])
+            teardown(backend, run, [*pool.workers, late_worker])
     return out
 
 
@@ -296,7 +299,7 @@ def steady_state(backend: Backend, pool: Pool, n: int, seconds: float, timing: T
         elapsed = time.monotonic() - begun
         measured = backend.close_window(window, pool)
     finally:
-        _teardown(backend, run, pool.workers)
+        teardown(backend, run, pool.workers)
     signalled = sum(1 for r in results if r.get("t_seen") is not None)
     errors = [r["watch_error"] for r in results if "watch_error" in r]
     if signalled or errors:
@@ -360,7 +363,7 @@ def recovery_pod_deleted(backend: K8sBackend, pool: Pool, extra: Extra, n: int, 
                             "operator_rss_mib": rss_bytes(op_pid) / 2**20,
                             **backend.close_window(window, pool)})
             finally:
-                _teardown(backend, run, [*pool.workers, victim])
+                teardown(backend, run, [*pool.workers, victim])
                 extra.stop()
     finally:
         operator.stop()

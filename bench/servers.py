@@ -123,14 +123,15 @@ class EtcdV2Server:
 class ControlPlane:
     """The local kube-apiserver + etcd, with the CRD served and an admin client."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, crd_file: Path = CRD_FILE) -> None:
         self.local = LocalControlPlane(directory)
+        self.crd_file = crd_file
         self.client: KubeClient | None = None
 
     def start(self) -> None:
         state = self.local.start()
         self.client = KubeClient(load_credentials(str(state.kubeconfig)), timeout=30)
-        manifest = yaml.safe_load(CRD_FILE.read_text())
+        manifest = yaml.safe_load(self.crd_file.read_text())
         self.client.request("PATCH", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
                             f"{crd.CRD_NAME}", body=manifest,
                             query={"fieldManager": "elasticrun-bench", "force": "true"},

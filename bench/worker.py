@@ -53,6 +53,14 @@ def _params(backend: str, spec: dict[str, Any], node: str) -> Any:
                                 local_addr="127.0.0.1", **conf)
 
 
+def _import_backend(backend: str) -> None:
+    """Import what building a node of ``backend`` needs (torch, the handler)."""
+    if backend == "k8s":
+        import elasticrun.handler.handler  # noqa: F401, PLC0415
+    else:
+        from torch.distributed.elastic.rendezvous import dynamic_rendezvous  # noqa: F401, PLC0415
+
+
 def build_node(backend: str, spec: dict[str, Any], name: str) -> Node:
     """One node's handler, made the way torch's registry makes it, plus its counter."""
     params = _params(backend, spec, name)
@@ -102,6 +110,7 @@ class Worker:
     def build(self, msg: dict[str, Any]) -> dict[str, Any]:
         self.backend = msg["backend"]
         os.environ.update(msg.get("env") or {})
+        _import_backend(self.backend)  # once per process: not part of building a node
         started = time.monotonic()
         for name in msg["nodes"]:
             self.nodes[name] = build_node(self.backend, msg, name)

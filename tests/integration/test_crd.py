@@ -135,6 +135,23 @@ def test_concurrent_server_side_applies_to_waiting_both_survive(cluster: Cluster
     assert {f"node-n{i}" for i in range(16)} <= managers
 
 
+def test_a_sealed_roster_is_one_managed_field_however_many_members(cluster: Cluster,
+                                                                   namespace: str) -> None:
+    """Every node receives the status with each seal; per-member managedFields would double it."""
+    fresh = create(cluster, namespace, "roster", minNodes=64, maxNodes=64)
+    fresh["status"] = {"round": 1, "signal": 1, "phase": "Running",
+                       "store": {"host": "10.0.0.1", "port": 29400},
+                       "participants": [{"name": f"n{i:02d}", "rank": i, "joinedRound": 1}
+                                        for i in range(64)]}
+    written = cluster.client.request("PUT", run_path(namespace, "roster", "status"), body=fresh,
+                                     query={"fieldManager": "elasticrun-seal"})
+    assert [p["rank"] for p in written["status"]["participants"]] == list(range(64))
+    seal = next(m for m in written["metadata"]["managedFields"]
+                if m["manager"] == "elasticrun-seal")
+    assert seal["fieldsV1"]["f:status"]["f:participants"] == {}
+    assert parse_run(written).status.store is not None
+
+
 def test_stale_resource_version_gets_409(cluster: Cluster, namespace: str) -> None:
     created = create(cluster, namespace, "cas", minNodes=1)
     first = json.loads(json.dumps(created))

@@ -252,3 +252,48 @@ def test_metrics_endpoint_serves_named_series(operator: OperatorProcess, make_ha
     assert metric(text, "elasticrun_round", run="metered") == 1
     assert metric(text, "elasticrun_round_duration_seconds_count", run="metered") == 1
     assert 0 <= metric(text, "elasticrun_round_duration_seconds_sum", run="metered") < 60
+
+
+class _CountedLists:
+    """Counts the LISTs of a run's Leases that handlers of this process make."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from elasticrun.api.gateway import RunGateway
+
+        self.count = 0
+        listing = RunGateway.leases
+
+        def leases(gateway: RunGateway) -> list[dict[str, Any]]:
+            self.count += 1
+            return listing(gateway)
+
+        monkeypatch.setattr(RunGateway, "leases", leases)
+
+
+def _form_deferring(make_handler: Any, monkeypatch: pytest.MonkeyPatch, run: str,
+                    wait: float) -> int:
+    """Form a round of 3 nodes that defer their seal for ``wait`` s; LISTs they made."""
+    from elasticrun.api import rounds
+
+    monkeypatch.setattr(rounds, "DEFER_SEAL_FROM", 3)
+    monkeypatch.setattr(rounds, "DEFER_SEAL_BASE", wait)
+    monkeypatch.setattr(rounds, "DEFER_SEAL_PER_NODE", 0.0)
+    lists = _CountedLists(monkeypatch)
+    outcomes = rendezvous_all([make_handler(run, f"n{i}", min_nodes=3) for i in range(3)])
+    _ok(outcomes)
+    assert sorted(o.rank for o in outcomes.values() if o.rank is not None) == [0, 1, 2]
+    assert {o.world_size for o in outcomes.values()} == {3}
+    return lists.count
+
+
+def test_deferring_nodes_never_list_the_leases_and_the_operator_seals(
+        operator: OperatorProcess, make_handler: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The large-run protocol at small N: nodes write their request, the operator seals."""
+    assert _form_deferring(make_handler, monkeypatch, "deferred", wait=120.0) == 0
+
+
+def test_deferring_nodes_seal_themselves_when_no_operator_does(
+        make_handler: Any, cluster: Cluster, namespace: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _form_deferring(make_handler, monkeypatch, "unattended", wait=0.5) >= 1
+    assert read_run(cluster.client, namespace, "unattended").status.round == 1

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from elasticrun.api import rounds
 from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.leases import LeaseState, Unreachable
 from elasticrun.api.model import (
@@ -17,10 +18,18 @@ from elasticrun.api.model import (
     RunSpec,
     RunStatus,
     StoreAddress,
+    WaitingNode,
 )
 from elasticrun.operator.apihealth import ApiAvailability
 from elasticrun.operator.liveness import Loss, pod_loss, restart_count
-from elasticrun.operator.reconcile import Members, lost_since, reconcile, repair, set_condition
+from elasticrun.operator.reconcile import (
+    SEAL_GRACE,
+    Members,
+    lost_since,
+    reconcile,
+    repair,
+    set_condition,
+)
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -290,3 +299,24 @@ def test_an_expired_lease_of_a_node_already_removed_is_deleted() -> None:
     assert plan.status is None or plan.status.member_names == {"a", "b", "c"}
     live = _leases({"a": T0, "b": T0, "c": T0, "between-rounds": T0})
     assert reconcile(run, Members(leases=live), T0).delete_leases == []
+
+
+def _joined(names: list[str], at: dt.datetime) -> dict[str, LeaseState]:
+    join = {n: WaitingNode(name=n, address="10.0.0.1", store_port=29400, since=at)
+            for n in names}
+    return {n: LeaseState(node=n, holder=n, renewed=at, duration=10, join=join[n],
+                          owner_uid="uid") for n in names}
+
+
+@pytest.mark.parametrize("size", [3, 64])
+def test_the_operator_seals_at_once_where_nodes_leave_it_the_seal(size: int) -> None:
+    """Small runs: nodes seal, the operator waits SEAL_GRACE.  Large runs: nobody to wait for."""
+    names = [f"n{i:03d}" for i in range(size)]
+    run = ElasticRun("r", "ns", RunSpec(min_nodes=size, max_nodes=size), RunStatus(), "7",
+                     uid="uid")
+    plan = reconcile(run, Members(leases=_joined(names, T0)), T0)
+    if size < rounds.DEFER_SEAL_FROM:
+        assert not plan.sealed and plan.wake_at == T0 + dt.timedelta(seconds=SEAL_GRACE)
+    else:
+        assert plan.sealed and plan.status is not None and plan.status.round == 1
+        assert [p.name for p in plan.status.participants] == names

@@ -101,9 +101,11 @@ def test_seal_round_moves_waiting_into_a_new_round_with_rank_0_hosting_the_store
     assert new.round == 2 and new.signal == status.signal + 1 and new.phase == "Running"
     assert [(p.name, p.rank) for p in new.participants] == [("a", 0), ("b", 1)]
     assert [w.name for w in new.waiting] == ["n"]  # beyond maxNodes: still a spare
-    leader = new.participants[0]
+    leader = next(w for w in status.waiting if w.name == "a")  # its join request
     assert new.store is not None and (new.store.host, new.store.port) == (
         leader.address, leader.store_port)
+    # The roster is compact: the round's one address is status.store.
+    assert all(p.address is None and p.store_port is None for p in new.participants)
     assert {p.joined_round for p in new.participants} == {0}  # kept from round 1
     assert new.sealed_at == at(7)
     RunStatus.from_dict(new.to_dict())  # what is written reads back
@@ -201,3 +203,11 @@ def test_newcomers_are_ordered_by_the_servers_lease_creation_not_their_claimed_s
     assert [w.name for w in pending(leases, RunStatus(), at(6))] == ["honest", "early"]
     new = rounds.seal_round(run(RunStatus(waiting=(claimed, honest)), max_nodes=2), at(6))
     assert [p.name for p in new.participants] == ["honest", "early"]
+
+
+def test_nodes_leave_sealing_to_the_operator_from_64_nodes_on_and_wait_longer_for_more() -> None:
+    small, large, huge = RunSpec(min_nodes=2, max_nodes=63), RunSpec(max_nodes=64), \
+        RunSpec(max_nodes=2048)
+    assert not rounds.nodes_defer_seal(small)
+    assert rounds.nodes_defer_seal(large) and rounds.nodes_defer_seal(huge)
+    assert rounds.DEFER_SEAL_BASE < rounds.defer_seal_wait(large) < rounds.defer_seal_wait(huge)

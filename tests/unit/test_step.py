@@ -21,9 +21,17 @@ JOIN_TIMEOUT = 60.0
 
 
 def knows(status: RunStatus, node: str = "a", pending: tuple[WaitingNode, ...] = (),
-          previous_round: int = 0, joined: bool = True, **spec: int) -> Knowledge:
+          previous_round: int = 0, joined: bool = True, listed: bool = True,
+          **spec: int) -> Knowledge:
     return Knowledge(node=node, run=run(status, **spec), previous_round=previous_round,
-                     join_deadline=CLOCK + JOIN_TIMEOUT, pending=pending, joined=joined)
+                     join_deadline=CLOCK + JOIN_TIMEOUT, pending=pending, joined=joined,
+                     listed=listed)
+
+
+def defers(status: RunStatus, node: str = "a", wait: float = 10.0, **spec: int) -> Knowledge:
+    """A node of a large run that joined and leaves sealing to the operator for ``wait`` s."""
+    own = WaitingNode(name=node, address="10.0.0.9", store_port=29400)
+    return knows(status, node, listed=False, **spec).replace(defer_until=CLOCK + wait, own=own)
 
 
 def test_the_first_step_joins_unless_the_run_is_closed() -> None:
@@ -46,6 +54,43 @@ def test_a_newer_round_that_holds_the_node_completes_it_with_its_rank() -> None:
 def test_the_round_the_node_was_in_does_not_complete_the_call() -> None:
     known = knows(sealed("a", "b"), pending=waiting("a"), previous_round=1)
     assert not isinstance(next_action(known, at(0), CLOCK), step.Complete)
+
+
+def test_a_node_lists_the_requests_once_per_change_of_the_run() -> None:
+    assert next_action(knows(RunStatus(), listed=False), at(0), CLOCK) == step.List()
+
+
+def test_a_deferring_node_neither_lists_nor_seals_until_its_wait_ends() -> None:
+    known = defers(RunStatus(), wait=10.0)
+    assert next_action(known, at(0), CLOCK) == step.Wait(until=CLOCK + 10.0)
+    # Even with every request listed, sealing stays the operator's.
+    full = known.replace(pending=waiting("a", "b", "c", "d"), listed=True)
+    assert next_action(full, at(0), CLOCK) == step.Wait(until=CLOCK + 10.0)
+
+
+def test_a_deferring_node_lists_and_seals_itself_once_the_operator_is_late() -> None:
+    known = defers(RunStatus(), wait=10.0)
+    assert next_action(known, at(10), CLOCK + 10.0) == step.List()
+    listed = known.replace(pending=waiting("a", "b", "c", "d"), listed=True)
+    assert isinstance(next_action(listed, at(10), CLOCK + 10.0), step.Seal)
+
+
+def test_a_deferring_node_completes_the_operators_round() -> None:
+    assert next_action(defers(sealed("b", "a")), at(0), CLOCK) == step.Complete(rank=1)
+
+
+def test_a_deferring_newcomer_beside_a_round_with_room_still_announces_itself() -> None:
+    running = sealed("a", "b")
+    assert next_action(defers(running, node="c", max_nodes=3), at(0), CLOCK) == step.Announce()
+    told = running.replace(join_notice=1, signal=2)
+    assert next_action(defers(told, node="c", max_nodes=3), at(0), CLOCK) == \
+        step.Wait(until=CLOCK + 10.0)
+
+
+def test_a_deferring_node_times_out_at_its_join_deadline() -> None:
+    known = defers(RunStatus(), wait=2 * JOIN_TIMEOUT)
+    assert next_action(known, at(0), CLOCK) == step.Wait(until=CLOCK + JOIN_TIMEOUT)
+    assert next_action(known, at(60), CLOCK + JOIN_TIMEOUT) == step.TimedOut()
 
 
 def test_a_request_that_vanished_is_made_again() -> None:

@@ -17,10 +17,44 @@ from elasticrun.api.model import (
     ElasticRun,
     LostMember,
     Participant,
+    RunSpec,
     RunStatus,
     StoreAddress,
     WaitingNode,
 )
+
+#: From this ``maxNodes`` on, nodes leave sealing to the operator (see :func:`nodes_defer_seal`).
+DEFER_SEAL_FROM = 64
+#: How long a deferring node gives the operator before it lists and seals itself:
+#: this much, plus :data:`DEFER_SEAL_PER_NODE` for each of ``maxNodes``.
+DEFER_SEAL_BASE = 5.0
+DEFER_SEAL_PER_NODE = 0.005
+
+
+def nodes_defer_seal(spec: RunSpec) -> bool:
+    """Whether waiting nodes leave sealing to the operator, rather than list and seal.
+
+    To seal, a node must know every pending request, which costs it one LIST of
+    the run's Leases; if every joiner lists, a round of N nodes makes the API
+    server serve N² Leases (at 256 nodes that LIST is most of its work).  The
+    operator already holds those Leases in its index, from one watch, so for
+    large runs nodes only write their request and wait for the operator's
+    seal.  Small runs keep the node's own seal: their LISTs are cheap, and a
+    node's seal is one round trip sooner than the operator's.  Either way the
+    other side is the backstop: the operator seals what nodes did not, and a
+    node lists and seals itself after :func:`defer_seal_wait`, so rounds still
+    form without an operator.
+    """
+    return spec.max_nodes >= DEFER_SEAL_FROM
+
+
+def defer_seal_wait(spec: RunSpec) -> float:
+    """Seconds a deferring node waits for the operator's seal before it lists and seals.
+
+    Long enough for the operator to index ``maxNodes`` join requests on a busy
+    machine, short enough that a run whose operator is down still forms.
+    """
+    return DEFER_SEAL_BASE + DEFER_SEAL_PER_NODE * spec.max_nodes
 
 
 @dataclass(frozen=True)
@@ -109,7 +143,11 @@ def order_for_ranks(previous: Iterable[Participant],
 def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> RunStatus:
     """The status after moving up to ``maxNodes`` waiting nodes into a new round.
 
-    The nodes not admitted stay in ``status.waiting``.
+    The nodes not admitted stay in ``status.waiting``.  A member's entry holds
+    what readers of the roster need (name, rank, round joined, Pod, the request
+    it answered); the round's one address, rank 0's store, is ``status.store``.
+    Every node receives the whole status with the seal, so each byte of an
+    entry is sent N times.
     """
     status = run.status
     ordered = order_for_ranks(status.participants, eligible_waiting(run, waiting))
@@ -121,15 +159,13 @@ def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> Ru
         Participant(
             name=w.name,
             rank=rank,
-            address=w.address,
-            store_port=w.store_port,
             joined_round=joined.get(w.name, new_round),
             pod=w.pod,
             since=w.since,
         )
         for rank, w in enumerate(admitted)
     )
-    leader = participants[0]
+    leader = admitted[0]
     store = (StoreAddress(leader.address, leader.store_port)
              if leader.address and leader.store_port else None)
     return status.replace(

@@ -12,7 +12,10 @@ One round, as a node sees it:
    the ElasticRun's status: waiting nodes become participants with ranks,
    ``round`` and ``signal`` move.  Whoever's request made the rule true tries;
    losers watch.  The operator does the same from its Lease index as a
-   backstop, so a round completes with or without it.
+   backstop, so a round completes with or without it.  In large runs
+   (:func:`~elasticrun.api.rounds.nodes_defer_seal`) the roles swap: nodes skip
+   the LIST and leave the seal to the operator, and list and seal themselves
+   only if no round came within :func:`~elasticrun.api.rounds.defer_seal_wait`.
 3. **Wait** — on the narrow watch of :mod:`.watcher`, never by polling.
 
 A node that joins beside a running round bumps ``signal`` once per round (a
@@ -102,9 +105,13 @@ class K8sRendezvousHandler(RendezvousHandler):
             run = session.current()
             self._start_lease(session, run)
             self.stores.fresh(self.settings.address, self.settings.store_port)
+            started = time.monotonic()
+            defer_until = (started + rounds.defer_seal_wait(run.spec)
+                           if rounds.nodes_defer_seal(run.spec) else None)
             known = step.Knowledge(node=self.settings.node_name, run=run,
                                    previous_round=self._round,
-                                   join_deadline=time.monotonic() + run.spec.join_timeout)
+                                   join_deadline=started + run.spec.join_timeout,
+                                   defer_until=defer_until)
             while True:
                 action = step.next_action(known, now(), time.monotonic())
                 if isinstance(action, step.Complete):
@@ -191,19 +198,22 @@ class K8sRendezvousHandler(RendezvousHandler):
                                         f"(phase {run.status.phase}, spec.closed="
                                         f"{str(run.spec.closed).lower()})")
         if isinstance(action, step.Join):
-            self._join()
+            own = self._join()
             session.watcher.start()  # once; what num_nodes_waiting() reads from
-            return known.replace(joined=True, pending=session.pending(run))
+            return known.replace(joined=True, own=own, listed=False)
+        if isinstance(action, step.List):
+            return known.replace(pending=session.pending(run), listed=True)
         if isinstance(action, step.Seal):
             run = self._seal(session, known, action.reason) or session.read_or_raise()
-            return known.replace(run=run, pending=session.pending(run))
+            return known.replace(run=run, listed=False)
         if isinstance(action, step.Announce):
             return known.replace(run=session.announce(run))
         if isinstance(action, step.TimedOut):
             self._leave_waiting()
             raise RendezvousTimeoutError(
                 f"{self._who()}: no round formed within the join timeout "
-                f"({run.spec.join_timeout}s); {len(known.pending)} of at least "
+                f"({run.spec.join_timeout}s); "
+                f"{len(known.pending if known.listed else run.status.waiting)} of at least "
                 f"{run.spec.min_nodes} nodes were waiting. Check that the other nodes "
                 f"are starting (kubectl get er {self.settings.run_name} -n "
                 f"{self.settings.namespace})")
@@ -211,8 +221,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         changed = session.wait_for_change(run, action.until, lambda: self._closing)
         if changed is run:
             return known
-        known = known.replace(run=changed)
-        return known if known.rank is not None else known.replace(pending=session.pending(changed))
+        return known.replace(run=changed, listed=False)
 
     # ------------------------------------------------------------------ set-up
 
@@ -239,7 +248,7 @@ class K8sRendezvousHandler(RendezvousHandler):
 
     # ------------------------------------------------------------------ operations
 
-    def _join(self) -> None:
+    def _join(self) -> WaitingNode:
         """Ask for the next round: one write to our own Lease, never contended."""
         lease, session = self._lease, self._session
         assert lease is not None and session is not None
@@ -253,6 +262,7 @@ class K8sRendezvousHandler(RendezvousHandler):
                 lease.start()
         except NodeNameInUseError as exc:
             raise RendezvousError(f"{self._who()}: {exc}") from exc
+        return entry
 
     def _seal(self, session: RunSession, known: step.Knowledge,
               reason: str) -> ElasticRun | None:

@@ -2,9 +2,10 @@
 
 :func:`next_action` looks at what the node knows (:class:`Knowledge`: the
 newest run it holds, the join requests it listed, its previous round, its join
-deadline) and the time, and returns one :class:`Action`.  The handler's
-executor carries the action out through the gateway, updates the knowledge,
-and asks again, until an action returns a round or raises.  Every decision of
+deadline, until when it leaves sealing to the operator) and the time, and
+returns one :class:`Action`.  The handler's executor carries the action out
+through the gateway, updates the knowledge, and asks again, until an action
+returns a round or raises.  Every decision of
 the rendezvous is here, so unit tests reach them without an API server.
 """
 
@@ -37,6 +38,14 @@ class Knowledge:
     pending: tuple[WaitingNode, ...] = ()
     #: Whether this call has written its join request yet.
     joined: bool = False
+    #: Whether ``pending`` was listed since ``run`` last changed.
+    listed: bool = False
+    #: Until when (monotonic) this node leaves sealing to the operator and does
+    #: not list the Leases; None when it seals itself
+    #: (:func:`~elasticrun.api.rounds.nodes_defer_seal`).
+    defer_until: float | None = None
+    #: The join request this call wrote.
+    own: WaitingNode | None = None
 
     def replace(self, **changes: object) -> Knowledge:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -61,7 +70,12 @@ class Closed:
 
 @dataclass(frozen=True)
 class Join:
-    """Write (or write again) this node's join request, then list the pending ones."""
+    """Write (or write again) this node's join request."""
+
+
+@dataclass(frozen=True)
+class List:
+    """List the pending join requests from the run's Leases (one consistent LIST)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +109,7 @@ class Wait:
     until: float
 
 
-Action = Closed | Join | Complete | Seal | Announce | TimedOut | Wait
+Action = Closed | Join | List | Complete | Seal | Announce | TimedOut | Wait
 
 
 def next_action(  # noqa: PLR0911 - one return per action, in the order of the rules
@@ -103,9 +117,11 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
     """The next step of ``next_rendezvous``; ``now`` is wall time, ``clock`` monotonic.
 
     In order: a closed run ends the call; the first step joins; a round that
-    holds this node completes it; a request that vanished (its Lease removed or
-    expired) is made again; then torch's sealing rules
-    (:func:`~elasticrun.api.rounds.decide_seal`) over the listed requests; a
+    holds this node completes it; while the operator seals, the node only makes
+    sure a running round hears of it and waits; otherwise it lists the pending
+    requests once per change of the run, makes a request that vanished (its
+    Lease removed or expired) again, and applies torch's sealing rules
+    (:func:`~elasticrun.api.rounds.decide_seal`) to the listed requests; a
     running round hears of us once; past the deadline the call fails; otherwise
     it waits for a change or for the last call (staggered by arrival).
     """
@@ -116,6 +132,15 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
         return Join()
     if known.rank is not None:
         return Complete(known.rank)
+    if known.defer_until is not None and clock < known.defer_until:
+        own = (known.own,) if known.own is not None else ()
+        if rounds.announce_needed(run, own):
+            return Announce()
+        if clock >= known.join_deadline:
+            return TimedOut()
+        return Wait(min(known.defer_until, known.join_deadline))
+    if not known.listed:
+        return List()
     if not known.requested:
         return Join()
     decision = rounds.decide_seal(run, now, pending)

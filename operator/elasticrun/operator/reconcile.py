@@ -326,19 +326,24 @@ def _succeed(run: ElasticRun, new: RunStatus, now: dt.datetime, plan: Plan) -> P
 
 def _seal_backstop(run: ElasticRun, new: RunStatus, now: dt.datetime,
                    plan: Plan) -> RunStatus:
-    """Seal what the nodes should have sealed, ``SEAL_GRACE`` after they could have."""
+    """Seal what the nodes should have sealed, ``SEAL_GRACE`` after they could have.
+
+    Where nodes leave sealing to the operator (:func:`rounds.nodes_defer_seal`),
+    there is nobody to give a grace to: it seals as soon as the rules allow.
+    """
     candidate = run.replace_status(new)
     decision = rounds.decide_seal(candidate, now)
+    grace = dt.timedelta(seconds=0 if rounds.nodes_defer_seal(run.spec) else SEAL_GRACE)
     if decision.seal_now:
         newest = max((w.since for w in new.waiting if w.since), default=None)
-        ready_at = (newest + dt.timedelta(seconds=SEAL_GRACE)) if newest else now
+        ready_at = (newest + grace) if newest else now
         if decision.deadline is None and now < ready_at:
             plan.wake(ready_at)
         else:
             plan.sealed = True
             return rounds.seal_round(candidate, now)
     elif decision.deadline is not None:
-        plan.wake(decision.deadline + dt.timedelta(seconds=SEAL_GRACE))
+        plan.wake(decision.deadline + grace)
     return new
 
 

@@ -1,0 +1,374 @@
+#!/usr/bin/env python3
+"""Rounds of 64 to 2,048 nodes: what the API server does per round, and formation times.
+
+    python bench/scale.py            # make bench-scale: N = 64 .. 2,048 (under 20 min)
+    python bench/scale.py --quick    # smoke: N = 8, 16, one of each
+
+Three measurements, one control plane, one operator (large runs leave the seal
+to it, :func:`elasticrun.api.rounds.nodes_defer_seal`):
+
+* **mixed rounds**: N nodes of which a sample are real handlers (threads in
+  bench workers) and the rest simulated nodes (:mod:`bench.simnode`, asyncio,
+  the same requests on the wire); the server's requests, bytes and CPU per round.
+* **real rounds**: every node a real handler, as-is and with reverse DNS
+  neutralised (:mod:`bench.dnsshim`), formation with and without building the
+  handlers.
+* **c10d**: torch's own backend on the same rounds, as-is and DNS-neutral,
+  at the sizes where it completes.
+
+Results: ``<out>/benchmarks-scale.json`` and ``<out>/benchmarks-scale.md`` with
+a log-log plot; ``<out>/benchmarks.md`` embeds the latter (:mod:`bench.report`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from elasticrun.api.kube import run_path  # noqa: E402
+
+from bench import apiserver, backends, dnsshim, report, scale_report, scenarios  # noqa: E402
+from bench.backends import K8sBackend, Run, Timing  # noqa: E402
+from bench.pool import Pool, worker_env  # noqa: E402
+from bench.proc import cpu_seconds, machine, stop_pid  # noqa: E402
+from bench.run import arguments, commit, directories, versions  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Plan:
+    mixed_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
+    #: Real handlers in each mixed round (the rest are simulated).
+    sample: int = 16
+    real_sizes: tuple[int, ...] = (64, 128, 256)
+    c10d_sizes: tuple[int, ...] = (64, 128, 256)
+    #: Sizes at which ``--baseline`` measures the protocol before this one.
+    baseline_sizes: tuple[int, ...] = (128, 256)
+    reps: int = 2
+    workers: int = 4
+    sim_processes: int = 4
+    formation_bound: float = 120.0
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(mixed_sizes=(8, 16), sample=2, real_sizes=(8,), c10d_sizes=(8,),
+                   baseline_sizes=(8,), reps=1, workers=2, sim_processes=2,
+                   formation_bound=60.0)
+
+
+#: Simulated nodes renew their Lease at the run's interval; the benchmark's runs
+#: renew every minute, so a formation's window holds no renewals.
+TIMING_KEEP_ALIVE = 60
+#: The real handlers of a mixed round join this long before the simulated ones:
+#: rank 0 hosts the round's TCPStore, which the real handlers connect to, and
+#: only a real handler serves one.  Newcomers are ranked by their Lease's
+#: creationTimestamp (whole seconds), so more than a second makes rank 0 real.
+REAL_HEAD_START = 1.5
+
+
+class SimNodes:
+    """Processes of simulated nodes (``python -m bench.simnode``), stopped by PID."""
+
+    def __init__(self, count: int, log_dir: Path, tag: str) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        self.logs = [open(log_dir / f"sim-{tag}-{i}.log", "ab")  # noqa: SIM115 - closed in stop
+                     for i in range(count)]
+        for log in self.logs:
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "bench.simnode"], cwd=ROOT, env=worker_env(),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                start_new_session=True, bufsize=1))
+        self.results: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._readers: list[threading.Thread] = []
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def start(self, shares: list[list[str]], config: dict[str, Any]) -> None:
+        for proc, share in zip(self.procs, shares, strict=True):
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps({**config, "nodes": share}) + "\n")
+            proc.stdin.flush()
+            reader = threading.Thread(target=self._read, args=(proc, len(share)), daemon=True)
+            reader.start()
+            self._readers.append(reader)
+
+    def _read(self, proc: subprocess.Popen[str], expected: int) -> None:
+        assert proc.stdout is not None
+        for _ in range(expected):
+            line = proc.stdout.readline()
+            if not line:
+                return
+            with self._lock:
+                self.results.append(json.loads(line))
+
+    def collect(self, bound: float) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + bound
+        for reader in self._readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            return list(self.results)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.stdin is not None and not proc.stdin.closed:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                stop_pid(proc.pid, timeout=5)
+        for log in self.logs:
+            log.close()
+
+
+def _server_state(backend: K8sBackend) -> dict[str, float]:
+    text = backend.control_plane.metrics()
+    watch = {g: apiserver.watch_counters(text, g) for g in apiserver.RUN_GROUPS}
+    return {"response_bytes": apiserver.response_bytes(text),
+            "watch_bytes": sum(w["bytes"] for w in watch.values()),
+            "watch_events": sum(w["events"] for w in watch.values()),
+            "server_cpu_s": backend.server_cpu()}
+
+
+def _object_facts(backend: K8sBackend, run: Run) -> dict[str, Any]:
+    """Size of the ElasticRun as stored once the round formed, and its field managers."""
+    assert run.namespace is not None
+    raw = backend.control_plane.api.request("GET", run_path(run.namespace, run.name))
+    managers = (raw.get("metadata") or {}).get("managedFields") or []
+    return {"object_bytes": len(json.dumps(raw, separators=(",", ":"))),
+            "field_managers": sorted({str(m.get("manager")) for m in managers}),
+            "managed_fields_entries": len(managers)}
+
+
+def mixed_round(backend: K8sBackend, pool: Pool, log_dir: Path, n: int, sample: int,
+                sim_processes: int, operator_pid: int, bound: float) -> dict[str, Any]:
+    """One round of ``n`` nodes: ``sample`` real handlers, the rest simulated."""
+    nodes = scenarios.node_names(n)
+    real = nodes[:: max(1, n // sample)][:sample]
+    simulated = [name for name in nodes if name not in set(real)]
+    run = backend.new_run(Timing(n, n, keep_alive=TIMING_KEEP_ALIVE), nodes)
+    sims = SimNodes(sim_processes, log_dir, f"n{n}")
+    try:
+        scenarios.build(pool, run, real)
+        audit = apiserver.AuditLog(backend.control_plane.audit_log)
+        offset = audit.mark()
+        before = _server_state(backend)
+        op_cpu = cpu_seconds(operator_pid)
+        clients = sum(cpu_seconds(p) for p in [*pool.pids, *sims.pids])
+        # Every simulated process is connected and waiting by then.
+        start = time.monotonic() + 1.0 + REAL_HEAD_START
+        assert run.namespace is not None
+        sims.start([simulated[i::sim_processes] for i in range(sim_processes)],
+                   {"kubeconfig": backend.control_plane.kubeconfig, "namespace": run.namespace,
+                    "run": run.name, "start_at": start,
+                    "renew_interval": TIMING_KEEP_ALIVE})
+        pool.all("rendezvous", start_at=start - REAL_HEAD_START)
+        real_results = scenarios.collect(pool.workers, bound)
+        sim_results = sims.collect(bound)
+        results = real_results + sim_results
+        errors = [f"{r['node']}: {r['error']}" for r in results if "error" in r]
+        formed = len(results) == n and not errors
+        time.sleep(scenarios.SETTLE)
+        after = _server_state(backend)
+        counted = apiserver.tally(audit.events_since(offset), run.namespace)
+        row: dict[str, Any] = {
+            "n": n, "real": len(real), "simulated": len(simulated), "formed": formed,
+            "errors": errors[:3],
+            "latency_s": max(r["t_done"] for r in results) - start if formed else None,
+            "first_done_s": min(r["t_done"] for r in results) - start if results else None,
+            "real_latency_s": (max(r["t_done"] for r in real_results) - start
+                               if formed else None),
+            "worlds": sorted({r.get("world") for r in results if "world" in r}),
+            "rank0_real": any(r.get("rank") == 0 for r in real_results),
+            "requests": counted.total, "writes": counted.writes,
+            "lost_cas": counted.conflicts, "by_kind": dict(sorted(counted.by_kind.items())),
+            "operator_cpu_s": cpu_seconds(operator_pid) - op_cpu,
+            "client_cpu_s": sum(cpu_seconds(p) for p in [*pool.pids, *sims.pids]) - clients,
+            **{key: after[key] - before[key] for key in after},
+        }
+        row["bytes_sent"] = row["response_bytes"] + row["watch_bytes"]
+        if formed:
+            row.update(_object_facts(backend, run))
+        return row
+    finally:
+        scenarios.teardown(backend, run, pool.workers)
+        sims.stop()
+        backend.quiesce(30)
+
+
+def mixed(plan: Plan, backend: K8sBackend, log_dir: Path, operator_pid: int
+          ) -> list[dict[str, Any]]:
+    pool = Pool(plan.workers, log_dir, "mixed")
+    rows = []
+    try:
+        for n in plan.mixed_sizes:
+            began = time.monotonic()
+            row = mixed_round(backend, pool, log_dir, n, plan.sample, plan.sim_processes,
+                              operator_pid, plan.formation_bound)
+            rows.append(row)
+            print(f"  mixed N={n}: formed={row['formed']} latency={row['latency_s']} "
+                  f"({time.monotonic() - began:.0f}s)", file=sys.stderr, flush=True)
+            if not row["formed"]:
+                break
+    finally:
+        pool.stop()
+    return rows
+
+
+def real_rounds(plan: Plan, backend: backends.Backend, sizes: tuple[int, ...], log_dir: Path,
+                dns: str) -> list[dict[str, Any]]:
+    """Formation with every node a real handler (``backend``), as-is or DNS-neutral."""
+    env = dnsshim.environment() if dns == "neutral" else None
+    pool = Pool(plan.workers, log_dir, f"{backend.name}-{dns}", env)
+    rows: list[dict[str, Any]] = []
+    try:
+        for n in sizes:
+            began = time.monotonic()
+            got = scenarios.formation(backend, pool, n, plan.reps, plan.formation_bound)
+            rows.extend({**r, "dns": dns, "backend": backend.name} for r in got)
+            print(f"  {backend.name} {dns} N={n}: "
+                  f"{[round(r['latency_s'], 2) if r['latency_s'] else None for r in got]} "
+                  f"({time.monotonic() - began:.0f}s)", file=sys.stderr, flush=True)
+            if got and not got[-1]["formed"]:
+                break
+    finally:
+        pool.stop()
+    return rows
+
+
+@contextlib.contextmanager
+def _python_path(value: str) -> Iterator[None]:
+    """``PYTHONPATH`` for the processes started inside (the operator reads os.environ)."""
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+
+
+def baseline(plan: Plan, rev: str, work: Path, log_dir: Path) -> list[dict[str, Any]]:
+    """The protocol before this one, same harness: ``rev``'s handler, operator and CRD.
+
+    ``rev`` is taken from git into a scratch folder (``git archive``), given its
+    own control plane, and measured on real rounds of :attr:`Plan.baseline_sizes`,
+    DNS-neutral, so that the report can say where the time and the bytes went.
+    """
+    tree = work / f"baseline-{rev}"
+    tree.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True,
+                             check=True, timeout=60).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True, timeout=60)
+    paths = os.pathsep.join(map(str, [ROOT, tree / "handler", tree / "operator", ROOT / "tests"]))
+    backend = K8sBackend(work / "controlplane-baseline",
+                         tree / "deploy" / "crds" / "elasticrun.dev_elasticruns.yaml")
+    from controlplane.operatorproc import OperatorProcess  # noqa: PLC0415
+
+    rows: list[dict[str, Any]] = []
+    try:
+        backend.start(log_dir)
+        with _python_path(paths):
+            operator = OperatorProcess(Path(backend.control_plane.kubeconfig), [], log_dir,
+                                       ["--workers", "4"])
+            operator.start()
+        try:
+            pool = Pool(plan.workers, log_dir, f"baseline-{rev}",
+                        {**dnsshim.environment(), "PYTHONPATH": paths})
+            try:
+                for n in plan.baseline_sizes:
+                    got = scenarios.formation(backend, pool, n, 1, plan.formation_bound)
+                    rows.extend({**r, "dns": "neutral", "backend": "k8s", "rev": rev}
+                                for r in got)
+                    print(f"  baseline {rev} N={n}: {[r['latency_s'] for r in got]}",
+                          file=sys.stderr, flush=True)
+            finally:
+                pool.stop()
+        finally:
+            operator.stop()
+    finally:
+        backend.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arguments(__doc__.splitlines()[0])
+    parser.add_argument("--baseline", default=None, metavar="REV",
+                        help="also measure the protocol of git revision REV (before this one)")
+    args = parser.parse_args(argv)
+    plan = Plan.quick() if args.quick else Plan()
+    out, work, log_dir = directories(args, "elasticrun-scale-")
+    data: dict[str, Any] = {
+        "command": "make bench-scale" if not args.quick else "python bench/scale.py --quick",
+        "quick": args.quick, "plan": asdict(plan), "machine": machine(),
+        "versions": versions(), "commit": commit(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "errors": [], "load": {}}
+    began = time.monotonic()
+
+    def step(key: str, action: Any) -> Any:
+        try:
+            return action()
+        except Exception as exc:  # recorded; the other measurements still run
+            data["errors"].append(f"{key}: {type(exc).__name__}: {exc}")
+            traceback.print_exc()
+            return []
+        finally:
+            data["load"][key] = round(os.getloadavg()[0], 2)
+
+    k8s = K8sBackend(work / "controlplane")
+    from controlplane.operatorproc import OperatorProcess  # noqa: PLC0415
+
+    try:
+        k8s.start(log_dir)
+        data["versions"].update(k8s.versions())
+        operator = OperatorProcess(Path(k8s.control_plane.kubeconfig), [], log_dir,
+                                   ["--workers", "4"])
+        operator.start()
+        try:
+            data["mixed"] = step("mixed", lambda: mixed(plan, k8s, log_dir, operator.pid))
+            data["real"] = step("k8s as-is", lambda: real_rounds(
+                plan, k8s, plan.real_sizes, log_dir, "as-is"))
+            data["real"] += step("k8s DNS-neutral", lambda: real_rounds(
+                plan, k8s, plan.real_sizes, log_dir, "neutral"))
+        finally:
+            operator.stop()
+    finally:
+        k8s.stop()
+    if args.baseline:
+        data["baseline"] = step(f"baseline {args.baseline}", lambda: baseline(
+            plan, args.baseline, work, log_dir))
+    c10d = backends.make("c10d", work)
+    data["c10d"] = step("c10d as-is", lambda: real_rounds(
+        plan, c10d, plan.c10d_sizes, log_dir, "as-is"))
+    data["c10d"] += step("c10d DNS-neutral", lambda: real_rounds(
+        plan, c10d, plan.c10d_sizes, log_dir, "neutral"))
+    data["seconds"] = time.monotonic() - began
+    (out / "benchmarks-scale.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    scale_report.write(data, out)
+    if (out / "benchmarks.json").exists():
+        report.main([str(out)])  # benchmarks.md embeds the new scale section
+    print(f"wrote {out / scale_report.PAGE} in {data['seconds']:.0f}s (logs: {log_dir})",
+          file=sys.stderr)
+    return 1 if data["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

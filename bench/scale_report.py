@@ -1,0 +1,329 @@
+"""``docs/benchmarks-scale.md`` and its plot, from ``benchmarks-scale.json`` (bench/scale.py).
+
+``docs/benchmarks.md`` embeds this page (:func:`bench.report.write`), so either
+generator leaves both pages current.
+"""
+
+# ruff: noqa: RUF001 - the pages use en dashes and multiplication signs
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.stats import growth_exponent, summary
+
+PAGE = "benchmarks-scale.md"
+PLOT = "bench-scale.png"
+#: The sizes the issue's exponents are fitted over.
+FIT_FROM, FIT_TO = 64, 2048
+TARGET_EXPONENT = 1.2
+
+
+def _s(value: float | None, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.{digits}f} s" if value < 100 else f"{value:.0f} s"
+
+
+def _num(value: float | None) -> str:
+    return "–" if value is None else f"{value:,.0f}"
+
+
+def _size(value: float | None) -> str:
+    if value is None:
+        return "–"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
+    by_n: dict[int, list[float | None]] = {}
+    for row in rows:
+        if row.get("formed"):
+            by_n.setdefault(int(row["n"]), []).append(row.get(key))
+    medians = {n: s["median"] for n, values in by_n.items() if (s := summary(values))}
+    return medians
+
+
+def _fit(rows: list[dict[str, Any]], key: str) -> float | None:
+    points = {n: v for n, v in _median(rows, key).items() if FIT_FROM <= n <= FIT_TO}
+    sizes = sorted(points)
+    return growth_exponent([float(n) for n in sizes], [points[n] for n in sizes])
+
+
+def _exp(value: float | None) -> str:
+    return "–" if value is None else f"N^{value:.2f}"
+
+
+def _formation_rows(data: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """The real-handler table: k8s and c10d, as-is and DNS-neutral, with construction."""
+    rows = [*data.get("real", []), *data.get("c10d", [])]
+    sizes = sorted({int(r["n"]) for r in rows})
+    cols = [(b, d) for b in ("k8s", "c10d") for d in ("as-is", "neutral")]
+
+    def pick(backend: str, dns: str, n: int) -> list[dict[str, Any]]:
+        return [r for r in rows if r["backend"] == backend and r["dns"] == dns and r["n"] == n]
+
+    def cell(backend: str, dns: str, n: int, key: str) -> float | None:
+        got = [r.get(key) for r in pick(backend, dns, n) if r.get("formed")]
+        s = summary(got)
+        return s["median"] if s else None
+
+    def failed(backend: str, dns: str, n: int) -> str:
+        tried = pick(backend, dns, n)
+        bad = [r for r in tried if not r.get("formed")]
+        return f"not formed in {bad[0]['bound_s']:.0f} s" if bad and len(bad) == len(tried) \
+            else "–"
+
+    lines = ["| N | k8s as-is | incl. construction | k8s DNS-neutral | incl. construction "
+             "| c10d as-is | incl. construction | c10d DNS-neutral | incl. construction "
+             "| k8s / c10d as-is | k8s / c10d DNS-neutral |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    facts: dict[str, Any] = {"ratios": {}}
+    for n in sizes:
+        values = {c: cell(*c, n, "latency_s") for c in cols}
+        built = {c: cell(*c, n, "build_s") for c in cols}
+        with_build: dict[tuple[str, str], float | None] = {}
+        for c in cols:
+            value, build = values[c], built[c]
+            with_build[c] = value + build if value is not None and build is not None else None
+
+        def show(c: tuple[str, str], v: dict[tuple[str, str], float | None],
+                 n: int = n) -> str:
+            return _s(v[c]) if v[c] is not None else failed(*c, n)
+
+        ratio: dict[str, float | None] = {}
+        for dns in ("as-is", "neutral"):
+            ours, theirs = values[("k8s", dns)], values[("c10d", dns)]
+            ratio[dns] = ours / theirs if ours is not None and theirs else None
+        facts["ratios"][n] = ratio
+        facts.setdefault("k8s_neutral", {})[n] = values[("k8s", "neutral")]
+        facts.setdefault("k8s_asis", {})[n] = values[("k8s", "as-is")]
+        lines.append(
+            f"| {n} | " + " | ".join(f"{show(c, values)} | {show(c, with_build)}" for c in cols)
+            + " | " + " | ".join("–" if ratio[d] is None else f"{ratio[d]:.2f}×"
+                                 for d in ("as-is", "neutral")) + " |")
+    return lines, facts
+
+
+def _targets(data: dict[str, Any], facts: dict[str, Any]) -> list[str]:
+    mixed = data.get("mixed", [])
+    by_n = {int(r["n"]): r for r in mixed}
+    lines = ["| target | result |", "|---|---|"]
+    neutral, asis = facts.get("k8s_neutral", {}), facts.get("k8s_asis", {})
+    if 256 in neutral or 256 in asis:
+        v = neutral.get(256)
+        verdict = "–" if v is None else ("met" if v <= 5 else "missed")
+        lines.append(f"| formation of 256 real handlers ≤ 5 s | {verdict}: {_s(v)} DNS-neutral "
+                     f"(as-is: {_s(asis.get(256))}; the difference is this machine's resolver) |")
+    ratios = facts.get("ratios", {})
+    if ratios:
+        worst = {d: max((r[d] for r in ratios.values() if r[d] is not None), default=None)
+                 for d in ("neutral", "as-is")}
+        w = worst["neutral"]
+        lines.append("| k8s / c10d ≤ 0.5 wherever c10d completes | "
+                     + ("–" if w is None else ("met" if w <= 0.5 else "missed")
+                        + f": worst {w:.2f}× DNS-neutral") + " (as-is: "
+                     + ("–" if worst["as-is"] is None else f"worst {worst['as-is']:.2f}×")
+                     + ") |")
+    for n, bound in ((1024, 10.0), (2048, None)):
+        row = by_n.get(n)
+        if row is None:
+            lines.append(f"| {n:,} simulated nodes formed | not reached in this run |")
+            continue
+        latency = row.get("latency_s")
+        verdict = "missed" if latency is None else (
+            "met" if bound is None or latency <= bound else "missed")
+        what = f"≤ {bound:.0f} s" if bound else "measured"
+        lines.append(f"| {n:,} nodes ({row['simulated']:,} simulated + {row['real']} real) "
+                     f"formed, {what} | {verdict}: {_s(latency)} |")
+    for key, label in (("requests", "requests"), ("bytes_sent", "bytes sent"),
+                       ("server_cpu_s", "API server + etcd CPU")):
+        k = _fit(mixed, key)
+        lines.append(f"| {label} per round ≤ N^{TARGET_EXPONENT} over {FIT_FROM}…{FIT_TO:,} | "
+                     + ("–" if k is None else ("met" if k <= TARGET_EXPONENT else "missed")
+                        + f": {_exp(k)}") + " |")
+    over = [r for r in mixed if r.get("formed") and r["writes"] > 2 * r["n"] + 5]
+    lines.append("| writes ≤ 2N + 5 per round | " + (
+        "met at every N" if not over else
+        "missed at N = " + ", ".join(str(r["n"]) for r in over)) + " |")
+    largest = max((r for r in mixed if r.get("object_bytes")), key=lambda r: r["n"],
+                  default=None)
+    if largest is not None:
+        lines.append(f"| ElasticRun far below etcd's 1.5 MiB request limit | at N = "
+                     f"{largest['n']:,}: {_size(largest['object_bytes'])} "
+                     f"({largest['object_bytes'] / 1.5 / 2**20:.0%} of the limit), "
+                     f"{largest['managed_fields_entries']} managedFields entries "
+                     f"({', '.join(largest['field_managers'])}) |")
+    return lines
+
+
+def _before_after(data: dict[str, Any]) -> list[str]:
+    """The protocol before this one against this one, real handlers, DNS-neutral."""
+    before = [r for r in data.get("baseline") or [] if r.get("formed")]
+    if not before:
+        return []
+    rev = before[0]["rev"]
+    now = [r for r in data.get("real", []) if r["dns"] == "neutral" and r.get("formed")]
+    lines = [f"## Where the time and the bytes went: before (`{rev}`) and now", "",
+             f"Real handlers, DNS-neutral, with the operator running, the same harness; `{rev}` "
+             "is taken from git with its own CRD. Bytes: the API server's responses plus its "
+             "watch events for the run's ElasticRun; client CPU: all handler processes.", "",
+             "| N | protocol | formation | requests | `list leases` | `get elasticruns` "
+             "| response bytes | watch bytes | server CPU | client CPU / node |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for n in sorted({int(r["n"]) for r in before}):
+        for label, rows in ((f"before (`{rev}`)", before), ("now", now)):
+            got = [r for r in rows if r["n"] == n]
+            if not got:
+                continue
+            r = got[0]
+            kinds = r.get("by_kind", {})
+            lines.append(
+                f"| {n} | {label} | {_s(r['latency_s'])} | {_num(r['requests'])} | "
+                f"{_num(kinds.get('list leases', 0))} | {_num(kinds.get('get elasticruns', 0))} "
+                f"| {_size(r.get('response_bytes'))} | {_size(r['watch_bytes'])} | "
+                f"{_s(r['server_cpu_s'])} | {r['client_cpu_s'] / n * 1e3:.1f} ms |")
+    return [*lines, ""]
+
+
+def _plot(data: dict[str, Any], out: Path) -> str | None:
+    mixed = [r for r in data.get("mixed", []) if r.get("formed")]
+    if len(mixed) < 2:
+        return None
+    import matplotlib  # noqa: PLC0415 - only the report needs it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    xs = [r["n"] for r in mixed]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.8))
+    for key, label in (("requests", "requests"), ("bytes_sent", "bytes sent / 1,000"),
+                       ("server_cpu_s", "server CPU (ms)")):
+        scale = {"bytes_sent": 1e-3, "server_cpu_s": 1e3}.get(key, 1.0)
+        left.plot(xs, [r[key] * scale for r in mixed], marker="o", label=label)
+    base = mixed[0]["requests"]
+    left.plot(xs, [base * n / xs[0] for n in xs], linestyle=":", color="grey", label="∝ N")
+    left.set(xscale="log", yscale="log", xlabel="nodes N", title="Server work per round")
+    left.grid(True, which="both", alpha=0.3)
+    left.legend(fontsize=8)
+    right.plot(xs, [r["latency_s"] for r in mixed], marker="o", label="k8s, mixed round")
+    for backend, dns in (("k8s", "neutral"), ("c10d", "neutral"), ("c10d", "as-is")):
+        got = _median([r for r in [*data.get("real", []), *data.get("c10d", [])]
+                       if r["backend"] == backend and r["dns"] == dns], "latency_s")
+        if got:
+            ns = sorted(got)
+            right.plot(ns, [got[n] for n in ns], marker="s",
+                       label=f"{backend}, all real, DNS {dns}")
+    right.set(xscale="log", yscale="log", xlabel="nodes N", ylabel="seconds",
+              title="Formation latency")
+    right.grid(True, which="both", alpha=0.3)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / PLOT, dpi=80)
+    plt.close(fig)
+    return PLOT
+
+
+def render(data: dict[str, Any], plot: str | None) -> str:
+    m, plan = data["machine"], data["plan"]
+    loads = data.get("load", {})
+    formation_lines, facts = _formation_rows(data)
+    lines = [
+        "# Scale: rounds of 64 to 2,048 nodes", "",
+        f"Generated by `bench/scale.py`; do not edit by hand. Re-run with `{data['command']}` "
+        f"(the whole run took {data['seconds'] / 60:.1f} min).", "",
+        f"* Machine: {m['nproc']} cores ({m['cpu']}), {m['memory_gib']} GiB; measured "
+        f"{data['started']} at commit `{data.get('commit', 'unknown')}`, with the operator "
+        "running (large runs leave the seal to it).",
+        "* 1-minute load average after each part (the benchmark alone keeps it near "
+        f"{m['nproc']}): " + ", ".join(f"{k} {v}" for k, v in loads.items()) + ".",
+        f"* Mixed rounds: N nodes, of which {plan['sample']} are real handlers (threads in "
+        f"{plan['workers']} bench workers) and the rest simulated nodes in "
+        f"{plan['sim_processes']} asyncio processes (`bench/simnode.py`: the handler's own "
+        "request bodies, one request and one watch connection per node). The real handlers "
+        "join 1.5 s ahead, so that rank 0, whose TCPStore every real handler reaches, is one "
+        "of them; formation counts from the simulated nodes' start, the last N − "
+        f"{plan['sample']} arriving at once. One repetition per N; "
+        "`minNodes = maxNodes = N`.",
+        f"* Real rounds: every node a real handler, {plan['reps']} repetitions, median. "
+        "*DNS-neutral*: every worker process loads `bench/dnsshim.py`'s `getnameinfo()` "
+        "(numeric hosts only, built with gcc into `~/.cache/elasticrun/`), for k8s and c10d "
+        "alike. *Incl. construction*: plus the time to build the N handlers (c10d connects "
+        "to its store there, outside the formation clock).", ""]
+    if data.get("quick"):
+        lines += ["> **Quick mode**: small N, one repetition; shows that the harness works.",
+                  ""]
+    if data.get("errors"):
+        lines += ["**Errors during this run:**", ""] + [f"* {e}" for e in data["errors"]] + [""]
+    lines += ["## Targets (the protocol's figures; the environment's effect beside them)", ""]
+    lines += [*_targets(data, facts), ""]
+    mixed = data.get("mixed", [])
+    lines += ["## Server work per round (mixed rounds)", "",
+              "From the API server: requests on the run's ElasticRun and Leases from its audit "
+              "log (Lease renewals apart), bytes of its responses "
+              "(`apiserver_response_sizes`) plus watch events "
+              "(`apiserver_watch_events_sizes`) for `elasticrun.dev` and "
+              "`coordination.k8s.io`, CPU of kube-apiserver + etcd; the operator's CPU beside "
+              "it. Object: the ElasticRun as stored after the round formed.", "",
+              "| N | real + simulated | formation | first node | requests | writes | 2N+5 "
+              "| bytes sent | bytes / node | server CPU | operator CPU | object | "
+              "managedFields |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in mixed:
+        lines.append(
+            f"| {r['n']:,} | {r['real']} + {r['simulated']:,} | "
+            + (_s(r['latency_s']) if r.get("formed") else "not formed: "
+               + "; ".join(r.get("errors") or ["bound"])) + " | "
+            f"{_s(r.get('first_done_s'))} | {_num(r['requests'])} | {_num(r['writes'])} | "
+            f"{2 * r['n'] + 5:,} | {_size(r['bytes_sent'])} | "
+            f"{_size(r['bytes_sent'] / r['n'])} | {_s(r['server_cpu_s'])} | "
+            f"{_s(r['operator_cpu_s'])} | {_size(r.get('object_bytes'))} | "
+            f"{r.get('managed_fields_entries', '–')} |")
+    fitted = {"requests": "requests", "writes": "writes", "bytes_sent": "bytes sent",
+              "response_bytes": "response bytes", "watch_bytes": "watch bytes",
+              "server_cpu_s": "server CPU", "operator_cpu_s": "operator CPU",
+              "latency_s": "formation latency"}
+    lines += ["", f"Fitted growth over N = {FIT_FROM}…{FIT_TO:,} (log-log least squares): "
+              + ", ".join(f"{label} **{_exp(_fit(mixed, key))}**"
+                          for key, label in fitted.items()) + ".", ""]
+    largest = max((r for r in mixed if r.get("formed")), key=lambda r: r["n"], default=None)
+    if largest is not None:
+        lines += [f"Requests of the round at N = {largest['n']:,}, from the audit log:", "",
+                  "| request | count |", "|---|---|"]
+        lines += [f"| `{k}` | {v:,} |" for k, v in largest["by_kind"].items()] + [""]
+    lines += _before_after(data)
+    lines += ["## Formation with every node a real handler", "",
+              "From the moment all N handlers are built to the last `next_rendezvous()` "
+              "returning; median of the repetitions.", "", *formation_lines, ""]
+    if plot:
+        lines += [f"![scale]({plot})", ""]
+    return "\n".join(lines) + "\n"
+
+
+def write(data: dict[str, Any], out: Path) -> None:
+    (out / PAGE).write_text(render(data, _plot(data, out)))
+
+
+def embedded(out: Path) -> list[str]:
+    """The scale page as a section of ``benchmarks.md`` (headings one level down)."""
+    page = out / PAGE
+    if not page.exists():
+        return []
+    lines = page.read_text().splitlines()
+    return [("#" + line) if line.startswith("#") else line for line in lines]
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0]) if argv else Path("docs")
+    write(json.loads((out / "benchmarks-scale.json").read_text()), out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,268 @@
+"""Simulated nodes: many rendezvous clients in one asyncio process, for the scale benchmark.
+
+Run as ``python -m bench.simnode``; it reads one JSON line on stdin (the run,
+the nodes, when to start), writes one JSON line per formed node on stdout,
+then renews the nodes' Leases until stdin closes.
+
+A simulated node sends what a real handler of a large run sends, built by the
+product's own code: it reads the run, creates its Lease with its join request
+(``LeaseKeeper``'s manifest, ``WaitingNode`` as the handler writes it), opens
+the narrow watch (``status.signal!=S`` from the resourceVersion it read), and
+renews its Lease with the handler's merge patch.  It leaves sealing to the
+operator, as a real node of a run of 64 nodes or more does
+(:func:`elasticrun.api.rounds.nodes_defer_seal`); it does not host a TCPStore.
+Each node has its own two connections (requests, watch), as a handler's
+connection pool does, so the API server serves exactly the connections,
+requests and bytes of real nodes.
+
+Client CPU is what lets one machine play 2,048 nodes: one thread, raw
+HTTP/1.1, and each distinct watch event parsed once per process (every watcher
+receives the same bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlencode, urlsplit
+
+from elasticrun.api.kube import (
+    MERGE_PATCH,
+    Credentials,
+    lease_path,
+    leases_path,
+    load_credentials,
+    run_path,
+    runs_path,
+)
+from elasticrun.api.model import WaitingNode, format_time, now
+from elasticrun.handler.lease import LeaseKeeper
+
+#: Bound on one request, and on a whole formation as a node sees it.
+REQUEST_BOUND = 60.0
+
+
+class HttpError(RuntimeError):
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(f"HTTP {status}: {body[:200]!r}")
+        self.status = status
+
+
+@dataclass
+class Connection:
+    """One keep-alive HTTP/1.1 connection to the API server."""
+
+    host: str
+    port: int
+    tls: ssl.SSLContext | None
+    auth: str | None
+    reader: asyncio.StreamReader | None = None
+    writer: asyncio.StreamWriter | None = None
+
+    async def open(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port,
+                                                                 ssl=self.tls)
+
+    async def send(self, method: str, path: str, body: Any = None,
+                   content_type: str = "application/json") -> None:
+        if self.writer is None:
+            await self.open()
+        assert self.writer is not None
+        data = b"" if body is None else json.dumps(body).encode()
+        head = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}",
+                "Accept: application/json", "User-Agent: elasticrun/0.1",
+                f"Content-Length: {len(data)}"]
+        if body is not None:
+            head.append(f"Content-Type: {content_type}")
+        if self.auth:
+            head.append(f"Authorization: {self.auth}")
+        self.writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+        await self.writer.drain()
+
+    async def head(self) -> tuple[int, dict[str, str]]:
+        assert self.reader is not None
+        status_line = await self.reader.readline()
+        if not status_line:
+            raise ConnectionError("the API server closed the connection")
+        status = int(status_line.split()[1])
+        headers: dict[str, str] = {}
+        while True:
+            line = await self.reader.readline()
+            if line in (b"\r\n", b"\n", b""):
+                break
+            key, _, value = line.decode("latin-1").partition(":")
+            headers[key.strip().lower()] = value.strip()
+        return status, headers
+
+    async def chunks(self) -> Any:
+        """The body of a chunked response, chunk by chunk."""
+        assert self.reader is not None
+        while True:
+            size = int((await self.reader.readline()).split(b";")[0], 16)
+            if size == 0:
+                await self.reader.readline()
+                return
+            data = await self.reader.readexactly(size)
+            await self.reader.readline()
+            yield data
+
+    async def request(self, method: str, path: str, body: Any = None,
+                      content_type: str = "application/json") -> bytes:
+        await self.send(method, path, body, content_type)
+        status, headers = await self.head()
+        assert self.reader is not None
+        if headers.get("transfer-encoding") == "chunked":
+            data = b"".join([c async for c in self.chunks()])
+        else:
+            data = await self.reader.readexactly(int(headers.get("content-length", "0")))
+        if status >= 400:
+            raise HttpError(status, data)
+        return data
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+@dataclass
+class Shared:
+    """What all nodes of this process share: where the server is, and parsed events."""
+
+    host: str
+    port: int
+    tls: ssl.SSLContext | None
+    credentials: Credentials
+    namespace: str
+    run: str
+    parsed: dict[bytes, dict[str, Any]] = field(default_factory=dict)
+
+    def connection(self) -> Connection:
+        return Connection(self.host, self.port, self.tls, self.credentials.authorization())
+
+    def parse(self, line: bytes) -> dict[str, Any]:
+        """One watch event; every watcher gets the same bytes, so each is parsed once here."""
+        event = self.parsed.get(line)
+        if event is None:
+            event = json.loads(line)
+            self.parsed[line] = event
+        return event
+
+
+def shared_from(kubeconfig: str, namespace: str, run: str) -> Shared:
+    credentials = load_credentials(kubeconfig)
+    url = urlsplit(credentials.host)
+    tls = None
+    if url.scheme == "https":
+        tls = ssl.create_default_context(cafile=credentials.ca_file)
+        if not credentials.verify:
+            tls.check_hostname = False
+            tls.verify_mode = ssl.CERT_NONE
+        if credentials.cert_file:
+            tls.load_cert_chain(credentials.cert_file, credentials.key_file)
+    return Shared(url.hostname or "127.0.0.1", url.port or 443, tls, credentials, namespace,
+                  run)
+
+
+class SimNode:
+    def __init__(self, shared: Shared, name: str, port: int) -> None:
+        self.shared = shared
+        self.name = name
+        self.port = port
+        self.requests = shared.connection()
+        self.watch = shared.connection()
+        self.lease: LeaseKeeper | None = None
+
+    async def rendezvous(self) -> dict[str, Any]:
+        """Read the run, join through the Lease, wait on the narrow watch for the round."""
+        s = self.shared
+        run = json.loads(await self.requests.request("GET", run_path(s.namespace, s.run)))
+        spec, meta = run["spec"], run["metadata"]
+        self.lease = LeaseKeeper(None, s.namespace, s.run, self.name,  # type: ignore[arg-type]
+                                 spec["heartbeatTimeoutSeconds"],
+                                 spec["leaseRenewIntervalSeconds"], meta["uid"])
+        join = WaitingNode(name=self.name, address="127.0.0.1", store_port=self.port,
+                           since=now())
+        await self.requests.request("POST", leases_path(s.namespace),
+                                    self.lease._manifest(join))  # the handler's own wire body
+        signal = (run.get("status") or {}).get("signal", 0)
+        query = {"fieldSelector": f"metadata.name={s.run},status.signal!={signal}",
+                 "resourceVersion": meta["resourceVersion"], "watch": "true",
+                 "timeoutSeconds": 300, "allowWatchBookmarks": "true"}
+        await self.watch.send("GET", f"{runs_path(s.namespace)}?{urlencode(query)}")
+        status, _ = await self.watch.head()
+        if status >= 400:
+            raise HttpError(status, b"watch refused")
+        buffer = b""
+        async for chunk in self.watch.chunks():
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                event = s.parse(line)
+                obj = event.get("object") or {}
+                for p in (obj.get("status") or {}).get("participants") or ():
+                    if p["name"] == self.name:
+                        self.watch.close()
+                        return {"t_done": time.monotonic(), "rank": p["rank"],
+                                "world": len(obj["status"]["participants"]),
+                                "round": obj["status"]["round"]}
+        raise ConnectionError("the watch ended before a round formed")
+
+    async def renew(self, interval: float) -> None:
+        """The handler's renewal: a merge patch of renewTime, every ``interval``."""
+        assert self.lease is not None
+        path = lease_path(self.shared.namespace, self.lease.name)
+        while True:
+            await asyncio.sleep(interval)
+            body = {"spec": {"renewTime": format_time(now()),
+                             "holderIdentity": self.lease.holder}}
+            try:
+                await self.requests.request("PATCH", path, body, MERGE_PATCH)
+            except (HttpError, OSError, asyncio.IncompleteReadError):
+                return  # the run (and its Leases) were deleted: the benchmark is over
+
+
+async def _one(node: SimNode, start_at: float, out: asyncio.Queue[dict[str, Any]]) -> None:
+    await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+    result: dict[str, Any] = {"node": node.name, "t_start": time.monotonic()}
+    try:
+        result.update(await asyncio.wait_for(node.rendezvous(), REQUEST_BOUND * 5))
+    except Exception as exc:  # reported to the coordinator
+        result.update({"t_done": time.monotonic(), "error": f"{type(exc).__name__}: {exc}"})
+    await out.put(result)
+
+
+async def main_async(config: dict[str, Any]) -> None:
+    shared = shared_from(config["kubeconfig"], config["namespace"], config["run"])
+    nodes = [SimNode(shared, name, 20000 + i) for i, name in enumerate(config["nodes"])]
+    out: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    tasks = [asyncio.create_task(_one(n, float(config["start_at"]), out)) for n in nodes]
+    for _ in nodes:
+        sys.stdout.write(json.dumps(await out.get()) + "\n")
+        sys.stdout.flush()
+    await asyncio.gather(*tasks)
+    shared.parsed.clear()
+    renewals = [asyncio.create_task(n.renew(float(config["renew_interval"])))
+                for n in nodes if n.lease is not None]
+    # Stay a live node (renewing) until the coordinator closes stdin.
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    for task in renewals:
+        task.cancel()
+    for node in nodes:
+        node.requests.close()
+        node.watch.close()
+
+
+def main() -> int:
+    config = json.loads(sys.stdin.readline())
+    asyncio.run(main_async(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

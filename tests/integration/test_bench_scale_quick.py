@@ -1,0 +1,68 @@
+"""``bench/scale.py --quick`` works: simulated and real nodes in one round, output well formed.
+
+The quick mode runs the real harness (its own control plane and operator,
+simulated-node processes, bench workers, c10d) at small N.  Timings are never
+asserted: only that every round formed with the right size, that the request
+counts are the protocol's, and that the page is written and embedded in
+``benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def scale_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("bench-scale-quick")
+    shutil.copy(ROOT / "docs" / "benchmarks.json", out / "benchmarks.json")
+    run = subprocess.run([sys.executable, str(ROOT / "bench" / "scale.py"), "--quick",
+                          "--out", str(out)], capture_output=True, text=True, timeout=540,
+                         check=False, cwd=ROOT)
+    assert run.returncode == 0, f"bench/scale.py --quick failed:\n{run.stderr[-4000:]}"
+    return out, json.loads((out / "benchmarks-scale.json").read_text())
+
+
+def test_mixed_rounds_of_simulated_and_real_nodes_form_with_linear_requests(
+        scale_run: tuple[Path, dict[str, Any]]) -> None:
+    _, data = scale_run
+    assert data["errors"] == []
+    rows = data["mixed"]
+    assert [r["n"] for r in rows] == list(data["plan"]["mixed_sizes"])
+    for row in rows:
+        assert row["formed"] and row["worlds"] == [row["n"]], row
+        assert row["real"] + row["simulated"] == row["n"] and row["real"] > 0
+        assert row["rank0_real"], row  # the real handlers reach a real TCPStore
+        assert 0 < row["writes"] <= 2 * row["n"] + 5, row
+        assert row["by_kind"]["create leases"] == row["n"], row
+        assert row["bytes_sent"] > 0 and row["object_bytes"] > 0, row
+
+
+def test_real_rounds_are_measured_as_is_and_dns_neutral_for_both_backends(
+        scale_run: tuple[Path, dict[str, Any]]) -> None:
+    _, data = scale_run
+    for key in ("real", "c10d"):
+        assert {r["dns"] for r in data[key]} == {"as-is", "neutral"}, key
+        assert all(r["formed"] and r["build_s"] > 0 for r in data[key]), key
+
+
+def test_the_page_is_written_and_embedded_in_benchmarks_md(
+        scale_run: tuple[Path, dict[str, Any]]) -> None:
+    out, _ = scale_run
+    page = (out / "benchmarks-scale.md").read_text()
+    for heading in ("## Targets", "## Server work per round", "## Formation with every node"):
+        assert heading in page
+    assert (out / "bench-scale.png").read_bytes().startswith(b"\x89PNG")
+    embedded = (out / "benchmarks.md").read_text()
+    assert "## Formation latency" in embedded and "### Server work per round" in embedded
