@@ -113,11 +113,7 @@ class LeaseKeeper:
         """
         value = join_value(join) if join is not None else None
         try:
-            self.client.request(
-                "PATCH", lease_path(self.namespace, self.name),
-                body={"metadata": {"annotations": {JOIN_ANNOTATION: value,
-                                                   UNREACHABLE_ANNOTATION: None}}},
-                content_type=MERGE_PATCH)
+            self._annotate({JOIN_ANNOTATION: value, UNREACHABLE_ANNOTATION: None})
         except ApiError as exc:
             if not exc.not_found:
                 raise
@@ -131,26 +127,26 @@ class LeaseKeeper:
         noticed by its Lease expiring instead.
         """
         try:
-            self.client.request(
-                "PATCH", lease_path(self.namespace, self.name),
-                body={"metadata": {"annotations": {
-                    UNREACHABLE_ANNOTATION: unreachable_value(leader, round_number)}}},
-                content_type=MERGE_PATCH, timeout=timeout)
+            self._annotate({UNREACHABLE_ANNOTATION: unreachable_value(leader, round_number)},
+                           timeout)
         except (ApiError, ApiConnectionError) as exc:
             log.info("lease %s: reporting %s unreachable failed: %s", self.name, leader, exc)
 
     def withdraw_join(self, timeout: float) -> bool:
         """Withdraw our join request, keeping the Lease; False if that failed."""
         try:
-            self.client.request(
-                "PATCH", lease_path(self.namespace, self.name),
-                body={"metadata": {"annotations": {JOIN_ANNOTATION: None}}},
-                content_type="application/merge-patch+json", timeout=timeout)
+            self._annotate({JOIN_ANNOTATION: None}, timeout)
         except ApiError as exc:
             return bool(exc.not_found)
         except ApiConnectionError:
             return False
         return True
+
+    def _annotate(self, values: dict[str, str | None], timeout: float | None = None) -> None:
+        """One merge patch of our Lease's annotations (None removes one)."""
+        self.client.request("PATCH", lease_path(self.namespace, self.name),
+                            body={"metadata": {"annotations": values}},
+                            content_type=MERGE_PATCH, timeout=timeout)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._renew_loop, daemon=True,
