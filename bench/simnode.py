@@ -7,11 +7,12 @@ then renews the nodes' Leases until stdin closes.
 A simulated node sends what a real handler of a large run sends, built by the
 product's own code: it reads the run, creates its Lease with its join request
 (``LeaseKeeper``'s manifest, ``WaitingNode`` as the handler writes it), opens
-the narrow watch (``status.signal!=S`` from the resourceVersion it read), and
-renews its Lease with the handler's merge patch.  It leaves sealing to the
+the narrow watch (``status.signal!=S`` from the resourceVersion it read) and the
+watch of its own Lease, where the operator of a large run writes its place in
+the round, and renews its Lease with the handler's merge patch.  It leaves sealing to the
 operator, as a real node of a run of 64 nodes or more does
 (:func:`elasticrun.api.rounds.nodes_defer_seal`); it does not host a TCPStore.
-Each node has its own two connections (requests, watch), as a handler's
+Each node has its own three connections (requests, run watch, Lease watch), as a handler's
 connection pool does, so the API server serves exactly the connections,
 requests and bytes of real nodes.
 
@@ -40,6 +41,7 @@ from elasticrun.api.kube import (
     run_path,
     runs_path,
 )
+from elasticrun.api.leases import ASSIGNMENT_ANNOTATION, read_assignment
 from elasticrun.api.model import WaitingNode, format_time, now
 from elasticrun.handler.lease import LeaseKeeper
 
@@ -176,10 +178,16 @@ class SimNode:
         self.port = port
         self.requests = shared.connection()
         self.watch = shared.connection()
+        self.mailbox = shared.connection()
         self.lease: LeaseKeeper | None = None
 
     async def rendezvous(self) -> dict[str, Any]:
-        """Read the run, join through the Lease, wait on the narrow watch for the round."""
+        """Read the run, join through the Lease, wait for the round on both watches.
+
+        A large run's node learns its place from its own Lease; a seal that
+        moves the signal (a node's, or an older operator's under ``--baseline``)
+        reaches it on the narrow run watch instead.  Whichever comes first forms it.
+        """
         s = self.shared
         run = json.loads(await self.requests.request("GET", run_path(s.namespace, s.run)))
         spec, meta = run["spec"], run["metadata"]
@@ -188,30 +196,61 @@ class SimNode:
                                  spec["leaseRenewIntervalSeconds"], meta["uid"])
         join = WaitingNode(name=self.name, address="127.0.0.1", store_port=self.port,
                            since=now())
-        await self.requests.request("POST", leases_path(s.namespace),
-                                    self.lease._manifest(join))  # the handler's own wire body
+        created = json.loads(await self.requests.request(
+            "POST", leases_path(s.namespace), self.lease._manifest(join)))  # the handler's body
         signal = (run.get("status") or {}).get("signal", 0)
-        query = {"fieldSelector": f"metadata.name={s.run},status.signal!={signal}",
-                 "resourceVersion": meta["resourceVersion"], "watch": "true",
-                 "timeoutSeconds": 300, "allowWatchBookmarks": "true"}
-        await self.watch.send("GET", f"{runs_path(s.namespace)}?{urlencode(query)}")
-        status, _ = await self.watch.head()
+        watches = [
+            asyncio.create_task(self._from_run(signal, meta["resourceVersion"])),
+            asyncio.create_task(self._from_lease(join, created["metadata"]["resourceVersion"])),
+        ]
+        try:
+            done, _ = await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
+            return next(iter(done)).result()
+        finally:
+            for task in watches:
+                task.cancel()
+            self.watch.close()
+            self.mailbox.close()
+
+    async def _events(self, connection: Connection, path: str, query: dict[str, Any]) -> Any:
+        """The lines of one watch, as they arrive."""
+        query = {**query, "watch": "true", "timeoutSeconds": 300, "allowWatchBookmarks": "true"}
+        await connection.send("GET", f"{path}?{urlencode(query)}")
+        status, _ = await connection.head()
         if status >= 400:
             raise HttpError(status, b"watch refused")
         buffer = b""
-        async for chunk in self.watch.chunks():
+        async for chunk in connection.chunks():
             buffer += chunk
             while b"\n" in buffer:
                 line, buffer = buffer.split(b"\n", 1)
-                event = s.parse(line)
-                obj = event.get("object") or {}
-                for p in (obj.get("status") or {}).get("participants") or ():
-                    if p["name"] == self.name:
-                        self.watch.close()
-                        return {"t_done": time.monotonic(), "rank": p["rank"],
-                                "world": len(obj["status"]["participants"]),
-                                "round": obj["status"]["round"]}
-        raise ConnectionError("the watch ended before a round formed")
+                yield line
+
+    async def _from_run(self, signal: int, resource_version: str) -> dict[str, Any]:
+        s = self.shared
+        query = {"fieldSelector": f"metadata.name={s.run},status.signal!={signal}",
+                 "resourceVersion": resource_version}
+        async for line in self._events(self.watch, runs_path(s.namespace), query):
+            obj = s.parse(line).get("object") or {}
+            for p in (obj.get("status") or {}).get("participants") or ():
+                if p["name"] == self.name:
+                    return {"t_done": time.monotonic(), "rank": p["rank"],
+                            "world": len(obj["status"]["participants"]),
+                            "round": obj["status"]["round"]}
+        raise ConnectionError("the run watch ended before a round formed")
+
+    async def _from_lease(self, join: WaitingNode, resource_version: str) -> dict[str, Any]:
+        assert self.lease is not None
+        query = {"fieldSelector": f"metadata.name={self.lease.name}",
+                 "resourceVersion": resource_version}
+        async for line in self._events(self.mailbox, leases_path(self.shared.namespace),
+                                       query):
+            meta = (json.loads(line).get("object") or {}).get("metadata") or {}
+            told = read_assignment((meta.get("annotations") or {}).get(ASSIGNMENT_ANNOTATION))
+            if told is not None and told.since == join.since:
+                return {"t_done": time.monotonic(), "rank": told.rank,
+                        "world": told.world_size, "round": told.round}
+        raise ConnectionError("the Lease watch ended before a round formed")
 
     async def renew(self, interval: float) -> None:
         """The handler's renewal: a merge patch of renewTime, every ``interval``."""
@@ -255,7 +294,6 @@ async def main_async(config: dict[str, Any]) -> None:
         task.cancel()
     for node in nodes:
         node.requests.close()
-        node.watch.close()
 
 
 def main() -> int:

@@ -297,3 +297,46 @@ def test_deferring_nodes_seal_themselves_when_no_operator_does(
         monkeypatch: pytest.MonkeyPatch) -> None:
     assert _form_deferring(make_handler, monkeypatch, "unattended", wait=0.5) >= 1
     assert read_run(cluster.client, namespace, "unattended").status.round == 1
+
+
+def test_a_large_run_tells_each_member_its_place_on_its_lease(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """maxNodes 64: the operator's seal leaves the signal alone, so no node receives the
+    roster; each learns its rank from its own Lease, in the first round and after a loss."""
+    lists = _CountedLists(monkeypatch)
+    nodes = [make_handler("told", f"n{i}", min_nodes=2, max_nodes=64, last_call_timeout=2)
+             for i in range(3)]
+    outcomes = rendezvous_all(nodes)
+    _ok(outcomes)
+    ranks = {name: o.rank for name, o in outcomes.items()}
+    assert sorted(ranks.values()) == [0, 1, 2]
+    assert {o.world_size for o in outcomes.values()} == {3}
+    run = read_run(cluster.client, namespace, "told")
+    assert run.status.round == 1 and run.status.signal == 0
+    assert {p.name: p.rank for p in run.status.participants} == ranks
+    assert lists.count == 0
+    for node in nodes:
+        # No copy of the sealed roster reached the node: its cache still holds round 0.
+        assert node.watcher is not None and node.watcher.latest is not None
+        assert node.watcher.latest.status.round == 0
+        assert node.mailbox is not None and node.mailbox.latest is not None
+        told = node.mailbox.latest
+        assert (told.round, told.rank, told.world_size) == (1, ranks[node.settings.node_name], 3)
+        assert told.leader == run.status.participants[0].name
+    # A loss moves the signal (every survivor must hear of it); the next round is
+    # told on the Leases again.
+    leaving = next(n for n in nodes if ranks[n.settings.node_name] == 2)
+    leaving.shutdown()
+    survivors = [n for n in nodes if n is not leaving]
+    wait_for(lambda: all(n.num_nodes_waiting() > 0 for n in survivors), 15,
+             "the survivors to hear of the loss")
+    again = rendezvous_all(survivors)
+    _ok(again)
+    assert sorted(o.rank for o in again.values()) == [0, 1]
+    assert {o.world_size for o in again.values()} == {2}
+    run = read_run(cluster.client, namespace, "told")
+    assert run.status.round == 2 and run.status.signal == 1
+    assert all(n.mailbox is not None and n.mailbox.latest is not None
+               and n.mailbox.latest.round == 2 for n in survivors)
+    assert all(n.num_nodes_waiting() == 0 for n in survivors)

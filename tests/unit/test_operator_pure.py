@@ -320,3 +320,63 @@ def test_the_operator_seals_at_once_where_nodes_leave_it_the_seal(size: int) -> 
     else:
         assert plan.sealed and plan.status is not None and plan.status.round == 1
         assert [p.name for p in plan.status.participants] == names
+
+
+def _told(leases: dict[str, LeaseState], status: RunStatus,
+          *names: str) -> dict[str, LeaseState]:
+    """``leases`` with the assignments of ``names`` written, as the operator writes them."""
+    told = dict(leases)
+    for name in names:
+        told[name] = dataclasses.replace(told[name], assignment=status.assignment(name))
+    return told
+
+
+@pytest.mark.parametrize("size", [3, 64])
+def test_in_large_runs_the_seal_leaves_the_signal_and_tells_each_member_on_its_lease(
+        size: int) -> None:
+    names = [f"n{i:03d}" for i in range(size)]
+    run = ElasticRun("r", "ns", RunSpec(min_nodes=size, max_nodes=size), RunStatus(signal=4),
+                     "7", uid="uid")
+    leases = _joined(names, T0)
+    plan = reconcile(run, Members(leases=leases), T0 + dt.timedelta(seconds=SEAL_GRACE))
+    assert plan.sealed and plan.status is not None
+    if size < rounds.DEFER_SEAL_FROM:
+        assert plan.status.signal == 5 and plan.assignments == []
+        return
+    assert plan.status.signal == 4  # nobody's run watch fires with the whole roster
+    assert [node for node, _ in plan.assignments] == names  # rank 0 first
+    first = plan.assignments[0][1]
+    assert (first.round, first.rank, first.world_size, first.leader) == (1, 0, size, "n000")
+    assert first.store == StoreAddress("10.0.0.1", 29400) and first.since == T0
+    assert [a.rank for _, a in plan.assignments] == list(range(size))
+
+
+def test_a_restarted_operator_tells_only_the_members_not_yet_told() -> None:
+    names = [f"n{i:03d}" for i in range(64)]
+    spec = RunSpec(min_nodes=64, max_nodes=64)
+    leases = _joined(names, T0)
+    sealed_run = ElasticRun("r", "ns", spec, RunStatus(), "7", uid="uid")
+    status = reconcile(sealed_run, Members(leases=leases), T0).status
+    assert status is not None
+    run = ElasticRun("r", "ns", spec, status, "8", uid="uid")
+    told = _told(leases, status, *names[:60])
+    # n060 joined again since (a newer request): it has moved on and is not told.
+    told["n060"] = dataclasses.replace(told["n060"], join=dataclasses.replace(
+        told["n060"].join, since=T0 + dt.timedelta(seconds=1)))  # type: ignore[arg-type]
+    plan = reconcile(run, Members(leases=told), T0 + dt.timedelta(seconds=1))
+    assert [node for node, _ in plan.assignments] == ["n061", "n062", "n063"]
+    everyone = _told(leases, status, *names)
+    assert reconcile(run, Members(leases=everyone), T0).assignments == []
+
+
+def test_a_re_forming_round_is_told_nothing() -> None:
+    names = [f"n{i:03d}" for i in range(64)]
+    spec = RunSpec(min_nodes=64, max_nodes=64)
+    leases = _joined(names, T0)
+    status = reconcile(ElasticRun("r", "ns", spec, RunStatus(), "7", uid="uid"),
+                       Members(leases=leases), T0).status
+    assert status is not None
+    degraded = rounds.request_restart(status)
+    assert degraded is not None
+    run = ElasticRun("r", "ns", spec, degraded, "8", uid="uid")
+    assert reconcile(run, Members(leases=leases), T0).assignments == []

@@ -13,6 +13,7 @@ from elasticrun.api.model import (
     Participant,
     RunSpec,
     RunStatus,
+    StoreAddress,
     WaitingNode,
 )
 
@@ -211,3 +212,32 @@ def test_nodes_leave_sealing_to_the_operator_from_64_nodes_on_and_wait_longer_fo
     assert not rounds.nodes_defer_seal(small)
     assert rounds.nodes_defer_seal(large) and rounds.nodes_defer_seal(huge)
     assert rounds.DEFER_SEAL_BASE < rounds.defer_seal_wait(large) < rounds.defer_seal_wait(huge)
+
+
+# --------------------------------------------------------------------------- told on the Lease
+
+
+def test_a_seal_told_on_the_leases_leaves_the_signal() -> None:
+    base = run(RunStatus(signal=3, waiting=waiting("a", "b")), max_nodes=64)
+    assert rounds.seal_round(base, at(0)).signal == 4
+    quiet = rounds.seal_round(base, at(0), by_lease=True)
+    assert quiet.signal == 3 and quiet.round == 1
+    assert rounds.members_told_by_lease(base.spec)
+    assert not rounds.members_told_by_lease(run(RunStatus()).spec)
+
+
+def test_a_member_told_on_its_lease_hears_of_nobody_waiting_from_an_older_copy() -> None:
+    # The copy predates round 2, which the node learned of on its Lease; the
+    # waiting summary in it is the requests round 2 answered.
+    older = run(sealed("a", "b").replace(waiting=waiting("a", "b"), restart_round=1))
+    assert rounds.nodes_waiting(older, 1) > 0
+    assert rounds.nodes_waiting(older, 2) == 0
+
+
+def test_a_members_assignment_is_its_place_in_the_round() -> None:
+    status = sealed("a", "b", "c", round_=3).replace(store=StoreAddress("10.0.0.0", 29400))
+    mine = status.assignment("c")
+    assert mine is not None
+    assert (mine.round, mine.rank, mine.world_size, mine.leader) == (3, 2, 3, "a")
+    assert mine.store == StoreAddress("10.0.0.0", 29400)
+    assert status.assignment("z") is None

@@ -7,15 +7,18 @@ last-call stagger and the join timeout.
 
 from __future__ import annotations
 
+import datetime as dt
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elasticrun.api.model import RunStatus, WaitingNode
+from elasticrun.api.model import Assignment, RunStatus, StoreAddress, WaitingNode
 from elasticrun.handler import step
 from elasticrun.handler.step import Knowledge, next_action
 
 from test_rounds import at, run, sealed, waiting
 
+OWN_SINCE = dt.datetime(2026, 1, 1, 0, 0, 5, tzinfo=dt.UTC)
 CLOCK = 1000.0  # monotonic seconds at the start of next_rendezvous
 JOIN_TIMEOUT = 60.0
 
@@ -28,9 +31,13 @@ def knows(status: RunStatus, node: str = "a", pending: tuple[WaitingNode, ...] =
                      listed=listed)
 
 
+def completes(action: step.Action, rank: int) -> bool:
+    return isinstance(action, step.Complete) and action.rank == rank
+
+
 def defers(status: RunStatus, node: str = "a", wait: float = 10.0, **spec: int) -> Knowledge:
     """A node of a large run that joined and leaves sealing to the operator for ``wait`` s."""
-    own = WaitingNode(name=node, address="10.0.0.9", store_port=29400)
+    own = WaitingNode(name=node, address="10.0.0.9", store_port=29400, since=OWN_SINCE)
     return knows(status, node, listed=False, **spec).replace(defer_until=CLOCK + wait, own=own)
 
 
@@ -48,7 +55,7 @@ def test_a_closed_run_ends_the_call_even_while_waiting() -> None:
 
 def test_a_newer_round_that_holds_the_node_completes_it_with_its_rank() -> None:
     known = knows(sealed("b", "a"), pending=(), previous_round=0)
-    assert next_action(known, at(0), CLOCK) == step.Complete(rank=1)
+    assert completes(next_action(known, at(0), CLOCK), 1)
 
 
 def test_the_round_the_node_was_in_does_not_complete_the_call() -> None:
@@ -76,7 +83,7 @@ def test_a_deferring_node_lists_and_seals_itself_once_the_operator_is_late() -> 
 
 
 def test_a_deferring_node_completes_the_operators_round() -> None:
-    assert next_action(defers(sealed("b", "a")), at(0), CLOCK) == step.Complete(rank=1)
+    assert completes(next_action(defers(sealed("b", "a")), at(0), CLOCK), 1)
 
 
 def test_a_deferring_newcomer_beside_a_round_with_room_still_announces_itself() -> None:
@@ -199,7 +206,7 @@ def test_completion_needs_a_newer_round_that_holds_the_node(members: list[str], 
                   previous_round=previous, max_nodes=6)
     action = next_action(known, at(0), CLOCK)
     if "a" in members and round_ > previous:
-        assert action == step.Complete(rank=members.index("a"))
+        assert completes(action, members.index("a"))
     else:
         assert not isinstance(action, step.Complete)
 
@@ -241,3 +248,42 @@ def test_after_a_superseded_round_the_node_joins_again_and_never_completes_it() 
     assert next_action(known, at(0), CLOCK) == step.Join()
     joined = known.replace(joined=True, pending=waiting("a"))
     assert not isinstance(next_action(joined, at(0), CLOCK), step.Complete)
+
+
+# --------------------------------------------------------------------------- told on the Lease
+
+
+def _offer(round_: int = 1, rank: int = 2, since: dt.datetime = OWN_SINCE) -> Assignment:
+    return Assignment(round=round_, rank=rank, world_size=64, leader="lead",
+                      store=StoreAddress("10.0.0.1", 29400), since=since)
+
+
+def test_a_deferring_node_completes_with_the_assignment_on_its_lease() -> None:
+    known = defers(RunStatus(), max_nodes=64).replace(offered=_offer())
+    action = next_action(known, at(0), CLOCK)
+    assert isinstance(action, step.Complete) and action.assignment == _offer()
+
+
+def test_an_assignment_of_an_earlier_request_or_round_is_stale() -> None:
+    known = defers(RunStatus(), max_nodes=64)
+    other_request = known.replace(offered=_offer(since=OWN_SINCE - dt.timedelta(seconds=9)))
+    assert isinstance(next_action(other_request, at(0), CLOCK), step.Wait)
+    # The node was in round 1 already, or its copy of the run is at round 1.
+    assert isinstance(next_action(known.replace(offered=_offer(), previous_round=1),
+                                  at(0), CLOCK), step.Wait)
+    at_round_1 = known.replace(run=run(sealed("lead", "b"), max_nodes=64), offered=_offer())
+    assert not isinstance(next_action(at_round_1, at(0), CLOCK), step.Complete)
+
+
+def test_the_run_it_holds_wins_over_its_lease() -> None:
+    known = defers(sealed("b", "a", round_=2), max_nodes=64).replace(
+        offered=_offer(round_=2, rank=0))
+    assert completes(next_action(known, at(0), CLOCK), 1)
+
+
+def test_a_copy_of_the_run_older_than_the_round_supersedes_nothing() -> None:
+    older = run(sealed("lead", "a"))
+    assert step.superseded(older, 2, "a", "lead") is None
+    assert step.superseded(run(sealed("lead", "a"), closed=True), 2, "a", "lead") == \
+        "the run was closed"
+    assert step.superseded(older, 1, "a", None) == "it has lost its rank 0"

@@ -22,12 +22,14 @@ from hypothesis import strategies as st
 
 from elasticrun.api import crd, rounds, untrusted
 from elasticrun.api.leases import (
+    ASSIGNMENT_ANNOTATION,
     JOIN_ANNOTATION,
     UNREACHABLE_ANNOTATION,
     Unreachable,
     lease_run,
     lease_state,
     pending_joins,
+    read_assignment,
     read_unreachable,
 )
 from elasticrun.api.model import (
@@ -80,19 +82,22 @@ ANNOTATION = st.one_of(
 
 
 def _lease(node: Any, join: Any, renew: Any, duration: Any, owner: Any,
-           created: Any, unreachable: Any = None) -> dict[str, Any]:
+           created: Any, unreachable: Any = None, assignment: Any = None) -> dict[str, Any]:
     return {
         "metadata": {
             "name": f"run-b.{node}", "creationTimestamp": created,
             "labels": {crd.RUN_LABEL: "run-b"},
             "annotations": {crd.RUN_LABEL: "run-b", crd.NODE_ANNOTATION: node,
-                            JOIN_ANNOTATION: join, UNREACHABLE_ANNOTATION: unreachable},
+                            JOIN_ANNOTATION: join, UNREACHABLE_ANNOTATION: unreachable,
+                            ASSIGNMENT_ANNOTATION: assignment},
             "ownerReferences": owner,
         },
         "spec": {"holderIdentity": node, "renewTime": renew, "leaseDurationSeconds": duration},
     }
 
 
+GOOD_ASSIGNMENT = ('{"leader":"n0","rank":1,"round":1,"since":"2026-01-01T00:00:00.000000Z",'
+                   '"store":{"host":"10.0.0.1","port":100},"worldSize":2}')
 LEASES = st.builds(
     _lease,
     node=st.one_of(st.sampled_from(["n0", "n1", "evil", "y" * 300]), JSON),
@@ -104,14 +109,16 @@ LEASES = st.builds(
     unreachable=st.one_of(st.sampled_from(['{"node": "n0", "round": 1}',
                                            '{"node": "n0", "round": 1e999}']),
                           ANNOTATION),
+    assignment=st.one_of(st.sampled_from([GOOD_ASSIGNMENT, GOOD_ASSIGNMENT.replace("2", "9e9")]),
+                         ANNOTATION),
 )
 #: Whole objects of any shape, as a Lease LIST could in theory return them.
 ANYTHING = st.one_of(JSON, st.dictionaries(st.sampled_from(["metadata", "spec"]), JSON))
 
 
 def _run(status: RunStatus, **spec: Any) -> ElasticRun:
-    return ElasticRun("run-b", "ns", RunSpec(min_nodes=2, max_nodes=3, **spec), status, "9",
-                      uid=UID)
+    return ElasticRun("run-b", "ns", RunSpec(**{"min_nodes": 2, "max_nodes": 3, **spec}),
+                      status, "9", uid=UID)
 
 
 def _running() -> RunStatus:
@@ -134,9 +141,11 @@ def _decide_everything(leases: list[Any]) -> None:
                 rounds.seal_round(view, when)
             rounds.order_for_ranks(status.participants, pending)
             rounds.nodes_waiting(view, 1)
-            plan = reconcile(_run(status), Members(leases=by_node), when)
-            if plan.status is not None:
-                RunStatus.from_dict(plan.status.to_dict())
+            for large in (False, True):
+                sized = _run(status, max_nodes=64) if large else _run(status)
+                plan = reconcile(sized, Members(leases=by_node), when)
+                if plan.status is not None:
+                    RunStatus.from_dict(plan.status.to_dict())
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -215,3 +224,28 @@ def test_an_unreadable_unreachable_report_is_no_report(raw: Any) -> None:
 
 def test_a_readable_unreachable_report_is_read() -> None:
     assert read_unreachable('{"node": "n0", "round": 3}') == Unreachable("n0", 3)
+
+
+@pytest.mark.parametrize("raw", [
+    "", "{}", "null", "[]", "x" * 2000, 7,
+    GOOD_ASSIGNMENT.replace('"rank":1', '"rank":2'),  # rank outside the world
+    GOOD_ASSIGNMENT.replace('"rank":1', '"rank":true'),
+    GOOD_ASSIGNMENT.replace('"round":1', '"round":0'),
+    GOOD_ASSIGNMENT.replace('"round":1', '"round":99999999999'),
+    GOOD_ASSIGNMENT.replace('"port":100', '"port":70000'),
+    GOOD_ASSIGNMENT.replace('"host":"10.0.0.1"', '"host":""'),
+    GOOD_ASSIGNMENT.replace('"leader":"n0"', '"leader":{"x":1}'),
+    GOOD_ASSIGNMENT.replace('"since":"2026-01-01T00:00:00.000000Z"', '"since":"soon"'),
+    GOOD_ASSIGNMENT.replace('"worldSize":2', '"worldSize":{"deep":{"er":[1]}}'),
+])
+def test_an_unreadable_assignment_is_no_assignment(raw: Any) -> None:
+    assert read_assignment(raw) is None
+
+
+def test_an_assignment_reads_back_as_written() -> None:
+    status = _running()
+    mine = status.assignment("n1")
+    assert mine is not None
+    assert read_assignment(json.dumps(mine.to_dict())) == mine
+    good = read_assignment(GOOD_ASSIGNMENT)
+    assert good is not None and (good.round, good.rank, good.world_size) == (1, 1, 2)

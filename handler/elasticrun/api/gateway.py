@@ -30,8 +30,15 @@ from elasticrun.api.kube import (
     run_path,
     runs_path,
 )
-from elasticrun.api.leases import lease_state, leases_of, pending_joins, run_leases_query
-from elasticrun.api.model import RunSpec, RunStatus, WaitingNode, new_run_manifest
+from elasticrun.api.leases import (
+    ASSIGNMENT_ANNOTATION,
+    assignment_value,
+    lease_state,
+    leases_of,
+    pending_joins,
+    run_leases_query,
+)
+from elasticrun.api.model import Assignment, RunSpec, RunStatus, WaitingNode, new_run_manifest
 from elasticrun.api.naming import lease_name
 
 
@@ -156,6 +163,19 @@ class RunGateway:
             if exc.not_found:
                 return None
             raise
+
+    def assign(self, node: str, assignment: Assignment) -> bool:
+        """Write ``node``'s place in the round on its Lease; False when it has no Lease."""
+        patch = {"metadata": {"annotations": {
+            ASSIGNMENT_ANNOTATION: assignment_value(assignment)}}}
+        try:
+            self.client.request("PATCH", self.lease_path(lease_name(self.name, node)),
+                                body=patch, content_type=MERGE_PATCH)
+        except ApiError as exc:
+            if exc.not_found:
+                return False
+            raise
+        return True
 
     def lease_path(self, lease: str) -> str:
         return lease_path(self.namespace, lease)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elasticrun.api import crd, untrusted
-from elasticrun.api.model import InvalidRunError, RunStatus, WaitingNode
+from elasticrun.api.model import Assignment, InvalidRunError, RunStatus, StoreAddress, WaitingNode
 from elasticrun.api.naming import label_value
 from elasticrun.api.rounds import arrival_key
 
@@ -29,6 +29,12 @@ JOIN_ANNOTATION = f"{crd.GROUP}/join"
 #: Annotation on a node's Lease: the round's rank 0 whose TCPStore it could not reach,
 #: as JSON ``{"node": ..., "round": R}``.  Evidence for the operator, never a verdict.
 UNREACHABLE_ANNOTATION = f"{crd.GROUP}/unreachable"
+#: Annotation on a member's Lease in a large run: its place in the round just
+#: sealed (:class:`~elasticrun.api.model.Assignment` as JSON), written by the
+#: operator after its seal so that the member need not read the whole roster.
+ASSIGNMENT_ANNOTATION = f"{crd.GROUP}/assignment"
+#: Largest round, rank or world size an assignment may name.
+MAX_COUNTER = 2**31
 #: A rank 0 reported unreachable is lost once it has not renewed its Lease for this
 #: many renewal intervals (at most the heartbeat timeout): two independent signals,
 #: its store refusing a member and its Lease going quiet, instead of waiting for the
@@ -63,6 +69,8 @@ class LeaseState:
     problem: str | None = None
     #: The rank 0 this node reports unreachable, if it does.
     unreachable: Unreachable | None = None
+    #: The node's place in a round, as the operator last told it.
+    assignment: Assignment | None = None
 
     def expired(self, now: dt.datetime, timeout: float,
                 not_before: dt.datetime | None = None) -> bool:
@@ -160,6 +168,41 @@ def read_unreachable(raw: Any) -> Unreachable | None:
     return Unreachable(node=node, round=round_number)
 
 
+def assignment_value(assignment: Assignment) -> str:
+    return json.dumps(assignment.to_dict(), sort_keys=True, separators=(",", ":"))
+
+
+def _counter(value: Any, minimum: int, maximum: int = MAX_COUNTER) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < maximum:
+        return None
+    return value
+
+
+def read_assignment(raw: Any) -> Assignment | None:
+    """An assignment from a Lease annotation; anything unreadable or inconsistent is none.
+
+    Written by the operator, but on an object pods may write too, so it is read
+    like any other untrusted value: bounded, and never an exception.
+    """
+    if raw is None or raw == "":
+        return None
+    try:
+        fields = untrusted.json_object(raw, limit=1024, max_depth=2)
+    except untrusted.UnreadableError:
+        return None
+    store = untrusted.mapping(fields.get("store"))
+    host, port = untrusted.text(store.get("host")), _counter(store.get("port"), 1, 65536)
+    round_number, rank = _counter(fields.get("round"), 1), _counter(fields.get("rank"), 0)
+    world = _counter(fields.get("worldSize"), 1)
+    leader = untrusted.text(fields.get("leader"))
+    since = untrusted.read_time(fields.get("since"))
+    if host is None or port is None or round_number is None or rank is None \
+            or world is None or leader is None or since is None or rank >= world:
+        return None
+    return Assignment(round=round_number, rank=rank, world_size=world,
+                      store=StoreAddress(host, port), leader=leader, since=since)
+
+
 def lease_state(lease: Mapping[str, Any]) -> LeaseState:
     """Read a Lease; anything unreadable counts as no request (see ``problem``)."""
     meta = untrusted.mapping(lease.get("metadata"))
@@ -179,7 +222,8 @@ def lease_state(lease: Mapping[str, Any]) -> LeaseState:
                       duration=untrusted.number(spec.get("leaseDurationSeconds")), join=join,
                       owner_uid=owners[0] if owners else None, created=created,
                       problem=problem,
-                      unreachable=read_unreachable(annotations.get(UNREACHABLE_ANNOTATION)))
+                      unreachable=read_unreachable(annotations.get(UNREACHABLE_ANNOTATION)),
+                      assignment=read_assignment(annotations.get(ASSIGNMENT_ANNOTATION)))
 
 
 def holder_alive(current: Mapping[str, Any], run: str, owner_uid: str | None,

@@ -242,6 +242,35 @@ class Participant:
 
 
 @dataclass(frozen=True)
+class Assignment:
+    """What a member must know of a sealed round: its place in it, and where to meet.
+
+    Derived from the status (:meth:`RunStatus.assignment`).  In large runs the
+    operator also writes it on each member's Lease, so that a member learns its
+    rank from one small object instead of the whole roster (see
+    :func:`elasticrun.api.rounds.members_told_by_lease`).
+    """
+
+    round: int
+    rank: int
+    world_size: int
+    #: None only in a status sealed without one (an error the handler reports).
+    store: StoreAddress | None
+    #: The round's rank 0, whose Lease a member looks at when its store is silent;
+    #: None once a re-forming round has lost it.
+    leader: str | None
+    #: The join request this assignment answers (the member's ``since``).
+    since: dt.datetime | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return _drop_none({
+            "round": self.round, "rank": self.rank, "worldSize": self.world_size,
+            "store": self.store.to_dict() if self.store else None, "leader": self.leader,
+            "since": format_time(self.since) if self.since else None,
+        })
+
+
+@dataclass(frozen=True)
 class WaitingNode:
     """A node's request to be in the next round; each node writes only its own."""
 
@@ -384,6 +413,15 @@ class RunStatus:
 
     def waiting_node(self, name: str) -> WaitingNode | None:
         return next((w for w in self.waiting if w.name == name), None)
+
+    def assignment(self, name: str) -> Assignment | None:
+        """``name``'s place in the current round; None when it is not a member."""
+        me = self.participant(name)
+        if me is None:
+            return None
+        leader = next((p.name for p in self.participants if p.rank == 0), None)
+        return Assignment(round=self.round, rank=me.rank, world_size=len(self.participants),
+                          store=self.store, leader=leader, since=me.since)
 
     @property
     def degraded(self) -> bool:

@@ -57,6 +57,22 @@ def defer_seal_wait(spec: RunSpec) -> float:
     return DEFER_SEAL_BASE + DEFER_SEAL_PER_NODE * spec.max_nodes
 
 
+def members_told_by_lease(spec: RunSpec) -> bool:
+    """Whether the operator's seal tells each member its place on the member's Lease.
+
+    A seal that moves ``signal`` sends the whole status, roster included, to
+    every node's watch: N copies of an O(N) object, the one cost of a round
+    that grows as N².  In the runs where the operator seals
+    (:func:`nodes_defer_seal`) it leaves ``signal`` alone and writes each
+    member's :class:`~elasticrun.api.model.Assignment` on its Lease instead,
+    which the member watches: N small writes, N small events.  What every node
+    must act on (a loss, a closed run, a newcomer's notice) still moves
+    ``signal``, and so does a seal written by a node, whose fallback role does
+    not justify N extra writes.
+    """
+    return nodes_defer_seal(spec)
+
+
 @dataclass(frozen=True)
 class SealDecision:
     """Whether the waiting set should become the next round, or when to look again."""
@@ -140,14 +156,16 @@ def order_for_ranks(previous: Iterable[Participant],
     return survivors + newcomers
 
 
-def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> RunStatus:
+def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None,
+               by_lease: bool = False) -> RunStatus:
     """The status after moving up to ``maxNodes`` waiting nodes into a new round.
 
     The nodes not admitted stay in ``status.waiting``.  A member's entry holds
     what readers of the roster need (name, rank, round joined, Pod, the request
     it answered); the round's one address, rank 0's store, is ``status.store``.
-    Every node receives the whole status with the seal, so each byte of an
-    entry is sent N times.
+    ``by_lease``: the sealer tells the members on their Leases
+    (:func:`members_told_by_lease`), so ``signal`` stays; otherwise every node
+    receives the whole status with the seal.
     """
     status = run.status
     ordered = order_for_ranks(status.participants, eligible_waiting(run, waiting))
@@ -171,7 +189,7 @@ def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> Ru
     return status.replace(
         phase="Running",
         round=new_round,
-        signal=status.signal + 1,
+        signal=status.signal + (0 if by_lease else 1),
         participants=participants,
         waiting=tuple(w for w in _waiting(run, waiting) if w.name not in admitted_names),
         store=store,
@@ -227,6 +245,10 @@ def nodes_waiting(run: ElasticRun, my_round: int, waiting: Waiting = None) -> in
     the round is full, or the members would restart forever.
     """
     status = run.status
+    if my_round > status.round:
+        # Told of its round on its Lease: this copy predates the round, and
+        # anything that happened to the round since would have moved the signal.
+        return 0
     eligible = eligible_waiting(run, waiting)
     if my_round and (status.round > my_round or status.restart_round >= my_round
                      or status.join_notice >= my_round):

@@ -49,12 +49,13 @@ from torch.distributed.elastic.rendezvous import (
 from elasticrun.api import rounds
 from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import KubeClient
-from elasticrun.api.model import ElasticRun, WaitingNode, now
+from elasticrun.api.model import Assignment, ElasticRun, WaitingNode, now
 from elasticrun.api.policy import RETRY_DELAYS, retry_delay
 from elasticrun.handler import settings as settings_mod
 from elasticrun.handler import step
 from elasticrun.handler.calls import ElasticRunForbiddenError, connect_client, who
 from elasticrun.handler.lease import LeaseKeeper, NodeNameInUseError
+from elasticrun.handler.mailbox import AssignmentWatch
 from elasticrun.handler.reach import REPORT_TIMEOUT, reach_store
 from elasticrun.handler.session import RunSession
 from elasticrun.handler.settings import RendezvousSettings
@@ -82,6 +83,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         self._gateway = gateway
         self._session: RunSession | None = None
         self._lease: LeaseKeeper | None = None
+        self._mailbox: AssignmentWatch | None = None
         self.stores = RoundStores()
         self._round = 0
         self._lock = threading.Lock()
@@ -115,12 +117,12 @@ class K8sRendezvousHandler(RendezvousHandler):
             while True:
                 action = step.next_action(known, now(), time.monotonic())
                 if isinstance(action, step.Complete):
-                    info = self._complete(session, known.run, action.rank)
+                    info = self._complete(session, known.run, action.assignment)
                     if info is not None:
                         return info
                     # The round ended before its store answered: join the next one.
                     run = session.watcher.latest or session.read_or_raise()
-                    known = known.replace(run=run, previous_round=known.run.status.round,
+                    known = known.replace(run=run, previous_round=action.assignment.round,
                                           joined=False)
                     continue
                 known = self._carry_out(session, known, action)
@@ -158,6 +160,8 @@ class K8sRendezvousHandler(RendezvousHandler):
         self._closing = True
         if self._session is not None:
             self._session.watcher.stop()
+        if self._mailbox is not None:
+            self._mailbox.stop()
         locked = self._lock.acquire(timeout=self.settings.close_timeout)
         try:
             # Our join request goes first, so no node can take it for a new one
@@ -182,6 +186,11 @@ class K8sRendezvousHandler(RendezvousHandler):
         return True
 
     @property
+    def mailbox(self) -> AssignmentWatch | None:
+        """The watch of our Lease for assignments (large runs, after the first join)."""
+        return self._mailbox
+
+    @property
     def watcher(self) -> RunWatcher | None:
         """The watch cache of the run (None before the first rendezvous)."""
         return self._session.watcher if self._session is not None else None
@@ -200,6 +209,8 @@ class K8sRendezvousHandler(RendezvousHandler):
         if isinstance(action, step.Join):
             own = self._join()
             session.watcher.start()  # once; what num_nodes_waiting() reads from
+            if rounds.members_told_by_lease(run.spec):
+                self._watch_assignments(session)
             return known.replace(joined=True, own=own, listed=False)
         if isinstance(action, step.List):
             return known.replace(pending=session.pending(run), listed=True)
@@ -218,10 +229,19 @@ class K8sRendezvousHandler(RendezvousHandler):
                 f"are starting (kubectl get er {self.settings.run_name} -n "
                 f"{self.settings.namespace})")
         assert isinstance(action, step.Wait)
-        changed = session.wait_for_change(run, action.until, lambda: self._closing)
-        if changed is run:
-            return known
-        return known.replace(run=changed, listed=False)
+        return self._wait(session, known, action.until)
+
+    def _wait(self, session: RunSession, known: step.Knowledge, until: float) -> step.Knowledge:
+        """Wait for a newer run or a new assignment on our Lease, or until ``until``."""
+        seen = session.watcher.version  # before reading the Lease's news: none is missed
+        offered = self._mailbox.latest if self._mailbox is not None else None
+        if offered != known.offered:
+            return known.replace(offered=offered)
+        changed = session.wait_for_change(known.run, until, lambda: self._closing, seen)
+        offered = self._mailbox.latest if self._mailbox is not None else None
+        if changed is known.run:
+            return known.replace(offered=offered)
+        return known.replace(run=changed, listed=False, offered=offered)
 
     # ------------------------------------------------------------------ set-up
 
@@ -245,6 +265,14 @@ class K8sRendezvousHandler(RendezvousHandler):
                                       self.settings.run_name, self.settings.node_name,
                                       run.spec.heartbeat_timeout, run.spec.lease_renew_interval,
                                       run.uid, on_deleted=session.watcher.recheck)
+
+    def _watch_assignments(self, session: RunSession) -> None:
+        """Watch our Lease for the operator's assignments (once; large runs only)."""
+        if self._mailbox is None and self._lease is not None:
+            self._mailbox = AssignmentWatch(session.gateway.client, self.settings.namespace,
+                                            self._lease.name, session.watcher.poke,
+                                            self.settings.watch_timeout)
+            self._mailbox.start()
 
     # ------------------------------------------------------------------ operations
 
@@ -310,22 +338,23 @@ class K8sRendezvousHandler(RendezvousHandler):
                                            min(REPORT_TIMEOUT, self.settings.close_timeout))
 
     def _complete(self, session: RunSession, run: ElasticRun,
-                  rank: int) -> RendezvousInfo | None:
+                  assignment: Assignment) -> RendezvousInfo | None:
         """torch's view of the round, or None when it ended before its store answered."""
-        status = run.status
-        if status.store is None:
-            raise RendezvousStateError(f"{self._who()}: round {status.round} was sealed without "
+        round_number, rank = assignment.round, assignment.rank
+        if assignment.store is None:
+            raise RendezvousStateError(f"{self._who()}: round {round_number} was sealed without "
                                        "a store address (status.store); the rank-0 node did not "
                                        "publish its TCPStore port")
-        host, port = status.store.host, status.store.port
-        base = reach_store(session, self.stores, run, rank, self._report_unreachable)
+        host, port = assignment.store.host, assignment.store.port
+        latest = session.watcher.latest or run
+        base = reach_store(session, self.stores, latest, assignment, self._report_unreachable)
         if base is None:
             return None
-        self._round = status.round
-        store = PrefixStore(f"torch.rendezvous.{self.settings.run_name}.{status.round}", base)
-        log.info("%s: round %d, rank %d of %d, store %s:%d", self._who(), status.round, rank,
-                 len(status.participants), host, port)
-        return RendezvousInfo(store, rank, len(status.participants),
+        self._round = round_number
+        store = PrefixStore(f"torch.rendezvous.{self.settings.run_name}.{round_number}", base)
+        log.info("%s: round %d, rank %d of %d, store %s:%d", self._who(), round_number, rank,
+                 assignment.world_size, host, port)
+        return RendezvousInfo(store, rank, assignment.world_size,
                               RendezvousStoreInfo(master_addr=host, master_port=port))
 
 

@@ -24,6 +24,7 @@ from elasticrun.api.kube import (
     leases_path,
 )
 from elasticrun.api.leases import (
+    ASSIGNMENT_ANNOTATION,
     JOIN_ANNOTATION,
     UNREACHABLE_ANNOTATION,
     holder_alive,
@@ -108,12 +109,13 @@ class LeaseKeeper:
     def set_join(self, join: WaitingNode | None) -> None:
         """Ask to join the next round (or withdraw): one write to our own object.
 
-        The same write withdraws a report of an unreachable rank 0, which
-        belonged to the round this node is leaving.
+        The same write withdraws a report of an unreachable rank 0 and the
+        assignment, which belonged to the round this node is leaving.
         """
         value = join_value(join) if join is not None else None
         try:
-            self._annotate({JOIN_ANNOTATION: value, UNREACHABLE_ANNOTATION: None})
+            self._annotate({JOIN_ANNOTATION: value, UNREACHABLE_ANNOTATION: None,
+                            ASSIGNMENT_ANNOTATION: None})
         except ApiError as exc:
             if not exc.not_found:
                 raise

@@ -33,7 +33,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from elasticrun.api import rounds
 from elasticrun.api.leases import lease_state, suspicion_window
-from elasticrun.api.model import ElasticRun, now
+from elasticrun.api.model import Assignment, ElasticRun, now
 from elasticrun.handler import step
 from elasticrun.handler.session import RunSession
 from elasticrun.handler.store import RoundStores
@@ -54,14 +54,23 @@ LEADER_LOST = "StoreUnreachable"
 Report = Callable[[str, int], None]
 
 
-def reach_store(session: RunSession, stores: RoundStores, run: ElasticRun, rank: int,
-                report: Report) -> dist.Store | None:
-    """The round's store, or None when the round was superseded before it answered."""
-    status, spec = run.status, run.spec
-    assert status.store is not None
-    host, port = status.store.host, status.store.port
+def reach_store(session: RunSession, stores: RoundStores, run: ElasticRun,
+                assignment: Assignment, report: Report) -> dist.Store | None:
+    """The round's store, or None when the round was superseded before it answered.
+
+    ``run`` is the newest copy the node holds, which may predate the round when
+    the node was told of it on its Lease.
+    """
+    spec, round_number, rank = run.spec, assignment.round, assignment.rank
+    assert assignment.store is not None
+    host, port = assignment.store.host, assignment.store.port
     node = session.settings.node_name
-    leader = next(p.name for p in status.participants if p.rank == 0)
+    leader = assignment.leader
+    why = step.superseded(run, round_number, node, leader)
+    if why is not None or leader is None:
+        log.info("%s: round %d ended before this node reached its store (%s); joining the "
+                 "next round", session.who, round_number, why)
+        return None
     window = suspicion_window(spec.heartbeat_timeout, spec.lease_renew_interval)
     started = time.monotonic()
     look_at, give_up_at = started, started + 2 * spec.heartbeat_timeout
@@ -74,25 +83,25 @@ def reach_store(session: RunSession, stores: RoundStores, run: ElasticRun, rank:
             error = (str(exc).splitlines() or [repr(exc)])[0]
         session.check_watch()
         latest = session.watcher.latest or run
-        why = step.superseded(latest, status.round, node, leader)
+        why = step.superseded(latest, round_number, node, leader)
         if why is not None:
             log.info("%s: round %d ended before its store at %s:%d answered (%s); joining "
-                     "the next round", session.who, status.round, host, port, why)
+                     "the next round", session.who, round_number, host, port, why)
             return None
         if time.monotonic() < look_at:
             continue
         quiet = _quiet_for(session, latest, leader)
         if quiet >= window:
-            _remove_leader(session, latest, leader, host, port,
+            _remove_leader(session, latest, round_number, leader, host, port,
                            time.monotonic() - started, window)
             return None
         if quiet >= spec.lease_renew_interval and not reported:
-            report(leader, status.round)  # a renewal missed, and its store silent
+            report(leader, round_number)  # a renewal missed, and its store silent
             reported = True
         if time.monotonic() >= give_up_at:
             raise RendezvousConnectionError(
                 f"{session.who}: cannot reach rank 0's TCPStore ({leader}) at {host}:{port} "
-                f"for round {status.round}: {attempts} attempts over "
+                f"for round {round_number}: {attempts} attempts over "
                 f"{time.monotonic() - started:.1f}s (twice the run's heartbeatTimeoutSeconds "
                 f"of {spec.heartbeat_timeout}), last error: {error}. {leader} still renews its "
                 "Lease, so it is alive: check that pods can reach each other on that port "
@@ -110,13 +119,21 @@ def _quiet_for(session: RunSession, run: ElasticRun, leader: str) -> float:
     if state is None or state.owner_uid != run.uid or state.renewed is None:
         return math.inf
     return max(0.0, (now() - state.renewed).total_seconds())
-def _remove_leader(session: RunSession, run: ElasticRun, leader: str, host: str, port: int,
-                   silent_for: float, window: float) -> None:
+def _remove_leader(session: RunSession, run: ElasticRun, round_number: int, leader: str,
+                   host: str, port: int, silent_for: float, window: float) -> None:
     """Take a leader whose store and Lease both went silent out of the round.
 
     The operator writes the same removal when it runs; whichever compare-and-set
-    wins, the round is over and the caller joins the next one.
+    wins, the round is over and the caller joins the next one.  A copy older
+    than the round is read afresh first: the removal is made to the round itself.
     """
+    if run.status.round < round_number:
+        fresh = session.read()
+        if fresh is None:
+            return
+        run = fresh
+    if run.status.round != round_number:
+        return
     status = rounds.remove_member(
         run.status, leader, LEADER_LOST, now(),
         message=f"its TCPStore at {host}:{port} did not answer for {silent_for:.1f}s and its "
@@ -124,4 +141,4 @@ def _remove_leader(session: RunSession, run: ElasticRun, leader: str, host: str,
         detection_seconds=silent_for)
     if status is not None and session.replace_status(run, status) is not None:
         log.warning("%s: removed rank 0 (%s) from round %d: its store and its Lease went "
-                    "silent", session.who, leader, run.status.round)
+                    "silent", session.who, leader, round_number)

@@ -140,10 +140,14 @@ class RunSession:
     # ------------------------------------------------------------------ waiting
 
     def wait_for_change(self, run: ElasticRun, wake_at: float,
-                        closing: Callable[[], bool]) -> ElasticRun:
-        """A newer copy of the run, or ``run`` itself if none came before ``wake_at``."""
+                        closing: Callable[[], bool], seen: int | None = None) -> ElasticRun:
+        """A newer copy of the run, or ``run`` itself if none came before ``wake_at``.
+
+        Returns early on any change after the cache's version ``seen`` (by
+        default, now), including news from :meth:`RunWatcher.poke`.
+        """
         watcher = self.watcher
-        seen = watcher.version
+        seen = watcher.version if seen is None else seen
         latest = watcher.latest
         if latest is not None and newer(latest.resource_version, run.resource_version):
             return latest

@@ -16,7 +16,7 @@ import datetime as dt
 from dataclasses import dataclass
 
 from elasticrun.api import rounds
-from elasticrun.api.model import ElasticRun, WaitingNode
+from elasticrun.api.model import Assignment, ElasticRun, WaitingNode
 
 #: Stagger between nodes that all hold a last-call timer, so that one seals and
 #: the rest see its signal before their own timer fires.
@@ -46,16 +46,37 @@ class Knowledge:
     defer_until: float | None = None
     #: The join request this call wrote.
     own: WaitingNode | None = None
+    #: The assignment last read from the node's own Lease (large runs:
+    #: :func:`~elasticrun.api.rounds.members_told_by_lease`).
+    offered: Assignment | None = None
 
     def replace(self, **changes: object) -> Knowledge:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     @property
+    def assignment(self) -> Assignment | None:
+        """This node's place in a round newer than its previous one, if it has one.
+
+        The run it holds says so, or else its Lease does: an assignment there
+        counts when it answers the join request of this call (its ``since``)
+        and names a round newer than any the node knows of.  An assignment of
+        an earlier request, or of a round the run has moved past, is stale.
+        """
+        status = self.run.status
+        if status.round > self.previous_round:
+            mine = status.assignment(self.node)
+            if mine is not None:
+                return mine
+        offered, own = self.offered, self.own
+        if offered is not None and own is not None and offered.since == own.since \
+                and offered.round > max(self.previous_round, status.round):
+            return offered
+        return None
+
+    @property
     def rank(self) -> int | None:
-        """This node's rank in a round newer than its previous one, if it has one."""
-        me = self.run.status.participant(self.node)
-        return me.rank if me is not None and self.run.status.round > self.previous_round \
-            else None
+        assignment = self.assignment
+        return assignment.rank if assignment is not None else None
 
     @property
     def requested(self) -> bool:
@@ -82,7 +103,11 @@ class List:
 class Complete:
     """A round holds this node: hand torch its rank and the store."""
 
-    rank: int
+    assignment: Assignment
+
+    @property
+    def rank(self) -> int:
+        return self.assignment.rank
 
 
 @dataclass(frozen=True)
@@ -130,8 +155,8 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
         return Closed()
     if not known.joined:
         return Join()
-    if known.rank is not None:
-        return Complete(known.rank)
+    if known.assignment is not None:
+        return Complete(known.assignment)
     if known.defer_until is not None and clock < known.defer_until:
         own = (known.own,) if known.own is not None else ()
         if rounds.announce_needed(run, own):
@@ -158,20 +183,26 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
     return Wait(wake_at)
 
 
-def superseded(run: ElasticRun | None, round_number: int, node: str,
-               leader: str) -> str | None:
+def superseded(  # noqa: PLR0911 - one return per reason
+        run: ElasticRun | None, round_number: int, node: str, leader: str | None) -> str | None:
     """Why round ``round_number`` can no longer work for ``node``, or None if it still can.
 
     A node that is still connecting to its round's store asks this between
     attempts: once the round is over (the leader or this node removed, a newer
     round sealed, the run closed or deleted), waiting for the leader's store is
-    pointless and the node joins the next round instead.
+    pointless and the node joins the next round instead.  A copy of the run
+    older than the round (a node told of its round on its Lease) says nothing
+    against it: whatever ended the round would have reached the node's watch.
     """
     if run is None:
         return "the run was deleted"
     if run.closed:
         return "the run was closed"
+    if leader is None:
+        return "it has lost its rank 0"
     status = run.status
+    if status.round < round_number:
+        return None
     if status.round != round_number:
         return f"round {status.round} replaced it"
     if status.participant(node) is None:

@@ -126,6 +126,12 @@ class RunWatcher:
                     return
                 self._cond.wait(remaining)
 
+    def poke(self) -> None:
+        """Wake whoever waits, for news that came another way (the node's own Lease)."""
+        with self._cond:
+            self._version += 1
+            self._cond.notify_all()
+
     def check(self) -> None:
         """Raise what the watch learned that makes waiting pointless."""
         if self._error is not None:

@@ -17,7 +17,7 @@ from typing import Any
 from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import APPLY_PATCH, ApiConnectionError, ApiError, KubeClient
 from elasticrun.api.leases import lease_state
-from elasticrun.api.model import ElasticRun, InvalidRunError, RunStatus, now, parse_run
+from elasticrun.api.model import Assignment, ElasticRun, InvalidRunError, RunStatus, now, parse_run
 from elasticrun.api.naming import lease_name
 from elasticrun.api.ordering import newer, resource_version
 from elasticrun.operator import runrbac
@@ -27,6 +27,10 @@ from elasticrun.operator.reconcile import Plan, repair
 log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, run)
+
+#: Assignment writes in flight at once: a round of 2,048 members is told in
+#: parallel, as the nodes wrote their joins, rather than one write after another.
+ASSIGN_CONCURRENCY = 16
 
 
 class PlanExecutor:
@@ -44,6 +48,10 @@ class PlanExecutor:
         self.enqueue = enqueue
         self._rbac_applied: dict[Key, str] = {}
         self._invalid_reported: dict[Key, str] = {}
+        #: Per run, the round last told and the members told of it: the Lease
+        #: index shows a written assignment only after its event arrives, and a
+        #: reconcile in between must not write it again.
+        self._told: dict[Key, tuple[int, set[str]]] = {}
 
     def gateway(self, key: Key) -> RunGateway:
         return RunGateway(self.client, *key)
@@ -51,6 +59,7 @@ class PlanExecutor:
     def forget(self, key: Key) -> None:
         self._rbac_applied.pop(key, None)
         self._invalid_reported.pop(key, None)
+        self._told.pop(key, None)
 
     def readable(self, key: Key) -> None:
         """The run's status reads again: a later invalid one is reported anew."""
@@ -68,6 +77,8 @@ class PlanExecutor:
                 return None  # lost the race; the winner's event re-queues us
             run = written
         gateway = self.gateway(key)
+        if plan.assignments:
+            await self.tell_members(gateway, key, plan.assignments)
         for node in plan.delete_leases:
             await self.delete_object(gateway.lease_path(lease_name(run.name, node)))
         if plan.remove_annotations:
@@ -76,6 +87,32 @@ class PlanExecutor:
         for type_, reason, message in plan.events:
             await self.observer.post_event(run, type_, reason, message)
         return run
+
+    async def tell_members(self, gateway: RunGateway, key: Key,
+                           assignments: list[tuple[str, Assignment]]) -> None:
+        """Write each member's assignment on its Lease, in parallel, each at most once.
+
+        A write that fails is left for the next reconcile (the member's Lease
+        event brings one); a member without a Lease is gone and will be removed.
+        """
+        round_number = assignments[0][1].round
+        told_round, told = self._told.get(key, (0, set()))
+        if told_round != round_number:
+            told = set()
+            self._told[key] = (round_number, told)
+        limit = asyncio.Semaphore(ASSIGN_CONCURRENCY)
+
+        async def tell(node: str, assignment: Assignment) -> None:
+            async with limit:
+                try:
+                    if await asyncio.to_thread(gateway.assign, node, assignment):
+                        told.add(node)
+                except (ApiError, ApiConnectionError) as exc:
+                    log.warning("%s/%s: telling %s its place in round %d failed: %s", *key,
+                                node, round_number, exc)
+
+        await asyncio.gather(*(tell(node, assignment) for node, assignment in assignments
+                               if node not in told))
 
     async def write_status(self, run: ElasticRun, status: RunStatus) -> ElasticRun | None:
         key = (run.namespace, run.name)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from elasticrun.api import crd, rounds
 from elasticrun.api.leases import LeaseState, pending_joins, suspicion_window
-from elasticrun.api.model import Condition, ElasticRun, LostMember, RunStatus
+from elasticrun.api.model import Assignment, Condition, ElasticRun, LostMember, RunStatus
 from elasticrun.operator.liveness import Loss
 
 #: The handlers seal within milliseconds of the write that made a round
@@ -53,6 +53,9 @@ class Plan:
     delete_run: bool = False
     wake_at: dt.datetime | None = None
     sealed: bool = False
+    #: Members to tell their place in the round on their Lease, rank 0 first
+    #: (after ``status``, if any, is written).
+    assignments: list[tuple[str, Assignment]] = field(default_factory=list)
 
     def wake(self, when: dt.datetime | None) -> None:
         if when is not None and (self.wake_at is None or when < self.wake_at):
@@ -186,6 +189,7 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
         return _succeed(run, new, now, plan)
     new = _seal_backstop(run, new, now, plan)
     _lease_wakeups(run, new, members, now, plan)
+    plan.assignments = _assignments_due(run, new, members)
     material = new
     new = _finish(_conditions(run, new.replace(phase=_phase(new)), now), run.generation)
     return _write_or_wait(run.status, material, new, now, plan)
@@ -341,10 +345,35 @@ def _seal_backstop(run: ElasticRun, new: RunStatus, now: dt.datetime,
             plan.wake(ready_at)
         else:
             plan.sealed = True
-            return rounds.seal_round(candidate, now)
+            return rounds.seal_round(candidate, now,
+                                     by_lease=rounds.members_told_by_lease(run.spec))
     elif decision.deadline is not None:
         plan.wake(decision.deadline + grace)
     return new
+
+
+def _assignments_due(run: ElasticRun, new: RunStatus, members: Members
+                     ) -> list[tuple[str, Assignment]]:
+    """Members of a sealed round whose Lease does not yet tell them their place in it.
+
+    Only in the runs whose seal leaves ``signal`` alone
+    (:func:`rounds.members_told_by_lease`): just after the operator's seal all
+    members are due; after a restart, those the killed operator did not reach.
+    A member whose Lease holds another request than the one the round
+    answered has moved on, and is not told.
+    """
+    if not rounds.members_told_by_lease(run.spec) or new.round == 0 or new.degraded \
+            or new.store is None:
+        return []
+    due: list[tuple[str, Assignment]] = []
+    for p in sorted(new.participants, key=lambda p: p.rank):
+        lease = members.leases.get(p.name)
+        assignment = new.assignment(p.name)
+        if lease is None or lease.join is None or lease.join.since != p.since \
+                or assignment is None or lease.assignment == assignment:
+            continue
+        due.append((p.name, assignment))
+    return due
 
 
 def _lease_wakeups(run: ElasticRun, new: RunStatus, members: Members, now: dt.datetime,
