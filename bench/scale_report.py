@@ -173,7 +173,8 @@ def _before_after(data: dict[str, Any]) -> list[str]:
     lines = [f"## Where the time and the bytes went: before (`{rev}`) and now", "",
              f"Real handlers, DNS-neutral, with the operator running, the same harness; `{rev}` "
              "is taken from git with its own CRD. Bytes: the API server's responses plus its "
-             "watch events for the run's ElasticRun and Leases; client CPU: all handler processes.", "",
+             "watch events for the run's ElasticRun and Leases; client CPU: all handler "
+             "processes.", "",
              "| N | protocol | formation | requests | `list leases` | `get elasticruns` "
              "| response bytes | watch bytes | server CPU | client CPU / node |",
              "|---|---|---|---|---|---|---|---|---|---|"]
