@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticrun.api import crd
+from elasticrun.api.kube import OPERATOR_USER_AGENT
 
 WRITE_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection"})
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -37,6 +38,7 @@ class AuditEntry:
     name: str
     code: int
     user: str
+    user_agent: str = ""
 
     @property
     def kind(self) -> str:
@@ -115,7 +117,8 @@ def audit_entries(events: Iterable[dict[str, Any]], namespace: str) -> list[Audi
             verb=str(event.get("verb")), resource=str(ref.get("resource") or ""),
             subresource=str(ref.get("subresource") or ""), name=str(ref.get("name") or ""),
             code=int((event.get("responseStatus") or {}).get("code") or 0),
-            user=str((event.get("user") or {}).get("username") or "")))
+            user=str((event.get("user") or {}).get("username") or ""),
+            user_agent=str(event.get("userAgent") or "")))
     return entries
 
 
@@ -135,15 +138,20 @@ def count_writes(entries: Iterable[AuditEntry], resource: str | None = None,
 def tally(events: Iterable[dict[str, Any]], namespace: str) -> RequestTally:
     """Count the requests of one namespace (one run per namespace), once per auditID.
 
-    Lease renewals (``patch`` of a Lease) are steady-state traffic, counted apart
-    from ``writes``; creating and deleting a Lease are writes.
+    Lease renewals (a node's ``patch`` of its Lease) are steady-state traffic,
+    counted apart from ``writes``; creating and deleting a Lease are writes, and
+    so is the operator's patch of a Lease (a member's assignment), counted as
+    ``patch leases (operator)``.
     """
     result = RequestTally()
     for entry in audit_entries(events, namespace):
         code = entry.code
         result.total += 1
-        result.by_kind[entry.kind + (f" -> {code}" if code >= 400 else "")] += 1
-        if entry.resource == "leases" and not entry.subresource and entry.verb == "patch":
+        by_operator = entry.user_agent.startswith(OPERATOR_USER_AGENT)
+        kind = entry.kind + (" (operator)" if by_operator and entry.resource == "leases" else "")
+        result.by_kind[kind + (f" -> {code}" if code >= 400 else "")] += 1
+        if entry.resource == "leases" and not entry.subresource and entry.verb == "patch" \
+                and not by_operator:
             result.lease_renewals += 1
         elif entry.verb in WRITE_VERBS:
             result.writes += 1

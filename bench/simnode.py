@@ -34,6 +34,7 @@ from urllib.parse import urlencode, urlsplit
 
 from elasticrun.api.kube import (
     MERGE_PATCH,
+    USER_AGENT,
     Credentials,
     lease_path,
     leases_path,
@@ -77,7 +78,7 @@ class Connection:
         assert self.writer is not None
         data = b"" if body is None else json.dumps(body).encode()
         head = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}",
-                "Accept: application/json", "User-Agent: elasticrun/0.1",
+                "Accept: application/json", f"User-Agent: {USER_AGENT}",
                 f"Content-Length: {len(data)}"]
         if body is not None:
             head.append(f"Content-Type: {content_type}")

@@ -69,3 +69,36 @@ def test_a_later_timer_replaces_an_earlier_one() -> None:
 
     asyncio.run(scenario())
     assert calls == []
+
+
+def test_a_run_woken_while_it_is_reconciled_waits_and_is_reconciled_once_more() -> None:
+    running: list[Key] = []
+    overlaps: list[Key] = []
+    calls: list[Key] = []
+
+    async def scenario() -> None:
+        gate = asyncio.Event()
+
+        async def work(key: Key) -> None:
+            if key in running:
+                overlaps.append(key)
+            running.append(key)
+            calls.append(key)
+            await gate.wait()
+            running.remove(key)
+
+        queue = WorkQueue(work, workers=3)
+        queue.start()
+        queue.enqueue(("ns", "r"))
+        await asyncio.sleep(0.01)  # a worker holds "r"
+        for _ in range(3):
+            queue.enqueue(("ns", "r"))  # idle workers must not take it meanwhile
+        await asyncio.sleep(0.05)
+        assert calls == [("ns", "r")]
+        gate.set()
+        await asyncio.sleep(0.05)
+        await queue.stop()
+
+    asyncio.run(scenario())
+    assert overlaps == []
+    assert calls == [("ns", "r"), ("ns", "r")]

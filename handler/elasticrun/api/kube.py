@@ -130,15 +130,23 @@ class Watch:
             self._response.close()
 
 
+#: Who is calling, in the API server's audit log and metrics: the handler in the
+#: pods, or the operator (:data:`OPERATOR_USER_AGENT`).
+USER_AGENT = "elasticrun/0.1"
+OPERATOR_USER_AGENT = "elasticrun-operator/0.1"
+
+
 class KubeClient:
     """JSON in, JSON out; every request bounded by ``timeout`` seconds."""
 
-    def __init__(self, credentials: Credentials, timeout: float = 10.0) -> None:
+    def __init__(self, credentials: Credentials, timeout: float = 10.0,
+                 user_agent: str = USER_AGENT, connections: int = 8) -> None:
         self.credentials = credentials
         self.timeout = timeout
+        self.user_agent = user_agent
         self._pool = urllib3.PoolManager(
             num_pools=4,
-            maxsize=8,
+            maxsize=connections,
             cert_reqs="CERT_REQUIRED" if credentials.verify else "CERT_NONE",
             ca_certs=credentials.ca_file,
             cert_file=credentials.cert_file,
@@ -148,11 +156,12 @@ class KubeClient:
 
     @classmethod
     def from_config(cls, kubeconfig: str | None = None, context: str | None = None,
-                    timeout: float = 10.0) -> KubeClient:
-        return cls(load_credentials(kubeconfig, context), timeout)
+                    timeout: float = 10.0, user_agent: str = USER_AGENT,
+                    connections: int = 8) -> KubeClient:
+        return cls(load_credentials(kubeconfig, context), timeout, user_agent, connections)
 
     def _headers(self, content_type: str | None) -> dict[str, str]:
-        headers = {"Accept": JSON, "User-Agent": "elasticrun/0.1"}
+        headers = {"Accept": JSON, "User-Agent": self.user_agent}
         if content_type:
             headers["Content-Type"] = content_type
         auth = self.credentials.authorization()

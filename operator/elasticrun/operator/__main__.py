@@ -19,9 +19,10 @@ from typing import Any, cast
 
 import kopf
 
-from elasticrun.api.kube import KubeClient
+from elasticrun.api.kube import OPERATOR_USER_AGENT, KubeClient
 from elasticrun.operator import handlers, webhook, webhookcert  # noqa: F401 - handlers: importing registers them
 from elasticrun.operator.controller import Controller
+from elasticrun.operator.executor import ASSIGN_CONCURRENCY
 from elasticrun.operator.metrics import Metrics
 
 log = logging.getLogger("elasticrun.operator")
@@ -75,7 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # kopf logs every handled event at INFO; the controller logs what matters.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     metrics = Metrics()
-    controller = Controller(KubeClient.from_config(args.kubeconfig, timeout=15), metrics,
+    # Connections: the workers' writes, plus a large round's assignments in parallel.
+    client = KubeClient.from_config(args.kubeconfig, timeout=15, user_agent=OPERATOR_USER_AGENT,
+                                    connections=ASSIGN_CONCURRENCY + 8)
+    controller = Controller(client, metrics,
                             workers=args.workers, per_run_rbac=args.per_run_rbac)
 
     @kopf.on.startup()

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from elasticrun.api.gateway import RunGateway
@@ -52,6 +53,10 @@ class PlanExecutor:
         #: index shows a written assignment only after its event arrives, and a
         #: reconcile in between must not write it again.
         self._told: dict[Key, tuple[int, set[str]]] = {}
+        #: Threads of their own: the default pool has cores + 4 threads, and a
+        #: large round's assignments would queue behind each other there.
+        self._assigners = ThreadPoolExecutor(ASSIGN_CONCURRENCY,
+                                             thread_name_prefix="elasticrun-assign")
 
     def gateway(self, key: Key) -> RunGateway:
         return RunGateway(self.client, *key)
@@ -100,16 +105,16 @@ class PlanExecutor:
         if told_round != round_number:
             told = set()
             self._told[key] = (round_number, told)
-        limit = asyncio.Semaphore(ASSIGN_CONCURRENCY)
+        loop = asyncio.get_running_loop()
 
         async def tell(node: str, assignment: Assignment) -> None:
-            async with limit:
-                try:
-                    if await asyncio.to_thread(gateway.assign, node, assignment):
-                        told.add(node)
-                except (ApiError, ApiConnectionError) as exc:
-                    log.warning("%s/%s: telling %s its place in round %d failed: %s", *key,
-                                node, round_number, exc)
+            try:
+                if await loop.run_in_executor(self._assigners, gateway.assign, node,
+                                              assignment):
+                    told.add(node)
+            except (ApiError, ApiConnectionError) as exc:
+                log.warning("%s/%s: telling %s its place in round %d failed: %s", *key,
+                            node, round_number, exc)
 
         await asyncio.gather(*(tell(node, assignment) for node, assignment in assignments
                                if node not in told))

@@ -1,7 +1,10 @@
 """The operator's work queue: each run at most once in it, woken by events and deadlines.
 
-A run is never reconciled by two workers at once (the queue holds each key at
-most once, and a worker takes it out before reconciling).  A reconcile that
+A run is never reconciled by two workers at once: the queue holds each key at
+most once, and a key woken while a worker reconciles it waits until that
+reconcile is over, then goes into the queue once.  Two passes at once would
+both act on the same Lease index: two status writes of which one must lose,
+and every member of a large run told its place twice.  A reconcile that
 raises is tried again after the delay :func:`elasticrun.api.policy.requeue_delay`
 gives for its error.
 """
@@ -29,6 +32,9 @@ class WorkQueue:
         self.workers = workers
         self._queue: asyncio.Queue[Key] | None = None
         self._queued: set[Key] = set()
+        #: Keys a worker is reconciling, and those of them woken meanwhile.
+        self._active: set[Key] = set()
+        self._dirty: set[Key] = set()
         self._timers: dict[Key, asyncio.TimerHandle] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -47,6 +53,9 @@ class WorkQueue:
                 await task
 
     def enqueue(self, key: Key) -> None:
+        if key in self._active:
+            self._dirty.add(key)
+            return
         if self._queue is None or key in self._queued:
             return
         self._queued.add(key)
@@ -66,13 +75,23 @@ class WorkQueue:
         while True:
             key = await self._queue.get()
             self._queued.discard(key)
+            self._active.add(key)
             try:
-                await self.work(key)
-            except (ApiError, ApiConnectionError) as exc:
-                delay = requeue_delay(exc)
-                log.warning("reconciling %s/%s failed: %s; retrying in %gs", *key, exc, delay)
-                self.schedule(key, now() + dt.timedelta(seconds=delay))
-            except Exception as exc:
-                delay = requeue_delay(exc)
-                log.exception("reconciling %s/%s failed; retrying in %gs", *key, delay)
-                self.schedule(key, now() + dt.timedelta(seconds=delay))
+                await self._work_on(key)
+            finally:
+                self._active.discard(key)
+                if key in self._dirty:
+                    self._dirty.discard(key)
+                    self.enqueue(key)
+
+    async def _work_on(self, key: Key) -> None:
+        try:
+            await self.work(key)
+        except (ApiError, ApiConnectionError) as exc:
+            delay = requeue_delay(exc)
+            log.warning("reconciling %s/%s failed: %s; retrying in %gs", *key, exc, delay)
+            self.schedule(key, now() + dt.timedelta(seconds=delay))
+        except Exception as exc:
+            delay = requeue_delay(exc)
+            log.exception("reconciling %s/%s failed; retrying in %gs", *key, delay)
+            self.schedule(key, now() + dt.timedelta(seconds=delay))
