@@ -304,7 +304,9 @@ def _formation_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
               f"**{_exp(_fit(events))}**, watch bytes **{_exp(_fit(size))}**. "
               "Events stay linear because each node's watch selects only signal changes; "
               "the bytes grow faster because every event carries the whole ElasticRun, whose "
-              "status (and `managedFields`, one entry per node's field manager) is O(N).", ""]
+              "roster is O(N). These runs are under 64 nodes; from 64 on the operator tells "
+              "each member its place on its own Lease instead, and the bytes of a round grow "
+              "linearly (the scale section below).", ""]
 
     cpu = {b: _per_n(rows[b], "server_cpu_s") for b in present}
     client = {b: _per_n(rows[b], "client_cpu_s") for b in present}

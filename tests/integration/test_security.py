@@ -34,6 +34,7 @@ from elasticrun.api.kube import (
     ApiError,
     KubeClient,
     lease_path,
+    leases_path,
     load_credentials,
     run_path,
 )
@@ -211,26 +212,31 @@ def _service_account(cluster: Cluster, namespace: str, name: str) -> None:
         "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}})
 
 
-def _run(cluster: Cluster, namespace: str, name: str, account: str) -> None:
+def _run(cluster: Cluster, namespace: str, name: str, account: str,
+         max_nodes: int = 2) -> None:
     cluster.client.request("POST", f"/apis/{crd.API_VERSION}/namespaces/{namespace}/"
                            f"{crd.PLURAL}", body={
                                "apiVersion": crd.API_VERSION, "kind": crd.KIND,
                                "metadata": {"name": name, "annotations": {
                                    runrbac.SERVICE_ACCOUNT_ANNOTATION: account}},
-                               "spec": {"minNodes": 2, "heartbeatTimeoutSeconds": 4,
+                               "spec": {"minNodes": 2, "maxNodes": max_nodes,
+                                        "lastCallTimeoutSeconds": 1,
+                                        "heartbeatTimeoutSeconds": 4,
                                         "leaseRenewIntervalSeconds": 1}})
 
 
-def _runs_with_own_accounts(cluster: Cluster, namespace: str, tmp_path: Path
-                            ) -> dict[str, Path]:
+def _runs_with_own_accounts(cluster: Cluster, namespace: str, tmp_path: Path,
+                            large_b: bool = False) -> dict[str, Path]:
     """run-a and run-b, each naming its own ServiceAccount; kubeconfigs with their tokens.
 
-    Returns once the operator made the per-run Roles.
+    ``large_b``: run-b has ``maxNodes`` 64, so its members are told their ranks on
+    their own Leases.  Returns once the operator made the per-run Roles.
     """
     kubeconfigs = {}
     for run in ("run-a", "run-b"):
         _service_account(cluster, namespace, f"sa-{run}")
-        _run(cluster, namespace, run, f"sa-{run}")
+        _run(cluster, namespace, run, f"sa-{run}",
+             max_nodes=64 if large_b and run == "run-b" else 2)
         kubeconfigs[run] = token_kubeconfig(
             cluster, request_token(cluster, namespace, f"sa-{run}"),
             tmp_path / f"{run}.kubeconfig", namespace)
@@ -286,13 +292,20 @@ def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
         chart_operator: OperatorProcess, make_handler: Any, cluster: Cluster,
         namespace: str, tmp_path: Path) -> None:
     started = time.monotonic()
-    kubeconfigs = _runs_with_own_accounts(cluster, namespace, tmp_path)
+    kubeconfigs = _runs_with_own_accounts(cluster, namespace, tmp_path, large_b=True)
     # Each run's pods, on nothing but their own ServiceAccount's token, form their rounds.
-    for run in ("run-a", "run-b"):
-        nodes = [make_handler(run, f"{run}-{i}", min_nodes=2, kubeconfig=kubeconfigs[run],
-                              heartbeat_timeout=4, lease_renew_interval=1) for i in range(2)]
+    # run-b is a large run (maxNodes 64): its members are told their ranks on their own
+    # Leases, which they watch by name.
+    for run, max_nodes in (("run-a", 2), ("run-b", 64)):
+        nodes = [make_handler(run, f"{run}-{i}", min_nodes=2, max_nodes=max_nodes,
+                              kubeconfig=kubeconfigs[run], heartbeat_timeout=4,
+                              lease_renew_interval=1, last_call_timeout=1) for i in range(2)]
         assert_all_ok(rendezvous_all(nodes))
+        if run == "run-b":
+            assert all(n.mailbox is not None and n.mailbox.latest is not None
+                       and n.mailbox.latest.round == 1 for n in nodes)
     formed = time.monotonic() - started
+    assert read_run(cluster.client, namespace, "run-b").status.signal == 0  # told on Leases
     # Renewals keep working by name: no Lease expires in a few renewal periods.
     time.sleep(3)
     for run in ("run-a", "run-b"):
@@ -312,6 +325,9 @@ def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
             content_type=MERGE_PATCH)),
         "delete run-b's Lease": _status(None, lambda: a.request(
             "DELETE", lease_path(namespace, lease_name("run-b", "run-b-1")))),
+        "watch run-b's Lease": _status(None, lambda: a.watch(
+            leases_path(namespace),
+            {"fieldSelector": f"metadata.name={lease_name('run-b', 'run-b-0')}"}, 1).close()),
     }
     assert set(refused.values()) == {403}, refused
     # The handler says so in torch's terms, naming the missing permission.
@@ -330,7 +346,7 @@ def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
            fault="a pod of run A (its ServiceAccount token) reads and writes run B, its status "
                  "and its Leases",
            expected="403 for every one of them; each run's own pods form their rounds",
-           observed=f"all 5 refused (403), handler raised ElasticRunForbiddenError; both runs "
+           observed=f"all 6 refused (403), handler raised ElasticRunForbiddenError; both runs "
                     f"formed on their own tokens ({formed:.1f}s incl. Role set-up); the "
                     "operator ran on the chart's role (perRunRBAC) without a 403",
            recovery_seconds=None)

@@ -114,18 +114,26 @@ class K8sRendezvousHandler(RendezvousHandler):
                                    previous_round=self._round,
                                    join_deadline=started + run.spec.join_timeout,
                                    defer_until=defer_until)
-            while True:
-                action = step.next_action(known, now(), time.monotonic())
-                if isinstance(action, step.Complete):
-                    info = self._complete(session, known.run, action.assignment)
-                    if info is not None:
-                        return info
-                    # The round ended before its store answered: join the next one.
-                    run = session.watcher.latest or session.read_or_raise()
-                    known = known.replace(run=run, previous_round=action.assignment.round,
-                                          joined=False)
-                    continue
-                known = self._carry_out(session, known, action)
+            try:
+                return self._rendezvous(session, known)
+            finally:
+                if self._mailbox is not None:
+                    self._mailbox.stop()
+
+    def _rendezvous(self, session: RunSession, known: step.Knowledge) -> RendezvousInfo:
+        """Carry out :func:`step.next_action` until a round holds this node."""
+        while True:
+            action = step.next_action(known, now(), time.monotonic())
+            if isinstance(action, step.Complete):
+                info = self._complete(session, known.run, action.assignment)
+                if info is not None:
+                    return info
+                # The round ended before its store answered: join the next one.
+                run = session.watcher.latest or session.read_or_raise()
+                known = known.replace(run=run, previous_round=action.assignment.round,
+                                      joined=False)
+                continue
+            known = self._carry_out(session, known, action)
 
     def is_closed(self) -> bool:
         run = self._connect().cached_or_read()
@@ -187,7 +195,7 @@ class K8sRendezvousHandler(RendezvousHandler):
 
     @property
     def mailbox(self) -> AssignmentWatch | None:
-        """The watch of our Lease for assignments (large runs, after the first join)."""
+        """The watch of our Lease for assignments (large runs), kept after the call ends."""
         return self._mailbox
 
     @property
@@ -267,8 +275,8 @@ class K8sRendezvousHandler(RendezvousHandler):
                                       run.uid, on_deleted=session.watcher.recheck)
 
     def _watch_assignments(self, session: RunSession) -> None:
-        """Watch our Lease for the operator's assignments (once; large runs only)."""
-        if self._mailbox is None and self._lease is not None:
+        """Watch our Lease for the operator's assignments (large runs), until the call ends."""
+        if (self._mailbox is None or self._mailbox.stopped) and self._lease is not None:
             self._mailbox = AssignmentWatch(session.gateway.client, self.settings.namespace,
                                             self._lease.name, session.watcher.poke,
                                             self.settings.watch_timeout)

@@ -6,7 +6,8 @@ every node is the one part of a round whose bytes grow as N².  It writes each
 member's place in the round on the member's Lease instead.  This watch selects
 that one Lease by name, which the API server's watch cache dispatches by name,
 so a node receives its own Lease's events and nobody else's: its renewals, its
-join request, and its assignment.
+join request, and its assignment.  It runs only while ``next_rendezvous()`` waits
+for a round; a running member's renewals need no echo.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class AssignmentWatch:
     @property
     def latest(self) -> Assignment | None:
         return self._latest
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
 
     def start(self) -> None:
         if self._thread is None:

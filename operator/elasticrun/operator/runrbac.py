@@ -94,7 +94,8 @@ def role(run: str, namespace: str, uid: str | None, nodes: Iterable[str]) -> dic
     ]
     if leases:
         rules.append({"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
-                      "resourceNames": leases, "verbs": ["get", "update", "patch", "delete"]})
+                      "resourceNames": leases,
+                      "verbs": ["get", "watch", "update", "patch", "delete"]})
     return {"apiVersion": f"{RBAC}/v1", "kind": "Role", "metadata": _meta(run, namespace, uid),
             "rules": rules}
 
