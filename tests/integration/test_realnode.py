@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from elasticrun.api.kube import ApiError, lease_path, leases_path, run_path
+from elasticrun.api.leases import ASSIGNMENT_ANNOTATION, read_assignment
 from elasticrun.api.model import ElasticRun
+from elasticrun.api.naming import lease_name
 
 from conftest import ROOT, Cluster, wait_for
 from controlplane.node import NODE_IP, NODE_NAME, host_paths, read_tunables
@@ -116,10 +118,19 @@ def test_the_chart_operator_runs_as_a_pod(node_cluster: Cluster) -> None:
 def test_job_example_trains_through_a_deleted_pod(node_cluster: Cluster,
                                                  node_namespace: str) -> None:
     ns, run = node_namespace, "llama-job"
-    create_run(node_cluster, ns, elastic_run(run, 2, 4))
+    # maxNodes 64 makes it a large run: the chart's operator seals without moving the
+    # signal and tells each pod its rank on the pod's own Lease.
+    create_run(node_cluster, ns, elastic_run(run, 2, 64))
     apply_example(node_cluster, ns, EXAMPLES / "job.yaml", LONG_TRAINING)
     first = wait_for(lambda: round_with(node_cluster, ns, run, 2), 180,
                      "the Job's two pods in one round", interval=0.5)
+    assert first.status.signal == 0
+    for member in first.status.participants:
+        lease = node_cluster.client.request(
+            "GET", lease_path(ns, lease_name(run, member.name)))
+        told = read_assignment(lease["metadata"]["annotations"].get(ASSIGNMENT_ANNOTATION))
+        assert told is not None and (told.round, told.rank, told.world_size) == \
+            (first.status.round, member.rank, 2)
     victim = first.status.participants[-1].name
     survivor = first.status.participants[0].name
     # The Job controller made these pods; the API server sent them to the webhook.
@@ -148,6 +159,7 @@ def test_job_example_trains_through_a_deleted_pod(node_cluster: Cluster,
                         interval=0.1)
     print(f"round {reformed.status.round} (survivor + replacement) after "
           f"{time.monotonic() - deleted:.2f}s")
+    assert reformed.status.signal == 1  # moved by the loss only, not by either seal
 
     def complete() -> bool:
         job = node_cluster.client.request("GET", f"/apis/batch/v1/namespaces/{ns}/jobs/{run}")
