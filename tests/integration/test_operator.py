@@ -302,10 +302,10 @@ def test_deferring_nodes_seal_themselves_when_no_operator_does(
 def test_a_large_run_tells_each_member_its_place_on_its_lease(
         operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """maxNodes 64: the operator's seal leaves the signal alone, so no node receives the
+    """maxNodes 256: the operator's seal leaves the signal alone, so no node receives the
     roster; each learns its rank from its own Lease, in the first round and after a loss."""
     lists = _CountedLists(monkeypatch)
-    nodes = [make_handler("told", f"n{i}", min_nodes=2, max_nodes=64, last_call_timeout=2)
+    nodes = [make_handler("told", f"n{i}", min_nodes=2, max_nodes=256, last_call_timeout=2)
              for i in range(3)]
     outcomes = rendezvous_all(nodes)
     _ok(outcomes)

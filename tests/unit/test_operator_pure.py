@@ -331,7 +331,7 @@ def _told(leases: dict[str, LeaseState], status: RunStatus,
     return told
 
 
-@pytest.mark.parametrize("size", [3, 64])
+@pytest.mark.parametrize("size", [3, 64, 256])
 def test_in_large_runs_the_seal_leaves_the_signal_and_tells_each_member_on_its_lease(
         size: int) -> None:
     names = [f"n{i:03d}" for i in range(size)]
@@ -340,7 +340,7 @@ def test_in_large_runs_the_seal_leaves_the_signal_and_tells_each_member_on_its_l
     leases = _joined(names, T0)
     plan = reconcile(run, Members(leases=leases), T0 + dt.timedelta(seconds=SEAL_GRACE))
     assert plan.sealed and plan.status is not None
-    if size < rounds.DEFER_SEAL_FROM:
+    if size < rounds.TELL_BY_LEASE_FROM:
         assert plan.status.signal == 5 and plan.assignments == []
         return
     assert plan.status.signal == 4  # nobody's run watch fires with the whole roster
@@ -352,26 +352,26 @@ def test_in_large_runs_the_seal_leaves_the_signal_and_tells_each_member_on_its_l
 
 
 def test_a_restarted_operator_tells_only_the_members_not_yet_told() -> None:
-    names = [f"n{i:03d}" for i in range(64)]
-    spec = RunSpec(min_nodes=64, max_nodes=64)
+    names = [f"n{i:03d}" for i in range(256)]
+    spec = RunSpec(min_nodes=256, max_nodes=256)
     leases = _joined(names, T0)
     sealed_run = ElasticRun("r", "ns", spec, RunStatus(), "7", uid="uid")
     status = reconcile(sealed_run, Members(leases=leases), T0).status
     assert status is not None
     run = ElasticRun("r", "ns", spec, status, "8", uid="uid")
-    told = _told(leases, status, *names[:60])
-    # n060 joined again since (a newer request): it has moved on and is not told.
-    told["n060"] = dataclasses.replace(told["n060"], join=dataclasses.replace(
-        told["n060"].join, since=T0 + dt.timedelta(seconds=1)))  # type: ignore[arg-type]
+    told = _told(leases, status, *names[:252])
+    # n252 joined again since (a newer request): it has moved on and is not told.
+    told["n252"] = dataclasses.replace(told["n252"], join=dataclasses.replace(
+        told["n252"].join, since=T0 + dt.timedelta(seconds=1)))  # type: ignore[arg-type]
     plan = reconcile(run, Members(leases=told), T0 + dt.timedelta(seconds=1))
-    assert [node for node, _ in plan.assignments] == ["n061", "n062", "n063"]
+    assert [node for node, _ in plan.assignments] == ["n253", "n254", "n255"]
     everyone = _told(leases, status, *names)
     assert reconcile(run, Members(leases=everyone), T0).assignments == []
 
 
 def test_a_re_forming_round_is_told_nothing() -> None:
-    names = [f"n{i:03d}" for i in range(64)]
-    spec = RunSpec(min_nodes=64, max_nodes=64)
+    names = [f"n{i:03d}" for i in range(256)]
+    spec = RunSpec(min_nodes=256, max_nodes=256)
     leases = _joined(names, T0)
     status = reconcile(ElasticRun("r", "ns", spec, RunStatus(), "7", uid="uid"),
                        Members(leases=leases), T0).status

@@ -218,12 +218,12 @@ def test_nodes_leave_sealing_to_the_operator_from_64_nodes_on_and_wait_longer_fo
 
 
 def test_a_seal_told_on_the_leases_leaves_the_signal() -> None:
-    base = run(RunStatus(signal=3, waiting=waiting("a", "b")), max_nodes=64)
+    base = run(RunStatus(signal=3, waiting=waiting("a", "b")), max_nodes=256)
     assert rounds.seal_round(base, at(0)).signal == 4
     quiet = rounds.seal_round(base, at(0), by_lease=True)
     assert quiet.signal == 3 and quiet.round == 1
     assert rounds.members_told_by_lease(base.spec)
-    assert not rounds.members_told_by_lease(run(RunStatus()).spec)
+    assert not rounds.members_told_by_lease(run(RunStatus(), max_nodes=255).spec)
 
 
 def test_a_member_told_on_its_lease_hears_of_nobody_waiting_from_an_older_copy() -> None:

@@ -142,7 +142,7 @@ def _decide_everything(leases: list[Any]) -> None:
             rounds.order_for_ranks(status.participants, pending)
             rounds.nodes_waiting(view, 1)
             for large in (False, True):
-                sized = _run(status, max_nodes=64) if large else _run(status)
+                sized = _run(status, max_nodes=256) if large else _run(status)
                 plan = reconcile(sized, Members(leases=by_node), when)
                 if plan.status is not None:
                     RunStatus.from_dict(plan.status.to_dict())
