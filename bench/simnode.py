@@ -7,12 +7,12 @@ then renews the nodes' Leases until stdin closes.
 A simulated node sends what a real handler of a large run sends, built by the
 product's own code: it reads the run, creates its Lease with its join request
 (``LeaseKeeper``'s manifest, ``WaitingNode`` as the handler writes it), opens
-the narrow watch (``status.signal!=S`` from the resourceVersion it read) and the
-watch of its own Lease, where the operator of a large run writes its place in
-the round, and renews its Lease with the handler's merge patch.  It leaves sealing to the
-operator, as a real node of a run of 64 nodes or more does
+the narrow watch (``status.signal!=S`` from the resourceVersion it read) and, in
+runs of 256 nodes or more, the watch of its own Lease, where the operator writes
+its place in the round, and renews its Lease with the handler's merge patch.  It
+leaves sealing to the operator, as a real node of a run of 64 nodes or more does
 (:func:`elasticrun.api.rounds.nodes_defer_seal`); it does not host a TCPStore.
-Each node has its own three connections (requests, run watch, Lease watch), as a handler's
+Each node has its own connections (requests, run watch, Lease watch), as a handler's
 connection pool does, so the API server serves exactly the connections,
 requests and bytes of real nodes.
 
@@ -43,7 +43,8 @@ from elasticrun.api.kube import (
     runs_path,
 )
 from elasticrun.api.leases import ASSIGNMENT_ANNOTATION, read_assignment
-from elasticrun.api.model import WaitingNode, format_time, now
+from elasticrun.api.model import RunSpec, WaitingNode, format_time, now
+from elasticrun.api.rounds import members_told_by_lease
 from elasticrun.handler.lease import LeaseKeeper
 
 #: Bound on one request, and on a whole formation as a node sees it.
@@ -200,10 +201,10 @@ class SimNode:
         created = json.loads(await self.requests.request(
             "POST", leases_path(s.namespace), self.lease._manifest(join)))  # the handler's body
         signal = (run.get("status") or {}).get("signal", 0)
-        watches = [
-            asyncio.create_task(self._from_run(signal, meta["resourceVersion"])),
-            asyncio.create_task(self._from_lease(join, created["metadata"]["resourceVersion"])),
-        ]
+        watches = [asyncio.create_task(self._from_run(signal, meta["resourceVersion"]))]
+        if members_told_by_lease(RunSpec.from_dict(spec)):  # as the handler does
+            watches.append(asyncio.create_task(
+                self._from_lease(join, created["metadata"]["resourceVersion"])))
         try:
             done, _ = await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
             return next(iter(done)).result()
