@@ -241,3 +241,6 @@ def test_a_members_assignment_is_its_place_in_the_round() -> None:
     assert (mine.round, mine.rank, mine.world_size, mine.leader) == (3, 2, 3, "a")
     assert mine.store == StoreAddress("10.0.0.0", 29400)
     assert status.assignment("z") is None
+    assert status.leader == "a"
+    everyone = status.assignments()
+    assert list(everyone) == ["a", "b", "c"] and everyone["c"] == mine

@@ -32,7 +32,7 @@ def knows(status: RunStatus, node: str = "a", pending: tuple[WaitingNode, ...] =
 
 
 def completes(action: step.Action, rank: int) -> bool:
-    return isinstance(action, step.Complete) and action.rank == rank
+    return isinstance(action, step.Complete) and action.assignment.rank == rank
 
 
 def defers(status: RunStatus, node: str = "a", wait: float = 10.0, **spec: int) -> Knowledge:
@@ -213,8 +213,9 @@ def test_completion_needs_a_newer_round_that_holds_the_node(members: list[str], 
 
 def test_knowledge_reports_rank_only_for_a_newer_round() -> None:
     known = knows(sealed("b", "a", round_=2), previous_round=2)
-    assert known.rank is None
-    assert known.replace(previous_round=1).rank == 1
+    assert known.assignment is None
+    newer = known.replace(previous_round=1).assignment
+    assert newer is not None and newer.rank == 1
 
 
 # --------------------------------------------------------------------------- superseded rounds

@@ -77,26 +77,30 @@ def test_a_run_woken_while_it_is_reconciled_waits_and_is_reconciled_once_more() 
     calls: list[Key] = []
 
     async def scenario() -> None:
-        gate = asyncio.Event()
+        gate, holding, again = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
         async def work(key: Key) -> None:
             if key in running:
                 overlaps.append(key)
             running.append(key)
             calls.append(key)
+            holding.set()
+            if len(calls) > 1:
+                again.set()
             await gate.wait()
             running.remove(key)
 
         queue = WorkQueue(work, workers=3)
         queue.start()
         queue.enqueue(("ns", "r"))
-        await asyncio.sleep(0.01)  # a worker holds "r"
+        await asyncio.wait_for(holding.wait(), 1)  # a worker holds "r"
         for _ in range(3):
             queue.enqueue(("ns", "r"))  # idle workers must not take it meanwhile
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # long enough for an idle worker to have taken it
         assert calls == [("ns", "r")]
         gate.set()
-        await asyncio.sleep(0.05)
+        await asyncio.wait_for(again.wait(), 1)  # woken meanwhile: reconciled once more
+        await asyncio.sleep(0.05)  # and only once
         await queue.stop()
 
     asyncio.run(scenario())

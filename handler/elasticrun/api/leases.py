@@ -33,7 +33,7 @@ UNREACHABLE_ANNOTATION = f"{crd.GROUP}/unreachable"
 #: sealed (:class:`~elasticrun.api.model.Assignment` as JSON), written by the
 #: operator after its seal so that the member need not read the whole roster.
 ASSIGNMENT_ANNOTATION = f"{crd.GROUP}/assignment"
-#: Largest round, rank or world size an assignment may name.
+#: Largest round, rank or world size a report or an assignment may name.
 MAX_COUNTER = 2**31
 #: A rank 0 reported unreachable is lost once it has not renewed its Lease for this
 #: many renewal intervals (at most the heartbeat timeout): two independent signals,
@@ -149,6 +149,12 @@ def read_join(node: str | None, raw: Any, where: str) -> tuple[WaitingNode | Non
     return join, None
 
 
+def _counter(value: Any, minimum: int, maximum: int = MAX_COUNTER) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < maximum:
+        return None
+    return value
+
+
 def unreachable_value(node: str, round_number: int) -> str:
     return json.dumps({"node": node, "round": round_number}, sort_keys=True)
 
@@ -161,21 +167,14 @@ def read_unreachable(raw: Any) -> Unreachable | None:
         fields = untrusted.json_object(raw, limit=512, max_depth=1)
     except untrusted.UnreadableError:
         return None
-    node, round_number = untrusted.text(fields.get("node")), fields.get("round")
-    if node is None or isinstance(round_number, bool) or not isinstance(round_number, int) \
-            or not 0 < round_number < 2**31:
+    node, round_number = untrusted.text(fields.get("node")), _counter(fields.get("round"), 1)
+    if node is None or round_number is None:
         return None
     return Unreachable(node=node, round=round_number)
 
 
 def assignment_value(assignment: Assignment) -> str:
     return json.dumps(assignment.to_dict(), sort_keys=True, separators=(",", ":"))
-
-
-def _counter(value: Any, minimum: int, maximum: int = MAX_COUNTER) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < maximum:
-        return None
-    return value
 
 
 def read_assignment(raw: Any) -> Assignment | None:

@@ -414,14 +414,26 @@ class RunStatus:
     def waiting_node(self, name: str) -> WaitingNode | None:
         return next((w for w in self.waiting if w.name == name), None)
 
+    @property
+    def leader(self) -> str | None:
+        """Rank 0 of the current round (None once a re-forming round has lost it)."""
+        return next((p.name for p in self.participants if p.rank == 0), None)
+
     def assignment(self, name: str) -> Assignment | None:
         """``name``'s place in the current round; None when it is not a member."""
         me = self.participant(name)
-        if me is None:
-            return None
-        leader = next((p.name for p in self.participants if p.rank == 0), None)
-        return Assignment(round=self.round, rank=me.rank, world_size=len(self.participants),
-                          store=self.store, leader=leader, since=me.since)
+        return None if me is None else self._assignment_of(me, self.leader)
+
+    def assignments(self) -> dict[str, Assignment]:
+        """Every member's place in the current round, by name, in rank order."""
+        leader = self.leader
+        return {p.name: self._assignment_of(p, leader)
+                for p in sorted(self.participants, key=lambda p: p.rank)}
+
+    def _assignment_of(self, member: Participant, leader: str | None) -> Assignment:
+        return Assignment(round=self.round, rank=member.rank,
+                          world_size=len(self.participants), store=self.store, leader=leader,
+                          since=member.since)
 
     @property
     def degraded(self) -> bool:

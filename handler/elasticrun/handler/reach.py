@@ -119,6 +119,8 @@ def _quiet_for(session: RunSession, run: ElasticRun, leader: str) -> float:
     if state is None or state.owner_uid != run.uid or state.renewed is None:
         return math.inf
     return max(0.0, (now() - state.renewed).total_seconds())
+
+
 def _remove_leader(session: RunSession, run: ElasticRun, round_number: int, leader: str,
                    host: str, port: int, silent_for: float, window: float) -> None:
     """Take a leader whose store and Lease both went silent out of the round.

@@ -74,11 +74,6 @@ class Knowledge:
         return None
 
     @property
-    def rank(self) -> int | None:
-        assignment = self.assignment
-        return assignment.rank if assignment is not None else None
-
-    @property
     def requested(self) -> bool:
         """Whether this node's join request is among the pending ones."""
         return any(w.name == self.node for w in self.pending)
@@ -104,10 +99,6 @@ class Complete:
     """A round holds this node: hand torch its rank and the store."""
 
     assignment: Assignment
-
-    @property
-    def rank(self) -> int:
-        return self.assignment.rank
 
 
 @dataclass(frozen=True)
@@ -155,8 +146,9 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
         return Closed()
     if not known.joined:
         return Join()
-    if known.assignment is not None:
-        return Complete(known.assignment)
+    assignment = known.assignment
+    if assignment is not None:
+        return Complete(assignment)
     if known.defer_until is not None and clock < known.defer_until:
         own = (known.own,) if known.own is not None else ()
         if rounds.announce_needed(run, own):

@@ -123,14 +123,15 @@ def _suspected_leader(run: ElasticRun, members: Members, now: dt.datetime) -> Su
     Lease sooner (:func:`_unreachable_loss`); it never removes anyone by itself.
     """
     status = run.status
-    leader = next((p.name for p in status.participants if p.rank == 0), None)
+    leader = status.leader
     if leader is None:
         return None
+    member_names = status.member_names
     reporters = tuple(sorted(
         name for name, lease in members.leases.items()
-        if name != leader and name in status.member_names and lease.unreachable is not None
-        and lease.unreachable.node == leader and lease.unreachable.round == status.round
-        and lease.owner_uid == run.uid
+        if lease.unreachable is not None and lease.unreachable.node == leader
+        and lease.unreachable.round == status.round and name != leader
+        and name in member_names and lease.owner_uid == run.uid
         and not lease.expired(now, run.spec.heartbeat_timeout, members.lease_clock_start)))
     return Suspect(leader, reporters) if reporters else None
 
@@ -366,13 +367,12 @@ def _assignments_due(run: ElasticRun, new: RunStatus, members: Members
             or new.store is None:
         return []
     due: list[tuple[str, Assignment]] = []
-    for p in sorted(new.participants, key=lambda p: p.rank):
-        lease = members.leases.get(p.name)
-        assignment = new.assignment(p.name)
-        if lease is None or lease.join is None or lease.join.since != p.since \
-                or assignment is None or lease.assignment == assignment:
+    for name, assignment in new.assignments().items():
+        lease = members.leases.get(name)
+        if lease is None or lease.join is None or lease.join.since != assignment.since \
+                or lease.assignment == assignment:
             continue
-        due.append((p.name, assignment))
+        due.append((name, assignment))
     return due
 
 
@@ -400,7 +400,7 @@ def _conditions(run: ElasticRun, new: RunStatus, now: dt.datetime) -> RunStatus:
     spec, generation = run.spec, run.generation
     conditions = new.conditions
     if new.phase == "Running":
-        leader = new.participants[0].name if new.participants else "-"
+        leader = new.leader or "-"
         conditions = set_condition(conditions, "RoundComplete", True, "Sealed",
                                    f"round {new.round}: {len(new.participants)} members, "
                                    f"rank 0 = {leader}", now, generation)
