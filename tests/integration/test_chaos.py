@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elasticrun.api import crd
-from elasticrun.api.kube import lease_path, runs_path
+from elasticrun.api.kube import ApiError, lease_path, run_path, runs_path
 from elasticrun.api.leases import lease_state
 from elasticrun.api.model import now
 from elasticrun.api.naming import lease_name
@@ -477,6 +477,47 @@ def test_128_nodes_join_at_once_with_watches_closed_every_2s(
 
 
 # --------------------------------------------------------------------------- the run deleted
+
+
+def test_a_lease_deleted_with_its_run_is_not_taken_again(
+        make_handler: Any, cluster: Cluster, namespace: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run, and with it the node's Lease, deleted between the node's join and its
+    first LIST (the garbage collector and the operator delete a run's Leases with it).
+
+    The node finds its request gone and writes it again; its Lease must not be
+    made anew for a run that no longer exists (nothing would ever delete it, and
+    the node would wait out its join timeout on a run nobody can see).
+    """
+    from elasticrun.handler.session import RunSession
+
+    listing = RunSession.pending
+    deleted: list[float] = []
+
+    def pending(session: RunSession, run: Any) -> Any:
+        if not deleted:
+            cluster.client.request("DELETE", run_path(namespace, "gone"))
+            cluster.client.request("DELETE", lease_path(namespace, lease_name("gone", "a")))
+            deleted.append(time.monotonic())
+        return listing(session, run)
+
+    monkeypatch.setattr(RunSession, "pending", pending)
+    # A status as the operator writes it: the node's narrow watch then cannot see the
+    # deletion (a run without status.signal matches status.signal!=0, and would).
+    create_run(cluster, namespace, "gone", minNodes=2, heartbeatTimeoutSeconds=10,
+               leaseRenewIntervalSeconds=5)
+    raw = cluster.client.request("GET", run_path(namespace, "gone"))
+    raw["status"] = {"phase": "Pending", "round": 0, "signal": 0}
+    cluster.client.request("PUT", run_path(namespace, "gone", "status"), body=raw)
+    node = make_handler("gone", "a", min_nodes=2, join_timeout=30)
+    thread, box = start_rendezvous(node)
+    thread.join(20)
+    error = box.get("error")
+    assert isinstance(error, RendezvousClosedError), box
+    assert "deleted" in str(error), error
+    with pytest.raises(ApiError) as lease:
+        cluster.client.request("GET", lease_path(namespace, lease_name("gone", "a")))
+    assert lease.value.not_found
 
 
 def test_run_deleted_mid_round_then_recreated(operator: OperatorProcess, make_handler: Any,

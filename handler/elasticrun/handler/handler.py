@@ -220,6 +220,7 @@ class K8sRendezvousHandler(RendezvousHandler):
                                         f"{str(run.spec.closed).lower()})")
         if isinstance(action, step.Join):
             own = self._join()
+            session.check_watch()  # the join found our Lease deleted with the run
             session.watcher.start()  # once; what num_nodes_waiting() reads from
             if rounds.members_told_by_lease(run.spec):
                 self._watch_assignments(session)

@@ -47,8 +47,8 @@ class LeaseKeeper:
                  duration: int, interval: float, owner_uid: str | None,
                  on_deleted: Callable[[], bool] | None = None) -> None:
         self.client = client
-        #: Called when a renewal finds the Lease gone; False means the run is
-        #: gone too, and the Lease is not taken again.  The Lease is owned by
+        #: Called when a renewal or a join finds the Lease gone; False means the
+        #: run is gone too, and the Lease is not taken again.  The Lease is owned by
         #: the run, so that is how a deleted run shows itself first: the
         #: garbage collector (or the operator) deletes its Leases, while the
         #: node's narrow watch of the run cannot see the deletion.
@@ -119,7 +119,9 @@ class LeaseKeeper:
         except ApiError as exc:
             if not exc.not_found:
                 raise
-            if join is not None:  # removed (e.g. by the operator as lost): take it again
+            # Removed (e.g. by the operator as lost): take it again, unless it went
+            # with the run; a Lease made now would outlive the run it names.
+            if join is not None and not self._gone_with_run():
                 self.acquire(join)
 
     def report_unreachable(self, leader: str, round_number: int, timeout: float) -> None:
@@ -165,7 +167,7 @@ class LeaseKeeper:
                     content_type=MERGE_PATCH)
             except ApiError as exc:
                 if exc.not_found:
-                    if self.on_deleted is not None and not self.on_deleted():
+                    if self._gone_with_run():
                         log.warning("lease %s was deleted with its ElasticRun", self.name)
                         continue
                     log.warning("lease %s was deleted; re-creating it", self.name)
@@ -174,6 +176,10 @@ class LeaseKeeper:
                     log.warning("renewing lease %s failed: %s", self.name, exc)
             except ApiConnectionError as exc:
                 log.warning("renewing lease %s failed: %s", self.name, exc)
+
+    def _gone_with_run(self) -> bool:
+        """Our Lease is gone: whether its run went too (``on_deleted`` says False)."""
+        return self.on_deleted is not None and not self.on_deleted()
 
     @staticmethod
     def _try(action: Any) -> None:

@@ -148,6 +148,7 @@ class RunSession:
         """
         watcher = self.watcher
         seen = watcher.version if seen is None else seen
+        self.check_watch()  # what the watch learned before ``seen`` wakes nobody
         latest = watcher.latest
         if latest is not None and newer(latest.resource_version, run.resource_version):
             return latest
