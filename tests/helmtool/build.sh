@@ -19,9 +19,15 @@ V="$(sed -nE 's#^(require)?[[:space:]]*helm\.sh/helm/v3 (v[0-9.]+)([[:space:]].*
 K8S_MINOR=37
 OUT="${XDG_CACHE_HOME:-$HOME/.cache}/elasticrun/helm/$V-$(sha256sum "$HERE/go.sum" | cut -c1-12)"
 if [[ -x $OUT/helm ]]; then echo "$OUT/helm"; exit 0; fi
+# One build at a time (parallel test sessions, checkouts); the winner's binary serves the rest.
+mkdir -p "$(dirname "$OUT")"
+exec 9>"$OUT.lock"
+flock 9
+if [[ -x $OUT/helm ]]; then echo "$OUT/helm"; exit 0; fi
 command -v go >/dev/null || { echo "build.sh: 'go' not found; Go >= 1.26 is needed to build helm" >&2; exit 2; }
 
 echo "build.sh: building helm $V into $OUT (first time only; a few minutes)" >&2
+rm -rf "$OUT.tmp"
 mkdir -p "$OUT.tmp"
 cd "$HERE"
 export CGO_ENABLED=0 GOTOOLCHAIN=local GOFLAGS="-mod=readonly -trimpath"
