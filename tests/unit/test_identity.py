@@ -217,3 +217,17 @@ def test_an_assignment_is_written_on_the_observed_lease_only() -> None:
     asyncio.run(executor.carry_out(run, plan, {"b": _state("b", T0)}))
     patches = [c for c in client.calls if c[0] == "PATCH"]
     assert len(patches) == 1 and patches[0][2]["metadata"]["uid"] == "uid-b"
+
+
+def test_a_squatter_is_described_by_what_it_says_about_itself_and_never_raises() -> None:
+    from elasticrun.api.leases import describe_object
+
+    squat = {"metadata": {"name": "sq.sq-0", "creationTimestamp": "2026-01-01T00:00:00Z",
+                          "managedFields": [{"manager": "squatter-tool"}]},
+             "spec": {"holderIdentity": "squatter"}}
+    assert describe_object(squat) == ("holder: squatter; created: 2026-01-01T00:00:00Z; "
+                                      "written by: squatter-tool")
+    for junk in ({}, {"metadata": []}, {"metadata": {"managedFields": [1, None, {}]}},
+                 {"metadata": {"ownerReferences": "x", "labels": {crd.RUN_LABEL: 5}}}):
+        assert isinstance(describe_object(junk), str)
+    assert len(describe_object({"spec": {"holderIdentity": "h" * 10_000}})) < 200

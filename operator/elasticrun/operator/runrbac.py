@@ -13,11 +13,14 @@ What RBAC cannot limit by name, and how it is handled:
   is not known to the authorizer before the object exists), so ``create`` on
   leases is granted namespace-wide.  A node creates its Lease first; the
   operator sees it (its Lease index), and adds the name to the Role before the
-  node's first renewal, so every later write of the node is by name.  A pod
-  can therefore create a Lease under another run's node name before that node
-  does (a squatter: that node then fails with NodeNameInUseError), but it can
-  never change or delete a Lease that already exists, nor any other run's
-  status.
+  node's first renewal, so every later write of the node is by name.  The
+  names of the nodes the run's status holds stay in the Role after their
+  Lease is deleted (:func:`lease_names`), so a removed node finds its Lease
+  gone (404) and creates it again.  A pod can create a Lease under another
+  run's node name before that node does (a squatter: the admission policy
+  refuses it for labelled Leases; an unlabelled one makes that node fail with
+  LeaseNameTakenError naming it), but it can never change or delete a Lease
+  that already exists, nor any other run's status.
 * ``list`` of Leases: the handler lists its run's Leases by label to read the
   join requests, and a label-selected list cannot be limited by name either;
   Leases hold node names and addresses, nothing secret.
