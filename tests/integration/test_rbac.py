@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from elasticrun.api import crd
+from elasticrun.api.naming import lease_name
 from elasticrun.handler.handler import ElasticRunForbiddenError
 
 from chartkit import (
@@ -250,10 +251,19 @@ def test_operator_does_its_work_on_the_chart_role_alone(
                    "metadata": {"name": "done-0", "namespace": namespace,
                                 "labels": {crd.RUN_LABEL: "done"}},
                    "spec": {"containers": [{"name": "c", "image": "x"}]}})
+    done = cluster.apply({"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                          "metadata": {"name": "done", "namespace": namespace},
+                          "spec": {"minNodes": 1, "ttlSecondsAfterFinished": 0}})
+    # The run's own Lease (owned by it, under its node's name): the operator deletes
+    # only such Leases with a run.
     cluster.apply({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                   "metadata": {"name": "done-done-0", "namespace": namespace,
+                   "metadata": {"name": lease_name("done", "done-0"), "namespace": namespace,
                                 "labels": {crd.RUN_LABEL: "done"},
-                                "annotations": {crd.RUN_LABEL: "done"}},
+                                "annotations": {crd.RUN_LABEL: "done",
+                                                crd.NODE_ANNOTATION: "done-0"},
+                                "ownerReferences": [{
+                                    "apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                                    "name": "done", "uid": done["metadata"]["uid"]}]},
                    "spec": {"holderIdentity": "done-0", "leaseDurationSeconds": 15}})
     cluster.apply({"apiVersion": crd.API_VERSION, "kind": crd.KIND,
                    "metadata": {"name": "done", "namespace": namespace},

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.distributed.elastic.rendezvous import RendezvousError
 
 from elasticrun.api import crd
 from elasticrun.api.kube import (
@@ -38,7 +39,12 @@ from elasticrun.api.kube import (
     load_credentials,
     run_path,
 )
-from elasticrun.api.leases import JOIN_ANNOTATION, UNREACHABLE_ANNOTATION, unreachable_value
+from elasticrun.api.leases import (
+    JOIN_ANNOTATION,
+    UNREACHABLE_ANNOTATION,
+    run_leases_query,
+    unreachable_value,
+)
 from elasticrun.api.model import format_time, now
 from elasticrun.api.naming import lease_name
 from elasticrun.handler.handler import ElasticRunForbiddenError
@@ -48,7 +54,7 @@ from chaoskit import assert_all_ok, record, start_node
 from chartkit import Helm, apply, by_kind, delete_cluster_scoped, request_token, token_kubeconfig
 from conftest import Cluster, ProcessGroup, wait_for
 from controlplane.operatorproc import OperatorProcess, free_port
-from rdzv import read_run, rendezvous_all
+from rdzv import AuditLog, read_run, rendezvous_all
 
 pytest_plugins = ("chartfixtures",)
 pytestmark = pytest.mark.slow
@@ -434,10 +440,11 @@ def test_a_pod_of_run_a_cannot_join_stall_lead_or_close_run_b(
     assert "may not update ElasticRun" in _refusal(
         lambda: a.request("POST", leases, body=relabelled))
     squat = _forged_lease("run-a", "run-b-0", None, name=lease_name("run-b", "run-b-0") + "x")
-    assert "is named run-a.<node>" in _refusal(lambda: a.request("POST", leases, body=squat))
-    # Allowed by the policy (A may write A), but its label names B: no reader takes it for B.
+    assert "is named run-a.run-b-0, not" in _refusal(
+        lambda: a.request("POST", leases, body=squat))
+    # A may write A, but a Lease of A must carry A's label: none rides on B's LISTs.
     decoy = _forged_lease("run-a", "decoy", before.uid, label="run-b")
-    assert _refusal(lambda: a.request("POST", leases, body=decoy)) == ""
+    assert "must carry the label" in _refusal(lambda: a.request("POST", leases, body=decoy))
     # Change or delete B's members' Leases, close B.
     member = lease_path(namespace, lease_name("run-b", "run-b-0"))
     assert _refusal(lambda: a.request(
@@ -458,9 +465,9 @@ def test_a_pod_of_run_a_cannot_join_stall_lead_or_close_run_b(
            fault="a pod of run A (its token) creates a Lease for run B (never-expiring, "
                  "earliest since), relabels one, squats a node name, changes/deletes B's "
                  "Leases, closes B",
-           expected="every write refused by RBAC or the policy; a Lease whose label and "
-                    "annotation disagree counts for nobody; B untouched",
-           observed="7 writes refused with the policy's or RBAC's message; B's round, "
+           expected="every write refused by RBAC or the policy (a Lease must carry its own "
+                    "run's label); B untouched",
+           observed="8 writes refused with the policy's or RBAC's message; B's round, "
                     "members and waiting set unchanged, num_nodes_waiting() 0",
            recovery_seconds=None)
 
@@ -644,3 +651,265 @@ def test_an_unreadable_join_request_is_one_event_and_no_member(
     assert "nested" not in current.status.member_names | current.status.waiting_names
     log = operator.log_path.read_text(errors="replace")
     assert "RecursionError" not in log and "retrying in" not in log, log[-2000:]
+
+
+# --------------------------------------------------------------------------- Lease identity
+#
+# Issue 20, cases 2, 3, 6 and the node half of 7 (rows 40-49 of docs/security.md):
+# names that collided stay apart and the operator acts on no other run's Lease; an
+# unlabelled squat is an error naming the squatter; one crafted Lease costs the
+# operator a handful of requests; a member removed while partitioned rejoins under
+# per-run RBAC; another run's writer cannot put Leases into a run's LIST.
+
+LONG_AGO = "2026-01-01T00:00:00.000000Z"
+
+
+def _client(path: Path) -> KubeClient:
+    return KubeClient(load_credentials(str(path)), timeout=10)
+
+
+def _account(cluster: Cluster, namespace: str, tmp_path: Path, run: str, account: str
+             ) -> Path:
+    _service_account(cluster, namespace, account)
+    _run(cluster, namespace, run, account)
+    return token_kubeconfig(cluster, request_token(cluster, namespace, account),
+                            tmp_path / f"{account}.kubeconfig", namespace)
+
+
+def _role_leases(cluster: Cluster, namespace: str, run: str) -> set[str]:
+    try:
+        role = cluster.client.request("GET", runrbac.path("Role", namespace, run))
+    except ApiError as exc:
+        if exc.not_found:
+            return set()
+        raise
+    return {name for rule in role["rules"] if rule["resources"] == ["leases"]
+            for name in rule.get("resourceNames", [])}
+
+
+def test_runs_whose_names_collided_stay_apart_and_the_operator_touches_no_other_runs_lease(
+        chart_operator: OperatorProcess, lease_policy: None, make_handler: Any,
+        cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    """Run ``team``'s node ``b.b-0`` and run ``team.b``'s node ``b-0`` were both ``team.b.b-0``."""
+    victim_config = _account(cluster, namespace, tmp_path, "team.b", "sa-victim")
+    attacker_config = _account(cluster, namespace, tmp_path, "team", "sa-attacker")
+    wait_for(lambda: all(_status_ok(cluster, namespace, r) for r in ("team", "team.b")), 20,
+             "the per-run Roles")
+    victims = [make_handler("team.b", f"b-{i}", min_nodes=2, kubeconfig=victim_config,
+                            heartbeat_timeout=4, lease_renew_interval=1, last_call_timeout=1)
+               for i in range(2)]
+    assert_all_ok(rendezvous_all(victims))
+    victim_lease = lease_name("team.b", "b-0")
+    assert victim_lease != lease_name("team", "b.b-0")
+    before = cluster.client.request("GET", lease_path(namespace, victim_lease))
+    attacker = _client(attacker_config)
+    team = read_run(cluster.client, namespace, "team")
+    leases = leases_path(namespace)
+
+    # The attacker's Lease for its "node b.b-0", expired (the operator deletes such a
+    # Lease), under the name the old encoding gave both and under any other name:
+    # the policy holds a Lease to lease_name(run, node) exactly.
+    for name in ("team.b.b-0", "team.anything", victim_lease):
+        crafted = _forged_lease("team", "b.b-0", team.uid, name=name)
+        crafted["spec"]["renewTime"] = LONG_AGO
+        assert "is named team.<node>.<digest>, not" in _refusal(
+            lambda c=crafted: attacker.request("POST", leases, body=c)), name
+    own = _forged_lease("team", "b.b-0", team.uid)
+    own["spec"]["renewTime"] = LONG_AGO
+    assert _refusal(lambda: attacker.request("POST", leases, body=own)) == ""
+    # The operator deletes that expired Lease of team (its own), and nothing of team.b.
+    wait_for(lambda: _gone(cluster, namespace, lease_name("team", "b.b-0")), 15,
+             "the operator to delete team's expired Lease")
+    time.sleep(2)
+    after = cluster.client.request("GET", lease_path(namespace, victim_lease))
+    assert after["metadata"]["uid"] == before["metadata"]["uid"]
+    victim_run = read_run(cluster.client, namespace, "team.b")
+    assert victim_run.status.member_names == {"b-0", "b-1"}
+    assert victim_run.status.lost_members == ()
+    # team's Role names none of team.b's Leases.
+    assert not _role_leases(cluster, namespace, "team") & {
+        lease_name("team.b", "b-0"), lease_name("team.b", "b-1")}
+    record("colliding Lease names (issue 20, case 3)", group="security",
+           fault="a writer of run team makes an expired Lease for its node b.b-0 under the "
+                 "name of run team.b's node b-0 (team.b.b-0 in the old encoding)",
+           expected="the names differ; the policy refuses any but lease_name(run, node); "
+                    "the operator deletes only team's own Lease; team.b untouched",
+           observed="3 names refused, team's own Lease deleted, team.b's member Lease kept "
+                    "(same uid), no member lost, team's Role names none of team.b's Leases",
+           recovery_seconds=None)
+
+
+def _status_ok(cluster: Cluster, namespace: str, run: str) -> bool:
+    try:
+        cluster.client.request("GET", runrbac.path("RoleBinding", namespace, run))
+    except ApiError as exc:
+        if exc.not_found:
+            return False
+        raise
+    return True
+
+
+def _gone(cluster: Cluster, namespace: str, name: str) -> bool:
+    try:
+        cluster.client.request("GET", lease_path(namespace, name))
+    except ApiError as exc:
+        if exc.not_found:
+            return True
+        raise
+    return False
+
+
+def test_an_unlabelled_squat_on_a_nodes_lease_name_is_an_error_naming_it(
+        chart_operator: OperatorProcess, lease_policy: None, make_handler: Any,
+        cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    """A ServiceAccount no policy lists takes a node's Lease name with an unlabelled Lease."""
+    config = _account(cluster, namespace, tmp_path, "sq", "sa-sq")
+    _service_account(cluster, namespace, "stranger")
+    cluster.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                   "metadata": {"name": "stranger", "namespace": namespace},
+                   "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "verbs": ["create"]}]})
+    cluster.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                   "metadata": {"name": "stranger", "namespace": namespace},
+                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                               "name": "stranger"},
+                   "subjects": [{"kind": "ServiceAccount", "name": "stranger",
+                                 "namespace": namespace}]})
+    stranger = _client(token_kubeconfig(cluster, request_token(cluster, namespace, "stranger"),
+                                        tmp_path / "stranger.kubeconfig", namespace))
+    wait_for(lambda: _status_ok(cluster, namespace, "sq"), 20, "the per-run Role")
+    stranger.request("POST", leases_path(namespace), query={"fieldManager": "squatter-tool"},
+                     body={"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                           "metadata": {"name": lease_name("sq", "sq-0")},
+                           "spec": {"holderIdentity": "squatter"}})
+    node = make_handler("sq", "sq-0", min_nodes=1, kubeconfig=config, api_timeout=5)
+    started = time.monotonic()
+    with pytest.raises(RendezvousError) as raised:
+        node.next_rendezvous()
+    message = str(raised.value)
+    assert f"Lease name {namespace}/sq.sq-0 of node 'sq-0' is taken" in message
+    assert "not a Lease of ElasticRun sq" in message
+    assert "holder: squatter" in message and "written by: squatter-tool" in message
+    assert time.monotonic() - started < 10  # an error at once, not a wait
+
+
+def test_one_crafted_lease_costs_the_operator_a_few_requests_not_a_loop(
+        chart_operator: OperatorProcess, make_handler: Any, cluster: Cluster,
+        namespace: str, tmp_path: Path) -> None:
+    """Issue 20, case 2: 5,979 requests in 20 s from one expired Lease whose name and owner
+    did not match.  Counted from the API server's audit log, as the operator's own user."""
+    local = cluster.require_local()
+    kubeconfigs = _runs_with_own_accounts(cluster, namespace, tmp_path)
+    nodes = [make_handler("run-a", f"run-a-{i}", min_nodes=2, kubeconfig=kubeconfigs["run-a"],
+                          heartbeat_timeout=4, lease_renew_interval=1, last_call_timeout=1)
+             for i in range(2)]
+    assert_all_ok(rendezvous_all(nodes))
+    run = read_run(cluster.client, namespace, "run-a")
+    audit = AuditLog(local.state.audit_log)  # type: ignore[union-attr]
+    time.sleep(1)
+    mark = audit.mark()
+    # No admission policy here: what the operator itself does with such objects.
+    crafted = [
+        # labelled and annotated for run-a, node "ghost", under another name
+        _forged_lease("run-a", "ghost", run.uid, name="run-a.ghost-elsewhere"),
+        # under its computed name, owned by another (earlier) run of that name
+        _forged_lease("run-a", "orphan", "0000-earlier-run"),
+        # without an owner
+        _forged_lease("run-a", "nobody", None),
+    ]
+    for lease in crafted:
+        lease["spec"]["renewTime"] = LONG_AGO
+        cluster.client.request("POST", leases_path(namespace), body=lease)
+    window = 20.0
+    time.sleep(window)
+    operator_user = f"system:serviceaccount:{namespace}:{namespace}"
+    mine = [e for e in audit.entries(namespace, since=mark) if e.user == operator_user]
+    kinds: dict[str, int] = {}
+    for entry in mine:
+        kinds[entry.kind] = kinds.get(entry.kind, 0) + 1
+    print(f"\noperator requests in {window:g}s after 3 crafted Leases: {kinds}")
+    assert len(mine) <= 20, kinds
+    assert not [e for e in mine if e.verb == "delete" and e.resource == "leases"], kinds
+    # The crafted Leases are still there (not the operator's to delete) and count for nobody.
+    current = read_run(cluster.client, namespace, "run-a")
+    assert current.status.member_names == {"run-a-0", "run-a-1"}
+    assert current.status.waiting == () and current.status.lost_members == ()
+    for lease in crafted:
+        assert not _gone(cluster, namespace, lease["metadata"]["name"])
+    record("one crafted Lease against the operator (issue 20, case 2)", group="security",
+           fault="3 expired Leases labelled for a run: under another name, owned by another "
+                 "uid, without an owner",
+           expected="no request loop; none of them deleted under a computed name",
+           observed=f"{len(mine)} operator requests in {window:g}s ({kinds})",
+           recovery_seconds=None)
+
+
+def test_a_member_removed_while_partitioned_rejoins_under_per_run_rbac(
+        chart_operator: OperatorProcess, make_handler: Any, cluster: Cluster,
+        namespace: str, tmp_path: Path) -> None:
+    """Issue 20, case 6: its Lease deleted, the Role used to drop its name (403 on renewal)."""
+    kubeconfigs = _runs_with_own_accounts(cluster, namespace, tmp_path)
+    nodes = [make_handler("run-a", f"run-a-{i}", min_nodes=2, kubeconfig=kubeconfigs["run-a"],
+                          heartbeat_timeout=4, lease_renew_interval=1, last_call_timeout=1)
+             for i in range(2)]
+    assert_all_ok(rendezvous_all(nodes))
+    healed = nodes[1]
+    keeper = healed._lease
+    assert keeper is not None
+    first = cluster.client.request("GET", lease_path(namespace, keeper.name))["metadata"]["uid"]
+    keeper._stop.set()  # partitioned: alive, silent
+    wait_for(lambda: [m.name for m in read_run(cluster.client, namespace, "run-a")
+                      .status.lost_members] == ["run-a-1"], 15, "run-a-1 to be removed")
+    wait_for(lambda: _gone(cluster, namespace, keeper.name), 10, "its Lease to be deleted")
+    keeper._stop.clear()  # the partition heals
+    keeper.start()
+    wait_for(lambda: not _gone(cluster, namespace, keeper.name), 10,
+             "the healed node to create its Lease again")
+    outcomes = rendezvous_all(nodes)
+    assert_all_ok(outcomes)
+    run = read_run(cluster.client, namespace, "run-a")
+    assert run.status.round == 2 and run.status.member_names == {"run-a-0", "run-a-1"}
+    assert sorted(p.rank for p in run.status.participants) == [0, 1]
+    again = cluster.client.request("GET", lease_path(namespace, keeper.name))["metadata"]["uid"]
+    assert again != first
+    # What let it back: its name stayed in the run's Role while it had no Lease.
+    assert keeper.name in _role_leases(cluster, namespace, "run-a")
+    refusals = [line for line in chart_operator.log_path.read_text(errors="replace")
+                .splitlines() if "cannot" in line and "forbidden" in line]
+    assert refusals == [], refusals[:3]
+
+
+def test_another_runs_writer_cannot_put_leases_into_a_runs_list(
+        chart_operator: OperatorProcess, lease_policy: None, make_handler: Any,
+        cluster: Cluster, namespace: str, tmp_path: Path) -> None:
+    """Issue 20, case 7 (node half): 150 decoys of run B in run A's LIST (37 MB)."""
+    kubeconfigs = _runs_with_own_accounts(cluster, namespace, tmp_path)
+    nodes = [make_handler("run-a", f"run-a-{i}", min_nodes=2, kubeconfig=kubeconfigs["run-a"],
+                          heartbeat_timeout=4, lease_renew_interval=1, last_call_timeout=1)
+             for i in range(2)]
+    assert_all_ok(rendezvous_all(nodes))
+    b = _client(kubeconfigs["run-b"])
+    run_b = read_run(cluster.client, namespace, "run-b")
+    padding = "x" * 10_000
+    refused = 0
+    for i in range(150):
+        decoy = _forged_lease("run-b", f"decoy-{i}", run_b.uid, label="run-a")
+        decoy["metadata"]["annotations"]["padding"] = padding
+        if "must carry the label" in _refusal(
+                lambda d=decoy: b.request("POST", leases_path(namespace), body=d)):
+            refused += 1
+    assert refused == 150
+    a = _client(kubeconfigs["run-a"])
+    started = time.monotonic()
+    listed = a.request("GET", leases_path(namespace), query=run_leases_query("run-a"))
+    took = time.monotonic() - started
+    size = len(json.dumps(listed))
+    assert sorted(i["metadata"]["annotations"][crd.NODE_ANNOTATION]
+                  for i in listed["items"]) == ["run-a-0", "run-a-1"]
+    assert size < 20_000, size
+    record("decoy Leases in another run's LIST (issue 20, case 7)", group="security",
+           fault="run B's token creates 150 Leases of 10 kB labelled for run A",
+           expected="refused by the policy; A's LIST holds A's Leases only",
+           observed=f"150 refused; A's LIST: 2 items, {size} bytes, {took * 1000:.0f} ms",
+           recovery_seconds=None)
+

@@ -8,7 +8,8 @@ from elasticrun.operator import runrbac
 
 
 def test_role_names_the_run_and_its_leases_and_grants_create_without_names() -> None:
-    role = runrbac.role("train", "team", "uid-1", ["n1", "n0", "n1"])
+    role = runrbac.role("train", "team", "uid-1",
+                        [lease_name("train", "n1"), lease_name("train", "n0")])
     by_resource: dict[tuple[str, ...], list[dict[str, object]]] = {}
     for rule in role["rules"]:
         by_resource.setdefault(tuple(rule["resources"]), []).append(rule)

@@ -164,15 +164,20 @@ class RunGateway:
                 return None
             raise
 
-    def assign(self, node: str, assignment: Assignment) -> bool:
-        """Write ``node``'s place in the round on its Lease; False when it has no Lease."""
-        patch = {"metadata": {"annotations": {
+    def assign(self, node: str, assignment: Assignment, uid: str) -> bool:
+        """Write ``node``'s place in the round on its Lease, the object with ``uid``.
+
+        The uid in the patch is a precondition: the API server refuses (409)
+        a patch of any other object under that name, such as a Lease re-created
+        since it was observed.  False when that Lease is gone or replaced.
+        """
+        patch = {"metadata": {"uid": uid, "annotations": {
             ASSIGNMENT_ANNOTATION: assignment_value(assignment)}}}
         try:
             self.client.request("PATCH", self.lease_path(lease_name(self.name, node)),
                                 body=patch, content_type=MERGE_PATCH)
         except ApiError as exc:
-            if exc.not_found:
+            if exc.not_found or exc.conflict:
                 return False
             raise
         return True

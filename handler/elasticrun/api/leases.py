@@ -21,7 +21,7 @@ from typing import Any
 
 from elasticrun.api import crd, untrusted
 from elasticrun.api.model import Assignment, InvalidRunError, RunStatus, StoreAddress, WaitingNode
-from elasticrun.api.naming import label_value
+from elasticrun.api.naming import label_value, lease_name
 from elasticrun.api.rounds import arrival_key
 
 #: Annotation on a node's Lease: its join request, as JSON (a waiting entry without the name).
@@ -71,6 +71,9 @@ class LeaseState:
     unreachable: Unreachable | None = None
     #: The node's place in a round, as the operator last told it.
     assignment: Assignment | None = None
+    #: The Lease's own name and uid, as observed: what the operator deletes and writes.
+    name: str | None = None
+    uid: str | None = None
 
     def expired(self, now: dt.datetime, timeout: float,
                 not_before: dt.datetime | None = None) -> bool:
@@ -102,19 +105,37 @@ def run_leases_query(run: str) -> dict[str, str]:
 
 
 def lease_run(lease: Mapping[str, Any]) -> str | None:
-    """The run a Lease belongs to: its annotation, when the label agrees with it.
+    """The run a Lease belongs to: its annotation, when the label and the name agree.
 
-    Readers list Leases by label and key them by the annotation (the label may
-    be a hash of a long name).  A Lease whose label names one run and whose
-    annotation another belongs to neither, so the admission policy, which
-    checks the writer's right to the annotation's run, decides for every reader.
+    Readers list Leases by label and key them by the annotations (the label may
+    be a hash of a long name).  A Lease belongs to run R and node N only when
+    its label is R's label value and its name is ``lease_name(R, N)``: one
+    whose label names one run and whose annotation another belongs to neither,
+    and one under another name is not the Lease anybody would act on by name.
+    The admission policy, which checks the writer's right to the annotation's
+    run (and the label and the name), so decides for every reader.
     """
     meta = untrusted.mapping(lease.get("metadata"))
-    run = untrusted.text(untrusted.mapping(meta.get("annotations")).get(crd.RUN_LABEL))
+    annotations = untrusted.mapping(meta.get("annotations"))
+    run = untrusted.text(annotations.get(crd.RUN_LABEL))
+    node = untrusted.text(annotations.get(crd.NODE_ANNOTATION))
     label = untrusted.mapping(meta.get("labels")).get(crd.RUN_LABEL)
-    if run is None or label != label_value(run):
+    if run is None or node is None or label != label_value(run) \
+            or meta.get("name") != lease_name(run, node):
         return None
     return run
+
+
+def owned_by(state: LeaseState, run: str, run_uid: str | None) -> bool:
+    """Whether a Lease read by :func:`lease_state` is a genuine Lease of this run.
+
+    Its owner is the run (the uid, so an earlier run of the same name does not
+    count) and its name is the one its node's Lease has: the only Leases the
+    operator deletes, writes an assignment on, or grants a Role for.  Callers
+    take ``state`` from Leases :func:`lease_run` gave to ``run``.
+    """
+    return run_uid is not None and state.owner_uid == run_uid and state.node is not None \
+        and state.name == lease_name(run, state.node) and state.uid is not None
 
 
 def leases_of(listed: Mapping[str, Any], run: str) -> list[dict[str, Any]]:
@@ -222,7 +243,37 @@ def lease_state(lease: Mapping[str, Any]) -> LeaseState:
                       owner_uid=owners[0] if owners else None, created=created,
                       problem=problem,
                       unreachable=read_unreachable(annotations.get(UNREACHABLE_ANNOTATION)),
-                      assignment=read_assignment(annotations.get(ASSIGNMENT_ANNOTATION)))
+                      assignment=read_assignment(annotations.get(ASSIGNMENT_ANNOTATION)),
+                      name=untrusted.text(meta.get("name")),
+                      uid=untrusted.text(meta.get("uid")))
+
+
+def describe_object(obj: Mapping[str, Any]) -> str:
+    """What an object found under a Lease name says about itself, bounded, for a message.
+
+    The API server does not record who created an object; its field managers
+    (the clients that wrote it), its labels, annotations and owners are what
+    there is to go on.
+    """
+    meta = untrusted.mapping(obj.get("metadata"))
+    spec = untrusted.mapping(obj.get("spec"))
+    annotations = untrusted.mapping(meta.get("annotations"))
+    refs = meta.get("ownerReferences")
+    owners = [f"{untrusted.text(r.get('kind'), 40)}/{untrusted.text(r.get('name'), 80)}"
+              for r in refs[:3] if isinstance(r, Mapping)] if isinstance(refs, list) else []
+    fields = meta.get("managedFields")
+    managers = sorted({untrusted.text(f.get("manager"), 80) or "?" for f in fields[:5]
+                       if isinstance(f, Mapping)}) if isinstance(fields, list) else []
+    parts = {
+        "label run": untrusted.text(untrusted.mapping(meta.get("labels")).get(crd.RUN_LABEL)),
+        "annotation run": untrusted.text(annotations.get(crd.RUN_LABEL)),
+        "annotation node": untrusted.text(annotations.get(crd.NODE_ANNOTATION)),
+        "owners": ", ".join(owners) or None,
+        "holder": untrusted.text(spec.get("holderIdentity"), 80),
+        "created": untrusted.text(meta.get("creationTimestamp"), 40),
+        "written by": ", ".join(managers) or None,
+    }
+    return "; ".join(f"{k}: {v}" for k, v in parts.items() if v is not None) or "no metadata"
 
 
 def holder_alive(current: Mapping[str, Any], run: str, owner_uid: str | None,

@@ -27,8 +27,10 @@ from elasticrun.api.leases import (
     ASSIGNMENT_ANNOTATION,
     JOIN_ANNOTATION,
     UNREACHABLE_ANNOTATION,
+    describe_object,
     holder_alive,
     join_value,
+    lease_run,
     unreachable_value,
 )
 from elasticrun.api.model import WaitingNode, format_time, now
@@ -38,6 +40,18 @@ log = logging.getLogger(__name__)
 
 class NodeNameInUseError(RuntimeError):
     """Another live agent already holds this node name's Lease."""
+
+
+class LeaseNameTakenError(NodeNameInUseError):
+    """The node's Lease name is held by an object that is not a Lease of its run.
+
+    Lease names are deterministic (:func:`~elasticrun.api.naming.lease_name`),
+    so anyone who may create Leases in the namespace can take one first; the
+    admission policy refuses that for labelled Leases and for the training
+    accounts it lists.  The node neither overwrites such an object (it is not
+    the run's) nor waits on it silently: the error names the object and what
+    it says about itself, for whoever must delete it.
+    """
 
 
 class LeaseKeeper:
@@ -93,7 +107,14 @@ class LeaseKeeper:
         except ApiError as exc:
             if exc.status != 409:
                 raise
-        current = self.client.request("GET", lease_path(self.namespace, self.name))
+        current = self._existing()
+        if lease_run(current) != self.run:
+            raise LeaseNameTakenError(
+                f"the Lease name {self.namespace}/{self.name} of node {self.node!r} is taken "
+                f"by an object that is not a Lease of ElasticRun {self.run} "
+                f"({describe_object(current)}); delete it, and list the ServiceAccount that "
+                "made it in the chart's admissionPolicy.trainingServiceAccounts so that it "
+                "cannot do so again")
         holder = holder_alive(current, self.run, self.owner_uid, self.duration, now())
         if holder is not None and holder != self.holder:
             raise NodeNameInUseError(
@@ -105,6 +126,26 @@ class LeaseKeeper:
         manifest["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
         self.client.request("PUT", lease_path(self.namespace, self.name), body=manifest)
         self.acquired = True
+
+    def _existing(self) -> dict[str, Any]:
+        """The object that holds our Lease's name (after a 409 on create).
+
+        With per-run RBAC the node may ``get`` only Leases the operator granted
+        by name, and an object squatting the name is not one of them; ``list``
+        is granted namespace-wide, so a LIST selected by name reads it instead.
+        """
+        try:
+            return self.client.request("GET", lease_path(self.namespace, self.name))
+        except ApiError as exc:
+            if exc.status != 403:
+                raise
+            listed = self.client.request("GET", leases_path(self.namespace), query={
+                "fieldSelector": f"metadata.name={self.name}"})
+            items = listed.get("items")
+            if not isinstance(items, list) or not items or not isinstance(items[0], dict):
+                raise
+            found: dict[str, Any] = items[0]
+            return found
 
     def set_join(self, join: WaitingNode | None) -> None:
         """Ask to join the next round (or withdraw): one write to our own object.

@@ -18,7 +18,7 @@ from typing import Any
 
 from elasticrun.api import crd
 from elasticrun.api.kube import KubeClient
-from elasticrun.api.leases import LeaseState, lease_state
+from elasticrun.api.leases import LeaseState, lease_state, owned_by
 from elasticrun.api.model import ElasticRun, InvalidRunError, now, parse_run
 from elasticrun.api.ordering import RoundMark, older
 from elasticrun.operator.apihealth import ApiAvailability
@@ -135,18 +135,24 @@ class Controller:
 
     # ------------------------------------------------------------------ reconcile
 
-    def _indexed_leases(self, key: Key) -> dict[str, LeaseState]:
+    def _indexed_leases(self, key: Key, run: ElasticRun) -> dict[str, LeaseState]:
+        """The run's genuine Leases in the index (owner uid and name: ``owned_by``).
+
+        Anything else labelled for the run is nobody's member: it is neither
+        counted, nor deleted, nor a reason to look at the run again.
+        """
         leases: dict[str, LeaseState] = {}
         if self.lease_index is not None and key in self.lease_index:
             for node, state in self.lease_index[key]:
-                leases[node] = state
+                if owned_by(state, run.name, run.uid):
+                    leases[node] = state
         return leases
 
-    async def _listed_leases(self, key: Key) -> dict[str, LeaseState]:
+    async def _listed_leases(self, key: Key, run: ElasticRun) -> dict[str, LeaseState]:
         leases = {}
         for item in await asyncio.to_thread(self.executor.gateway(key).leases):
             state = lease_state(item)
-            if state.node:
+            if state.node and owned_by(state, run.name, run.uid):
                 leases[state.node] = state
         return leases
 
@@ -167,18 +173,20 @@ class Controller:
             await self.executor.repair(key, raw, exc, min_round=mark.floor(uid))
             return
         self.executor.readable(key)
-        await self.executor.ensure_rbac(run, [n for n in self._indexed_leases(key)])
-        indexed = self._indexed_leases(key)
+        indexed = self._indexed_leases(key, run)
+        await self.executor.ensure_rbac(run, indexed)
         for node, state in indexed.items():
             await self.observer.report_once(run, node, "UnreadableJoin", state.problem)
-        plan = reconcile(run, self._members(key, indexed), now())
+        members = self._members(key, indexed)
+        plan = reconcile(run, members, now())
         if plan.sealed or plan.delete_leases:
             # The Lease index comes from another watch than the run and may lag
             # behind it (always so right after a start).  Sealing a round or
             # removing a member acts on Lease data, so decide again from a
             # consistent LIST, which is at least as new as the run we hold.
-            plan = reconcile(run, self._members(key, await self._listed_leases(key)), now())
-        written = await self.executor.carry_out(run, plan)
+            members = self._members(key, await self._listed_leases(key, run))
+            plan = reconcile(run, members, now())
+        written = await self.executor.carry_out(run, plan, members.leases)
         if written is None:
             return
         self._forget_stale_losses(key, written)

@@ -11,15 +11,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import APPLY_PATCH, ApiConnectionError, ApiError, KubeClient
-from elasticrun.api.leases import lease_state
+from elasticrun.api.leases import LeaseState, lease_state, owned_by
 from elasticrun.api.model import Assignment, ElasticRun, InvalidRunError, RunStatus, now, parse_run
-from elasticrun.api.naming import lease_name
 from elasticrun.api.ordering import newer, resource_version
 from elasticrun.operator import runrbac
 from elasticrun.operator.observer import COMPONENT, Observer
@@ -32,6 +32,9 @@ Key = tuple[str, str]  # (namespace, run)
 #: Assignment writes in flight at once: a round of 2,048 members is told in
 #: parallel, as the nodes wrote their joins, rather than one write after another.
 ASSIGN_CONCURRENCY = 16
+#: First pause (s) before a Lease whose deletion failed is tried again; doubles per failure.
+DELETE_BACKOFF = 1.0
+DELETE_BACKOFF_MAX = 60.0
 
 
 class PlanExecutor:
@@ -53,6 +56,8 @@ class PlanExecutor:
         #: index shows a written assignment only after its event arrives, and a
         #: reconcile in between must not write it again.
         self._told: dict[Key, tuple[int, set[str]]] = {}
+        #: Per run, Leases whose deletion failed: by uid, (failures, monotonic retry time).
+        self._delete_failures: dict[Key, dict[str, tuple[int, float]]] = {}
         #: Threads of their own: the default pool has cores + 4 threads, and a
         #: large round's assignments would queue behind each other there.
         self._assigners = ThreadPoolExecutor(ASSIGN_CONCURRENCY,
@@ -65,13 +70,22 @@ class PlanExecutor:
         self._rbac_applied.pop(key, None)
         self._invalid_reported.pop(key, None)
         self._told.pop(key, None)
+        self._delete_failures.pop(key, None)
 
     def readable(self, key: Key) -> None:
         """The run's status reads again: a later invalid one is reported anew."""
         self._invalid_reported.pop(key, None)
 
-    async def carry_out(self, run: ElasticRun, plan: Plan) -> ElasticRun | None:
-        """Apply ``plan``; the run as written, or None when the plan is void (race, deletion)."""
+    async def carry_out(self, run: ElasticRun, plan: Plan,
+                        leases: Mapping[str, LeaseState] | None = None) -> ElasticRun | None:
+        """Apply ``plan``; the run as written, or None when the plan is void (race, deletion).
+
+        ``leases`` are the Leases the plan was decided from, each a genuine
+        Lease of the run (:func:`~elasticrun.api.leases.owned_by`): a Lease is
+        deleted or written only as that observed object (its name, its uid),
+        never under a name computed from a node's.
+        """
+        leases = leases or {}
         key = (run.namespace, run.name)
         if plan.delete_run:
             await self.delete_run(run)
@@ -83,9 +97,11 @@ class PlanExecutor:
             run = written
         gateway = self.gateway(key)
         if plan.assignments:
-            await self.tell_members(gateway, key, plan.assignments)
+            await self.tell_members(gateway, key, plan.assignments, leases)
         for node in plan.delete_leases:
-            await self.delete_object(gateway.lease_path(lease_name(run.name, node)))
+            lease = leases.get(node)
+            if lease is not None and owned_by(lease, run.name, run.uid):
+                await self.delete_lease(run, gateway, lease)
         if plan.remove_annotations:
             # Only after the status write took: a lost race must not eat the request.
             await asyncio.to_thread(gateway.remove_annotations, plan.remove_annotations)
@@ -94,11 +110,14 @@ class PlanExecutor:
         return run
 
     async def tell_members(self, gateway: RunGateway, key: Key,
-                           assignments: list[tuple[str, Assignment]]) -> None:
+                           assignments: list[tuple[str, Assignment]],
+                           leases: Mapping[str, LeaseState]) -> None:
         """Write each member's assignment on its Lease, in parallel, each at most once.
 
         A write that fails is left for the next reconcile (the member's Lease
         event brings one); a member without a Lease is gone and will be removed.
+        The write names the uid of the Lease observed, so it lands on that
+        object or nowhere.
         """
         round_number = assignments[0][1].round
         told_round, told = self._told.get(key, (0, set()))
@@ -108,9 +127,12 @@ class PlanExecutor:
         loop = asyncio.get_running_loop()
 
         async def tell(node: str, assignment: Assignment) -> None:
+            lease = leases.get(node)
+            if lease is None or lease.uid is None:
+                return
             try:
                 if await loop.run_in_executor(self._assigners, gateway.assign, node,
-                                              assignment):
+                                              assignment, lease.uid):
                     told.add(node)
             except (ApiError, ApiConnectionError) as exc:
                 log.warning("%s/%s: telling %s its place in round %d failed: %s", *key,
@@ -160,8 +182,8 @@ class PlanExecutor:
                                        f"status could not be read ({error}); the round is "
                                        "re-formed")
 
-    async def ensure_rbac(self, run: ElasticRun, nodes: list[str]) -> None:
-        """The run's own Role and RoleBinding, with the Leases its nodes created so far.
+    async def ensure_rbac(self, run: ElasticRun, leases: Mapping[str, LeaseState]) -> None:
+        """The run's own Role and RoleBinding, with its Leases (:func:`runrbac.lease_names`).
 
         Applied only when they change (a node's Lease appears), so a reconcile
         costs no RBAC write; a Lease event re-queues the run, and the node's
@@ -176,7 +198,8 @@ class PlanExecutor:
         if problem is not None:
             return  # nothing to apply; the rest of the run is reconciled as usual
         key = (run.namespace, run.name)
-        role = runrbac.role(run.name, run.namespace, run.uid, nodes)
+        names = runrbac.lease_names(run, leases)
+        role = runrbac.role(run.name, run.namespace, run.uid, names)
         binding = runrbac.role_binding(run.name, run.namespace, run.uid, account)
         fingerprint = json.dumps([role, binding], sort_keys=True)
         if self._rbac_applied.get(key) == fingerprint:
@@ -189,7 +212,7 @@ class PlanExecutor:
                 content_type=APPLY_PATCH)
         self._rbac_applied[key] = fingerprint
         log.info("%s/%s: Role %s allows ServiceAccount %s this run and %d Lease(s)", *key,
-                 runrbac.object_name(run.name), account, len(set(nodes)))
+                 runrbac.object_name(run.name), account, len(names))
 
     async def delete_run(self, run: ElasticRun) -> None:
         key = (run.namespace, run.name)
@@ -198,8 +221,10 @@ class PlanExecutor:
         # The run goes last: should the operator stop half-way, the run is still
         # there, finished, and the next reconcile deletes what is left.
         gateway = self.gateway(key)
-        for lease in await asyncio.to_thread(gateway.leases):
-            await self.delete_object(gateway.lease_path(lease["metadata"]["name"]))
+        for item in await asyncio.to_thread(gateway.leases):
+            lease = lease_state(item)
+            if owned_by(lease, run.name, run.uid) and lease.name:
+                await self.delete_object(gateway.lease_path(lease.name), lease.uid)
         if self.per_run_rbac:  # owned by the run, but a cluster may run no garbage collector
             for kind in ("RoleBinding", "Role"):
                 await self.delete_object(runrbac.path(kind, run.namespace, run.name))
@@ -218,15 +243,63 @@ class PlanExecutor:
         gateway = self.gateway(key)
         try:
             for item in await asyncio.to_thread(gateway.leases):
-                if lease_state(item).owner_uid == uid:
-                    await self.delete_object(gateway.lease_path(item["metadata"]["name"]))
+                lease = lease_state(item)
+                if owned_by(lease, key[1], uid) and lease.name:
+                    await self.delete_object(gateway.lease_path(lease.name), lease.uid)
         except (ApiError, ApiConnectionError) as exc:
             log.warning("deleting the Leases of deleted run %s/%s failed: %s", *key, exc)
 
-    async def delete_object(self, path: str) -> None:
-        """DELETE; an object already gone is fine, anything else is logged and left."""
+    async def delete_lease(self, run: ElasticRun, gateway: RunGateway,
+                           lease: LeaseState) -> None:
+        """Delete one observed Lease of the run: that object (``preconditions.uid``) or none.
+
+        A Lease that could not be deleted is tried again only after a back-off
+        that doubles per failure (``DELETE_BACKOFF``), with one Warning Event,
+        so an object the operator may not delete costs a few requests, not a
+        loop.  A 404 or a 409 (gone, or another object under that name now) is
+        the end of it.
+        """
+        assert lease.name is not None and lease.uid is not None
+        key = (run.namespace, run.name)
+        tried = self._delete_failures.setdefault(key, {})
+        failures, retry_at = tried.get(lease.uid, (0, 0.0))
+        clock = time.monotonic()
+        if clock < retry_at:
+            return
         try:
-            await asyncio.to_thread(self.client.request, "DELETE", path)
+            await asyncio.to_thread(
+                self.client.request, "DELETE", gateway.lease_path(lease.name),
+                body=_preconditions(lease.uid))
+        except ApiError as exc:
+            if exc.not_found or exc.conflict:
+                tried.pop(lease.uid, None)
+                return
+            backoff = min(DELETE_BACKOFF * 2 ** failures, DELETE_BACKOFF_MAX)
+            tried[lease.uid] = (failures + 1, clock + backoff)
+            log.warning("%s/%s: deleting Lease %s failed (%s); next try in %gs", *key,
+                        lease.name, exc, backoff)
+            if failures == 0:
+                await self.observer.post_event(
+                    run, "Warning", "LeaseNotDeleted",
+                    f"Lease {lease.name} of node {lease.node} could not be deleted: "
+                    f"{str(exc)[:200]}")
+            return
+        except ApiConnectionError as exc:
+            log.warning("%s/%s: deleting Lease %s failed: %s", *key, lease.name, exc)
+            return
+        tried.pop(lease.uid, None)
+
+    async def delete_object(self, path: str, uid: str | None = None) -> None:
+        """DELETE (of the object with ``uid`` only, when given); an object already gone is
+        fine, anything else is logged and left."""
+        try:
+            await asyncio.to_thread(self.client.request, "DELETE", path,
+                                    body=_preconditions(uid) if uid else None)
         except ApiError as exc:
             if not exc.not_found:
                 log.warning("DELETE %s failed: %s", path, exc)
+
+
+def _preconditions(uid: str) -> dict[str, Any]:
+    """DeleteOptions that delete the object with this uid, or nothing (409)."""
+    return {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}

@@ -28,6 +28,9 @@ SEAL_GRACE = 1.0
 MISSING_LEASE_GRACE_FACTOR = 1.0
 #: Look at a reported rank 0 again this soon after its Lease's quiet time is up.
 SUSPECT_RECHECK = dt.timedelta(seconds=0.05)
+#: Look at a run again this soon at the earliest for a Lease that expired already
+#: (one that could not be deleted must not make a loop).
+EXPIRED_LEASE_RECHECK = dt.timedelta(seconds=1)
 
 
 @dataclass(frozen=True)
@@ -381,7 +384,10 @@ def _lease_wakeups(run: ElasticRun, new: RunStatus, members: Members, now: dt.da
     """Look again when a Lease can expire, a request goes stale, or a join times out."""
     spec = run.spec
     for lease in members.leases.values():
-        plan.wake(lease.expired_at(spec.heartbeat_timeout, members.lease_clock_start))
+        expiry = lease.expired_at(spec.heartbeat_timeout, members.lease_clock_start)
+        # An expiry already past was acted on in this pass (its member removed, its
+        # Lease deleted): should the Lease stay, look again later, never at once.
+        plan.wake(max(expiry, now + EXPIRED_LEASE_RECHECK) if expiry is not None else None)
     suspect = _suspected_leader(run.replace_status(new), members, now)
     silent_at = _suspect_silent_at(run, members, suspect) if suspect is not None else None
     if silent_at is not None:

@@ -13,11 +13,14 @@ What RBAC cannot limit by name, and how it is handled:
   is not known to the authorizer before the object exists), so ``create`` on
   leases is granted namespace-wide.  A node creates its Lease first; the
   operator sees it (its Lease index), and adds the name to the Role before the
-  node's first renewal, so every later write of the node is by name.  A pod
-  can therefore create a Lease under another run's node name before that node
-  does (a squatter: that node then fails with NodeNameInUseError), but it can
-  never change or delete a Lease that already exists, nor any other run's
-  status.
+  node's first renewal, so every later write of the node is by name.  The
+  names of the nodes the run's status holds stay in the Role after their
+  Lease is deleted (:func:`lease_names`), so a removed node finds its Lease
+  gone (404) and creates it again.  A pod can create a Lease under another
+  run's node name before that node does (a squatter: the admission policy
+  refuses it for labelled Leases; an unlabelled one makes that node fail with
+  LeaseNameTakenError naming it), but it can never change or delete a Lease
+  that already exists, nor any other run's status.
 * ``list`` of Leases: the handler lists its run's Leases by label to read the
   join requests, and a label-selected list cannot be limited by name either;
   Leases hold node names and addresses, nothing secret.
@@ -33,10 +36,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from elasticrun.api import crd
+from elasticrun.api.leases import LeaseState, owned_by
+from elasticrun.api.model import ElasticRun
 from elasticrun.api.naming import lease_name
 
 #: Annotation on an ElasticRun naming the ServiceAccount its pods run as.
@@ -80,9 +85,34 @@ def _meta(run: str, namespace: str, uid: str | None) -> dict[str, Any]:
     return meta
 
 
-def role(run: str, namespace: str, uid: str | None, nodes: Iterable[str]) -> dict[str, Any]:
-    """The run's Role: this run, its status, and the Leases of the nodes seen so far."""
-    leases = sorted({lease_name(run, node) for node in nodes})
+def lease_names(run: ElasticRun, leases: Mapping[str, LeaseState]) -> list[str]:
+    """The Lease names the run's Role grants: its genuine Leases, and its nodes' names.
+
+    A Lease the operator observed counts only if it is a genuine Lease of the
+    run (:func:`~elasticrun.api.leases.owned_by`): a Role never names an
+    object of another run.  The names of the nodes the run's status still
+    holds (members, waiting nodes, the last lost members, ``LOST_MEMBERS_KEPT``
+    at most) stay granted after their Lease is deleted: a removed node's next
+    renewal then finds its Lease gone (404, which makes it create the Lease
+    again) instead of being refused (403 tells it nothing, and ``create``
+    alone does not help a node that writes by name).  A name whose object is
+    observed and is not the run's is left out.
+    """
+    names = {lease.name for lease in leases.values()
+             if lease.name and owned_by(lease, run.name, run.uid)}
+    status = run.status
+    nodes = {p.name for p in status.participants} | {w.name for w in status.waiting}
+    nodes |= {m.name for m in status.lost_members}
+    for node in nodes:
+        observed = leases.get(node)
+        if observed is None or owned_by(observed, run.name, run.uid):
+            names.add(lease_name(run.name, node))
+    return sorted(names)
+
+
+def role(run: str, namespace: str, uid: str | None, names: Iterable[str]) -> dict[str, Any]:
+    """The run's Role: this run, its status, and the Leases named (:func:`lease_names`)."""
+    leases = sorted(set(names))
     rules: list[dict[str, Any]] = [
         {"apiGroups": [crd.GROUP], "resources": [crd.PLURAL], "resourceNames": [run],
          "verbs": ["get", "list", "watch", "patch", "update"]},
