@@ -18,7 +18,7 @@ from typing import Any
 
 from elasticrun.api import crd
 from elasticrun.api.kube import KubeClient
-from elasticrun.api.leases import LeaseState, lease_state
+from elasticrun.api.leases import LeaseState, RenewalClock, lease_run, lease_state
 from elasticrun.api.model import ElasticRun, InvalidRunError, now, parse_run
 from elasticrun.api.ordering import RoundMark, older
 from elasticrun.operator.apihealth import ApiAvailability
@@ -26,7 +26,7 @@ from elasticrun.operator.executor import PlanExecutor
 from elasticrun.operator.liveness import Loss, pod_loss, restart_count
 from elasticrun.operator.metrics import Metrics
 from elasticrun.operator.observer import COMPONENT, Observer
-from elasticrun.operator.reconcile import Members, reconcile
+from elasticrun.operator.reconcile import Members, missing_leases, reconcile
 from elasticrun.operator.workqueue import Key, WorkQueue
 
 __all__ = ["COMPONENT", "Controller", "Key"]
@@ -43,6 +43,11 @@ class Controller:
         self.pod_losses: dict[Key, dict[str, Loss]] = {}
         self.pod_restarts: dict[tuple[str, str], int] = {}
         self.lease_index: Mapping[Key, Iterable[tuple[str, LeaseState]]] | None = None
+        #: When the operator saw each Lease of a run renewed, by node: liveness is what
+        #: the operator observed, never the time a node wrote.
+        self.renewals: dict[Key, RenewalClock] = {}
+        #: When the operator first saw a member or waiting node without a Lease.
+        self._missing: dict[tuple[Key, str], dt.datetime] = {}
         #: The highest status.round seen per run: a round going back is repaired.
         self._round_marks: dict[Key, RoundMark] = {}
         self.queue = WorkQueue(self.reconcile, workers)
@@ -83,6 +88,8 @@ class Controller:
             self.runs.pop(key, None)
             self._round_marks.pop(key, None)
             self.pod_losses.pop(key, None)
+            self.renewals.pop(key, None)
+            self._missing = {k: v for k, v in self._missing.items() if k[0] != key}
             self.observer.forget(key)
             self.executor.forget(key)
             self.observer.in_background(
@@ -116,11 +123,25 @@ class Controller:
         losses[pod] = loss
         self.enqueue(key)
 
-    def lease_event(self, body: Mapping[str, Any]) -> None:
+    def lease_event(self, body: Mapping[str, Any], event_type: str = "") -> None:
+        """A Lease changed: note when the operator saw it (if its run exists), queue the run.
+
+        Only Leases of runs the operator holds are remembered, so Leases naming
+        no run cost no memory; a deleted Lease is forgotten.
+        """
+        run = lease_run(body)
+        if not run:
+            return
         meta = body.get("metadata") or {}
-        run = (meta.get("annotations") or {}).get(crd.RUN_LABEL)
-        if run:
-            self.enqueue((meta.get("namespace", ""), run))
+        key = (str(meta.get("namespace") or ""), run)
+        state = lease_state(body)
+        clock = self.renewals.setdefault(key, RenewalClock()) if key in self.runs else None
+        if state.node is not None and clock is not None:
+            if event_type == "DELETED":
+                clock.forget(state.node)
+            else:
+                clock.observe(state.node, state, now())
+        self.enqueue(key)
 
     def _accept(self, key: Key, raw: dict[str, Any]) -> None:
         """Keep ``raw`` as the newest copy of the run, and report what changed."""
@@ -150,9 +171,28 @@ class Controller:
                 leases[state.node] = state
         return leases
 
-    def _members(self, key: Key, leases: dict[str, LeaseState]) -> Members:
-        return Members(leases=leases, pod_losses=dict(self.pod_losses.get(key, {})),
-                       lease_clock_start=self.api.lease_clock_start(now()))
+    def _members(self, key: Key, run: ElasticRun, leases: dict[str, LeaseState]) -> Members:
+        """What the operator knows of the run's members, timed by its own clock.
+
+        Every Lease goes through :attr:`renewals` (one not seen before counts
+        as renewed now), and a member without a Lease is timed from when the
+        operator first saw it so, not from a time a node wrote.
+        """
+        at = now()
+        # A run deleted meanwhile keeps nothing (a throwaway clock).
+        clock = self.renewals.setdefault(key, RenewalClock()) if key in self.runs \
+            else RenewalClock()
+        observed = {node: clock.observe(node, state, at) for node, state in leases.items()}
+        missing = missing_leases(run.status, observed)
+        for name in missing:
+            if key in self.runs:
+                self._missing.setdefault((key, name), at)
+        for gone in [k for k in self._missing if k[0] == key and k[1] not in missing]:
+            del self._missing[gone]
+        return Members(leases=observed, pod_losses=dict(self.pod_losses.get(key, {})),
+                       missing_since={name: self._missing.get((key, name), at)
+                                      for name in missing},
+                       lease_clock_start=self.api.lease_clock_start(at))
 
     async def reconcile(self, key: Key) -> None:
         raw = self.runs.get(key)
@@ -171,13 +211,17 @@ class Controller:
         indexed = self._indexed_leases(key)
         for node, state in indexed.items():
             await self.observer.report_once(run, node, "UnreadableJoin", state.problem)
-        plan = reconcile(run, self._members(key, indexed), now())
+        plan = reconcile(run, self._members(key, run, indexed), now())
         if plan.sealed or plan.delete_leases:
             # The Lease index comes from another watch than the run and may lag
             # behind it (always so right after a start).  Sealing a round or
             # removing a member acts on Lease data, so decide again from a
             # consistent LIST, which is at least as new as the run we hold.
-            plan = reconcile(run, self._members(key, await self._listed_leases(key)), now())
+            listed = await self._listed_leases(key)
+            plan = reconcile(run, self._members(key, run, listed), now())
+            indexed.update(listed)
+        if key in self.renewals:
+            self.renewals[key].retain(lambda node: node in indexed)
         written = await self.executor.carry_out(run, plan)
         if written is None:
             return

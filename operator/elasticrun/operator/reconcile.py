@@ -34,9 +34,14 @@ SUSPECT_RECHECK = dt.timedelta(seconds=0.05)
 class Members:
     """What Kubernetes says about the nodes of one run."""
 
+    #: The run's Leases by node, each with ``seen``: when the operator saw its
+    #: current renewal (:class:`~elasticrun.api.leases.RenewalClock`).
     leases: Mapping[str, LeaseState] = field(default_factory=dict)
     #: Losses seen on Pods, by pod name.
     pod_losses: Mapping[str, Loss] = field(default_factory=dict)
+    #: When the operator first saw each member or waiting node without a Lease,
+    #: by its own clock (the times in the status are written by nodes).
+    missing_since: Mapping[str, dt.datetime] = field(default_factory=dict)
     #: No Lease counts as expired before its duration has passed since this
     #: time: when the API server last became reachable (elasticrun.operator.apihealth).
     lease_clock_start: dt.datetime | None = None
@@ -81,11 +86,11 @@ def _losses(run: ElasticRun, members: Members, now: dt.datetime
     """Members and waiting nodes that Kubernetes says are gone."""
     status, spec = run.status, run.spec
     found: list[tuple[str, Loss]] = []
-    entries: list[tuple[str, str | None, dt.datetime | None]] = [
-        (p.name, p.pod, status.sealed_at) for p in status.participants]
-    entries += [(w.name, w.pod, w.since) for w in status.waiting]
-    grace = dt.timedelta(seconds=spec.heartbeat_timeout * MISSING_LEASE_GRACE_FACTOR)
-    for name, pod, since in entries:
+    entries: list[tuple[str, str | None]] = [(p.name, p.pod) for p in status.participants]
+    entries += [(w.name, w.pod) for w in status.waiting]
+    grace = _missing_grace(spec.heartbeat_timeout)
+    for name, pod in entries:
+        since = members.missing_since.get(name)
         pod_loss = members.pod_losses.get(pod or name)
         if pod_loss is not None:
             found.append((name, pod_loss))
@@ -106,6 +111,16 @@ def _losses(run: ElasticRun, members: Members, now: dt.datetime
         if loss is not None:
             found.append((suspect.name, loss))
     return found
+
+
+def _missing_grace(heartbeat: float) -> dt.timedelta:
+    return dt.timedelta(seconds=heartbeat * MISSING_LEASE_GRACE_FACTOR)
+
+
+def missing_leases(status: RunStatus, leases: Mapping[str, LeaseState]) -> set[str]:
+    """Members and waiting nodes without a Lease (the controller times how long each is)."""
+    names = status.member_names | {w.name for w in status.waiting}
+    return {name for name in names if name not in leases}
 
 
 @dataclass(frozen=True)
@@ -382,14 +397,19 @@ def _lease_wakeups(run: ElasticRun, new: RunStatus, members: Members, now: dt.da
     spec = run.spec
     for lease in members.leases.values():
         plan.wake(lease.expired_at(spec.heartbeat_timeout, members.lease_clock_start))
+    grace = _missing_grace(spec.heartbeat_timeout)
+    for name in missing_leases(new, members.leases):
+        since = members.missing_since.get(name)
+        plan.wake(since + grace if since is not None else now + grace)
     suspect = _suspected_leader(run.replace_status(new), members, now)
     silent_at = _suspect_silent_at(run, members, suspect) if suspect is not None else None
     if silent_at is not None:
         plan.wake(silent_at + SUSPECT_RECHECK)
     for w in new.waiting:
-        if w.since is not None:
-            plan.wake(w.since + dt.timedelta(seconds=spec.heartbeat_timeout + 0.5))
-            plan.wake(w.since + dt.timedelta(seconds=spec.join_timeout))
+        # ``since`` is the node's clock: only a time still ahead is worth a timer.
+        stalled_at = w.since + dt.timedelta(seconds=spec.join_timeout) if w.since else None
+        if stalled_at is not None and stalled_at > now:
+            plan.wake(stalled_at)
 
 
 # --------------------------------------------------------------------------- reporting
