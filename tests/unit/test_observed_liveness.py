@@ -143,3 +143,22 @@ def test_a_member_without_a_lease_is_timed_from_when_the_operator_saw_it_so() ->
                      _at(5 + HEARTBEAT + 0.1))
     assert plan.status is not None and plan.status.member_names == {"b", "c"}
     assert plan.status.lost_members[-1].reason == "LeaseMissing"
+
+
+def test_a_join_request_is_as_old_as_the_reader_saw_it_whatever_its_since() -> None:
+    run = ElasticRun("r", "ns", RunSpec(min_nodes=2, max_nodes=2,
+                                        heartbeat_timeout=int(HEARTBEAT)), RunStatus(), "7",
+                     uid=UID)
+    clock = RenewalClock()
+
+    def members(at: dt.datetime) -> Members:
+        # a's clock is right; b's runs 170 years ahead (since and renewTime in 2199).
+        return Members(leases={
+            "a": clock.observe("a", lease_state(_lease("a", at, 1, join_since=T0)), at),
+            "b": clock.observe("b", lease_state(_lease("b", FAR, 1, join_since=FAR)), at)})
+
+    first = reconcile(run, members(T0), T0)
+    assert not first.sealed and first.wake_at is not None and first.wake_at <= _at(1.0)
+    plan = reconcile(run, members(_at(1.0)), _at(1.0))
+    assert plan.sealed and plan.status is not None
+    assert [(p.name, p.rank) for p in plan.status.participants] == [("a", 0), ("b", 1)]

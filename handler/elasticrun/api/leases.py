@@ -110,6 +110,9 @@ class _Sighting:
     renewal: tuple[str | None, dt.datetime | None, str | None]
     version: int | None
     at: dt.datetime
+    #: The join request (its ``since``) on the Lease, and when it was first seen.
+    request: dt.datetime | None = None
+    request_at: dt.datetime | None = None
 
 
 @dataclass
@@ -134,19 +137,25 @@ class RenewalClock:
     _seen: dict[Hashable, _Sighting] = field(default_factory=dict)
 
     def observe(self, key: Hashable, state: LeaseState, at: dt.datetime) -> LeaseState:
-        """``state`` with ``seen`` set to when this reader first saw its current renewal."""
+        """``state`` with ``seen`` set to when this reader first saw its current renewal,
+        and its join request's ``noticed`` to when this reader first saw that request."""
         renewal = (state.uid, state.renewed, state.holder)
+        request = state.join.since if state.join is not None else None
         last = self._seen.get(key)
-        if last is not None and state.version is not None and last.version is not None \
+        if last is None:
+            sighting = _Sighting(renewal, state.version, at, request, at)
+        elif state.version is not None and last.version is not None \
                 and state.version <= last.version:
-            seen = last.at  # the same copy, or an older one
-        elif last is not None and last.renewal == renewal:
-            seen = last.at  # a newer copy, but not renewed (an annotation changed)
-            self._seen[key] = _Sighting(renewal, state.version, seen)
-        else:
-            seen = at
-            self._seen[key] = _Sighting(renewal, state.version, seen)
-        return dataclasses.replace(state, seen=seen)
+            sighting = last  # the same copy, or an older one
+        else:  # a newer copy: renewed, or asking anew, only if that changed
+            sighting = _Sighting(renewal, state.version,
+                                 last.at if last.renewal == renewal else at, request,
+                                 last.request_at if last.request == request else at)
+        self._seen[key] = sighting
+        join = state.join
+        if join is not None and join.since == sighting.request:
+            join = dataclasses.replace(join, noticed=sighting.request_at)
+        return dataclasses.replace(state, seen=sighting.at, join=join)
 
     def renewed_at(self, key: Hashable) -> dt.datetime | None:
         """When this reader last saw the Lease under ``key`` renewed (None: never seen)."""

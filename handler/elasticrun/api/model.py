@@ -283,6 +283,15 @@ class WaitingNode:
     #: what orders newcomers, because ``since`` is whatever the node claims.
     #: Read from the Lease, never stored in the status, not part of equality.
     arrived: dt.datetime | None = field(default=None, compare=False)
+    #: When the reader first saw this request, by the reader's own clock
+    #: (:class:`elasticrun.api.leases.RenewalClock`): how old the request is,
+    #: because ``since`` is the node's clock.  Never stored, not part of equality.
+    noticed: dt.datetime | None = field(default=None, compare=False)
+
+    @property
+    def asked_at(self) -> dt.datetime | None:
+        """How old the request is, as this reader knows it: when it noticed it, else ``since``."""
+        return self.noticed or self.since
 
     @classmethod
     def from_dict(cls, obj: Any, path: str) -> WaitingNode:

@@ -355,7 +355,7 @@ def _seal_backstop(run: ElasticRun, new: RunStatus, now: dt.datetime,
     decision = rounds.decide_seal(candidate, now)
     grace = dt.timedelta(seconds=0 if rounds.nodes_defer_seal(run.spec) else SEAL_GRACE)
     if decision.seal_now:
-        newest = max((w.since for w in new.waiting if w.since), default=None)
+        newest = max((w.asked_at for w in new.waiting if w.asked_at), default=None)
         ready_at = (newest + grace) if newest else now
         if decision.deadline is None and now < ready_at:
             plan.wake(ready_at)
@@ -406,8 +406,9 @@ def _lease_wakeups(run: ElasticRun, new: RunStatus, members: Members, now: dt.da
     if silent_at is not None:
         plan.wake(silent_at + SUSPECT_RECHECK)
     for w in new.waiting:
-        # ``since`` is the node's clock: only a time still ahead is worth a timer.
-        stalled_at = w.since + dt.timedelta(seconds=spec.join_timeout) if w.since else None
+        # Only a time still ahead is worth a timer.
+        asked = w.asked_at
+        stalled_at = asked + dt.timedelta(seconds=spec.join_timeout) if asked else None
         if stalled_at is not None and stalled_at > now:
             plan.wake(stalled_at)
 
@@ -437,7 +438,7 @@ def _conditions(run: ElasticRun, new: RunStatus, now: dt.datetime) -> RunStatus:
                                    if last and last.round == new.round else "RestartRequested",
                                    f"round {new.round}: {why}", now, generation)
     stalled = [w for w in new.waiting
-               if w.since and (now - w.since).total_seconds() > spec.join_timeout]
+               if w.asked_at and (now - w.asked_at).total_seconds() > spec.join_timeout]
     if stalled or new.condition("Stalled"):
         conditions = set_condition(
             conditions, "Stalled", bool(stalled), "JoinTimeout" if stalled else "Progressing",
@@ -458,7 +459,7 @@ def _write_or_wait(status: RunStatus, material: RunStatus, new: RunStatus, now: 
     # Only bookkeeping changed (the waiting summary, phase, counts, conditions).  While nodes
     # are still joining, writing it would bump the resourceVersion under their
     # seal; wait until the waiting set has been quiet for a moment.
-    newest = max((w.since for w in new.waiting if w.since), default=None)
+    newest = max((w.asked_at for w in new.waiting if w.asked_at), default=None)
     quiet_at = newest + dt.timedelta(seconds=SEAL_GRACE) if newest else now
     if now >= quiet_at:
         plan.status = new
