@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from elasticrun.api import crd
+from elasticrun.api import crd, rounds
 from elasticrun.api.leases import RenewalClock, lease_state, pending_joins
 from elasticrun.api.model import (
     ElasticRun,
@@ -18,8 +18,10 @@ from elasticrun.api.model import (
     RunSpec,
     RunStatus,
     StoreAddress,
+    WaitingNode,
     format_time,
 )
+from elasticrun.operator.liveness import Loss, pod_loss
 from elasticrun.operator.reconcile import Members, missing_leases, reconcile
 
 T0 = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
@@ -162,3 +164,50 @@ def test_a_join_request_is_as_old_as_the_reader_saw_it_whatever_its_since() -> N
     plan = reconcile(run, members(_at(1.0)), _at(1.0))
     assert plan.sealed and plan.status is not None
     assert [(p.name, p.rank) for p in plan.status.participants] == [("a", 0), ("b", 1)]
+
+
+# --------------------------------------------------------------------------- a Pod is its uid
+
+
+def _with_pods(uids: dict[str, str | None]) -> ElasticRun:
+    members = tuple(Participant(name=n, rank=i, address="10.0.0.1", store_port=29400, pod=n,
+                                pod_uid=uids.get(n)) for i, n in enumerate(("a", "b", "c")))
+    status = RunStatus(phase="Running", round=1, signal=1, participants=members,
+                       store=StoreAddress("10.0.0.1", 29400), sealed_at=T0)
+    return ElasticRun("r", "ns", RunSpec(min_nodes=2, max_nodes=3), status, "7", uid=UID)
+
+
+def _alive(at: dt.datetime) -> dict[str, Any]:
+    return {n: lease_state(_lease(n, at, 1), seen=at) for n in ("a", "b", "c")}
+
+
+def test_a_namesake_pods_deletion_removes_no_member_that_recorded_its_pods_uid() -> None:
+    run = _with_pods({"a": "uid-a", "b": "uid-b", "c": "uid-c"})
+    namesake = pod_loss({"metadata": {"name": "b", "uid": "uid-evil"}}, "DELETED")
+    assert namesake is not None and namesake.pod_uid == "uid-evil"
+    plan = reconcile(run, Members(leases=_alive(T0), pod_losses={"b": namesake},
+                                  pod_losses_by_uid={"uid-evil": namesake}), T0)
+    assert plan.status is None or plan.status.member_names == {"a", "b", "c"}
+    real = pod_loss({"metadata": {"name": "b", "uid": "uid-b"}}, "DELETED")
+    assert real is not None
+    plan = reconcile(run, Members(leases=_alive(T0), pod_losses={"b": real},
+                                  pod_losses_by_uid={"uid-b": real}), T0)
+    assert plan.status is not None and plan.status.member_names == {"a", "c"}
+    assert plan.status.lost_members[-1].reason == "PodDeleted"
+
+
+def test_a_member_without_a_recorded_pod_uid_is_still_lost_by_its_pods_name() -> None:
+    run = _with_pods({})  # a handler older than podUID
+    plan = reconcile(run, Members(leases=_alive(T0),
+                                  pod_losses={"b": Loss("PodDeleted", "pod b was deleted")}), T0)
+    assert plan.status is not None and plan.status.member_names == {"a", "c"}
+
+
+def test_the_pods_uid_travels_from_the_join_request_into_the_roster() -> None:
+    join = WaitingNode.from_dict({"name": "a", "since": format_time(T0), "podUID": "uid-a",
+                                  "pod": "a", "address": "10.0.0.1", "storePort": 1}, "join")
+    run = ElasticRun("r", "ns", RunSpec(min_nodes=1, max_nodes=1), RunStatus(waiting=(join,)),
+                     "7", uid=UID)
+    sealed = rounds.seal_round(run, T0)
+    assert sealed.participants[0].pod_uid == "uid-a"
+    assert RunStatus.from_dict(sealed.to_dict()).participants[0].pod_uid == "uid-a"

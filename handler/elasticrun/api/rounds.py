@@ -187,6 +187,7 @@ def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None,
             joined_round=joined.get(w.name, new_round),
             pod=w.pod,
             since=w.since,
+            pod_uid=w.pod_uid,
         )
         for rank, w in enumerate(admitted)
     )

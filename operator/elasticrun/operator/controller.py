@@ -40,7 +40,10 @@ class Controller:
         self.client = client
         self.metrics = metrics
         self.runs: dict[Key, dict[str, Any]] = {}
-        self.pod_losses: dict[Key, dict[str, Loss]] = {}
+        #: Pod losses per run, by (pod name, pod uid): a namesake Pod's events
+        #: neither make nor hide another Pod's loss.
+        self.pod_losses: dict[Key, dict[tuple[str, str | None], Loss]] = {}
+        #: The restart count first seen per Pod, by (namespace, uid or name).
         self.pod_restarts: dict[tuple[str, str], int] = {}
         self.lease_index: Mapping[Key, Iterable[tuple[str, LeaseState]]] | None = None
         #: When the operator saw each Lease of a run renewed, by node: liveness is what
@@ -110,17 +113,23 @@ class Controller:
         if not run:
             return
         key = (namespace, run)
-        first = self.pod_restarts.setdefault((namespace, pod), restart_count(body))
+        uid = meta.get("uid") if isinstance(meta.get("uid"), str) and meta.get("uid") else None
+        pod_key = (pod, uid)
+        first = self.pod_restarts.setdefault((namespace, uid or pod), restart_count(body))
         loss = pod_loss(body, event_type, first)
         if event_type == "DELETED":
-            self.pod_restarts.pop((namespace, pod), None)
-        losses = self.pod_losses.setdefault(key, {})
+            self.pod_restarts.pop((namespace, uid or pod), None)
         if loss is None:
-            losses.pop(pod, None)
+            losses = self.pod_losses.get(key)
+            if losses is not None:
+                losses.pop(pod_key, None)
+                if not losses:
+                    del self.pod_losses[key]
             return
-        if pod not in losses:
+        losses = self.pod_losses.setdefault(key, {})
+        if pod_key not in losses:
             log.info("%s/%s: %s", namespace, run, loss.message)
-        losses[pod] = loss
+        losses[pod_key] = loss
         self.enqueue(key)
 
     def lease_event(self, body: Mapping[str, Any], event_type: str = "") -> None:
@@ -189,7 +198,11 @@ class Controller:
                 self._missing.setdefault((key, name), at)
         for gone in [k for k in self._missing if k[0] == key and k[1] not in missing]:
             del self._missing[gone]
-        return Members(leases=observed, pod_losses=dict(self.pod_losses.get(key, {})),
+        losses = self.pod_losses.get(key, {})
+        return Members(leases=observed,
+                       pod_losses={pod: loss for (pod, _), loss in losses.items()},
+                       pod_losses_by_uid={uid: loss for (_, uid), loss in losses.items()
+                                          if uid is not None},
                        missing_since={name: self._missing.get((key, name), at)
                                       for name in missing},
                        lease_clock_start=self.api.lease_clock_start(at))
@@ -233,8 +246,13 @@ class Controller:
         losses = self.pod_losses.get(key)
         if not losses:
             return
-        referenced = {p.pod or p.name for p in run.status.participants}
-        referenced |= {w.pod or w.name for w in run.status.waiting}
-        for pod in list(losses):
-            if pod not in referenced:
-                del losses[pod]
+        status = run.status
+        pods = [(p.pod or p.name, p.pod_uid) for p in status.participants]
+        pods += [(w.pod or w.name, w.pod_uid) for w in status.waiting]
+        referenced = {pod for pod, _ in pods}
+        uids = {uid for _, uid in pods if uid is not None}
+        for pod, uid in list(losses):
+            if pod not in referenced and uid not in uids:
+                del losses[(pod, uid)]
+        if not losses:
+            del self.pod_losses[key]

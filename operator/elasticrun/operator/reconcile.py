@@ -37,8 +37,13 @@ class Members:
     #: The run's Leases by node, each with ``seen``: when the operator saw its
     #: current renewal (:class:`~elasticrun.api.leases.RenewalClock`).
     leases: Mapping[str, LeaseState] = field(default_factory=dict)
-    #: Losses seen on Pods, by pod name.
+    #: Losses seen on Pods, by pod name: they count only for a member that
+    #: recorded no Pod uid (a handler older than ``podUID``), because a Pod's
+    #: name is anyone's to take.
     pod_losses: Mapping[str, Loss] = field(default_factory=dict)
+    #: Losses seen on Pods, by the Pod's uid: a member that recorded its Pod's
+    #: uid when it joined is lost only through that very Pod.
+    pod_losses_by_uid: Mapping[str, Loss] = field(default_factory=dict)
     #: When the operator first saw each member or waiting node without a Lease,
     #: by its own clock (the times in the status are written by nodes).
     missing_since: Mapping[str, dt.datetime] = field(default_factory=dict)
@@ -86,12 +91,14 @@ def _losses(run: ElasticRun, members: Members, now: dt.datetime
     """Members and waiting nodes that Kubernetes says are gone."""
     status, spec = run.status, run.spec
     found: list[tuple[str, Loss]] = []
-    entries: list[tuple[str, str | None]] = [(p.name, p.pod) for p in status.participants]
-    entries += [(w.name, w.pod) for w in status.waiting]
+    entries: list[tuple[str, str | None, str | None]] = [
+        (p.name, p.pod, p.pod_uid) for p in status.participants]
+    entries += [(w.name, w.pod, w.pod_uid) for w in status.waiting]
     grace = _missing_grace(spec.heartbeat_timeout)
-    for name, pod in entries:
+    for name, pod, pod_uid in entries:
         since = members.missing_since.get(name)
-        pod_loss = members.pod_losses.get(pod or name)
+        pod_loss = members.pod_losses_by_uid.get(pod_uid) if pod_uid is not None \
+            else members.pod_losses.get(pod or name)
         if pod_loss is not None:
             found.append((name, pod_loss))
             continue
