@@ -1,4 +1,6 @@
-"""Liveness does not believe a node's clock (issue 20, case 1), against the real operator.
+"""Liveness believes neither a node's clock nor a Pod's name (issue 20, cases 1 and 5).
+
+Against the real operator and API server.
 
 A Lease counts as renewed when its reader sees it change, timed by the
 reader's clock.  These tests write a node's Lease by hand, as a node whose
@@ -6,6 +8,8 @@ clock runs 60 s fast or reads 2199 would (the admin token stands in for a
 writer of the run: the admission policy lets the run's own writers through),
 and check that the dead node is removed within the heartbeat of its last
 renewal and that a ghost from 2199 is neither kept nor stops the real nodes.
+A member's Pod is the one whose uid it recorded when it joined: another
+user's Pod of the same name, with the run's label, removes nobody.
 """
 
 from __future__ import annotations
@@ -14,19 +18,28 @@ import datetime as dt
 import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from elasticrun.api import crd
 from elasticrun.api.gateway import RunGateway
-from elasticrun.api.kube import MERGE_PATCH, KubeClient, lease_path, leases_path
+from elasticrun.api.kube import (
+    MERGE_PATCH,
+    KubeClient,
+    lease_path,
+    leases_path,
+    load_credentials,
+)
 from elasticrun.api.leases import JOIN_ANNOTATION
 from elasticrun.api.model import format_time, now
 from elasticrun.api.naming import label_value, lease_name
 
 from chaoskit import assert_all_ok
+from chartkit import request_token, token_kubeconfig
 from conftest import Cluster, wait_for
+from controlplane.kubelet import Kubelet
 from controlplane.operatorproc import OperatorProcess
 from rdzv import is_waiting, read_run, rendezvous_all, start_rendezvous
 
@@ -176,3 +189,68 @@ def test_a_ghost_lease_renewed_in_2199_is_neither_kept_nor_stalls_the_real_nodes
     last = read_run(cluster.client, namespace, run_name)
     assert last.status.round == final.status.round
     assert "ghost" not in last.status.waiting_names | last.status.member_names
+
+
+def _pod_maker(cluster: Cluster, namespace: str, tmp_path: Path) -> KubeClient:
+    """Another user of the namespace: a ServiceAccount that may create and delete Pods."""
+    admin = cluster.client
+    admin.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts", body={
+        "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "pod-maker"}})
+    rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}"
+    admin.request("POST", f"{rbac}/roles", body={
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": {"name": "pod-maker"},
+        "rules": [{"apiGroups": [""], "resources": ["pods"],
+                   "verbs": ["create", "delete", "get"]}]})
+    admin.request("POST", f"{rbac}/rolebindings", body={
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": "pod-maker"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                    "name": "pod-maker"},
+        "subjects": [{"kind": "ServiceAccount", "name": "pod-maker",
+                      "namespace": namespace}]})
+    kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, "pod-maker"),
+                                  tmp_path / "pod-maker.kubeconfig", namespace)
+    return KubeClient(load_credentials(str(kubeconfig)), timeout=10)
+
+
+def test_a_namesake_pod_of_another_user_removes_no_member(
+        operator: OperatorProcess, make_handler: Any, pods: Kubelet, cluster: Cluster,
+        namespace: str, tmp_path: Path) -> None:
+    """Members record their Pod's uid (POD_UID); only that Pod's events are their loss.
+
+    p0 and p1 run in Pods of their names.  m2's Pod is not in this namespace
+    under its recorded name (as for a node whose Pod lives elsewhere), so
+    another user can create a Pod of that name, with the run's label, and
+    delete it: before, that removed m2 (``PodDeleted``).
+    """
+    run_name = "podid"
+    uids = {name: pods.create(name, run_name)["metadata"]["uid"] for name in ("p0", "p1")}
+    uids["m2-pod"] = "5f0c5a8e-0000-4000-8000-000000000002"
+    conf = {"min_nodes": 3, "max_nodes": 3, "heartbeat_timeout": HEARTBEAT,
+            "lease_renew_interval": 1, "last_call_timeout": 1}
+    nodes = [make_handler(run_name, node, pod=pod, pod_uid=uids[pod], **conf)
+             for node, pod in (("p0", "p0"), ("p1", "p1"), ("m2", "m2-pod"))]
+    assert_all_ok(rendezvous_all(nodes, timeout=30))
+    sealed = read_run(cluster.client, namespace, run_name)
+    assert {p.name: p.pod_uid for p in sealed.status.participants} == {
+        "p0": uids["p0"], "p1": uids["p1"], "m2": uids["m2-pod"]}
+    other = _pod_maker(cluster, namespace, tmp_path)
+    other.request("POST", f"/api/v1/namespaces/{namespace}/pods", body={
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "m2-pod", "labels": {crd.RUN_LABEL: run_name}},
+        "spec": {"schedulerName": "nobody", "containers": [
+            {"name": "x", "image": "busybox", "command": ["sleep", "1"]}]}})
+    other.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/m2-pod",
+                  query={"gracePeriodSeconds": 0})
+    time.sleep(3)  # the operator saw both events long before this
+    after = read_run(cluster.client, namespace, run_name)
+    assert after.status.lost_members == ()
+    assert after.status.member_names == {"p0", "p1", "m2"}
+    assert after.status.round == sealed.status.round
+    # The member's own Pod still counts: deleting p1's Pod removes p1 at once.
+    pods.delete("p1")
+    wait_for(lambda: read_run(cluster.client, namespace, run_name).status.lost_members != (),
+             10, "p1's loss")
+    lost = read_run(cluster.client, namespace, run_name).status.lost_members
+    assert [(m.name, m.reason) for m in lost] == [("p1", "PodDeleted")]
