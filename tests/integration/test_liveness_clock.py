@@ -254,3 +254,92 @@ def test_a_namesake_pod_of_another_user_removes_no_member(
              10, "p1's loss")
     lost = read_run(cluster.client, namespace, run_name).status.lost_members
     assert [(m.name, m.reason) for m in lost] == [("p1", "PodDeleted")]
+
+
+# --------------------------------------------------------------------------- junk Leases
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def _settled_rss(pid: int, seconds: float = 20) -> float:
+    """The operator's RSS once it stopped changing by more than 1 MiB a second (bounded)."""
+    deadline, last = time.monotonic() + seconds, _rss_mib(pid)
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        current = _rss_mib(pid)
+        if abs(current - last) < 1:
+            return current
+        last = current
+    return last
+
+
+JUNK = 2000
+
+
+def test_junk_leases_bound_the_operators_events_and_memory(
+        operator: OperatorProcess, cluster: Cluster, namespace: str) -> None:
+    """2,000 labelled Leases nobody needs: half with unreadable join requests for a real
+    run, half naming runs that do not exist, each carrying 4 KiB.  Before, the operator
+    posted an Event for each and kept what it learnt of them after they were deleted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from elasticrun.operator.observer import PROBLEM_EVENTS_PER_RUN
+
+    admin = cluster.client
+    admin.request("POST", f"/apis/{crd.API_VERSION}/namespaces/{namespace}/{crd.PLURAL}", body={
+        "apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": "junkrun"},
+        "spec": {"minNodes": 2}})
+    run = read_run(admin, namespace, "junkrun")
+    time.sleep(3)
+    baseline = _settled_rss(operator.pid)
+    padding = "p" * 4096
+
+    def junk(i: int) -> None:
+        run_name = "junkrun" if i % 2 == 0 else f"nosuchrun-{i}"
+        admin.request("POST", leases_path(namespace), body={
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": f"{run_name}.junk-{i}",
+                         "labels": {crd.RUN_LABEL: label_value(run_name)},
+                         "annotations": {crd.RUN_LABEL: run_name,
+                                         crd.NODE_ANNOTATION: f"junk-{i}",
+                                         JOIN_ANNOTATION: "not json " + padding[:2000],
+                                         "example.com/padding": padding},
+                         "ownerReferences": [{"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                                              "name": "junkrun", "uid": run.uid}]},
+            "spec": {"holderIdentity": f"junk-{i}", "renewTime": format_time(now())}})
+
+    started = time.monotonic()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(junk, range(JUNK)))
+    created_in = time.monotonic() - started
+    peak = _settled_rss(operator.pid, 60)
+
+    def unreadable_events() -> int:
+        items = admin.request("GET", f"/api/v1/namespaces/{namespace}/events",
+                              query={"fieldSelector": "reason=UnreadableJoin"})["items"]
+        return len(items)
+
+    wait_for(lambda: unreadable_events() >= PROBLEM_EVENTS_PER_RUN + 1, 60,
+             "the capped UnreadableJoin Events and their summary")
+    time.sleep(3)
+    events = unreadable_events()
+    admin.request("DELETE", leases_path(namespace),
+                  query={"labelSelector": crd.RUN_LABEL})
+    wait_for(lambda: not admin.request("GET", leases_path(namespace),
+                                       query={"labelSelector": crd.RUN_LABEL})["items"],
+             60, "the junk Leases to be deleted")
+    time.sleep(12)  # the operator hands freed memory back within 10 s of the deletions
+    after = _settled_rss(operator.pid, 60)
+    print(f"\noperator RSS: baseline {baseline:.1f} MiB, with {JUNK} junk Leases {peak:.1f} "
+          f"MiB, after deleting them {after:.1f} MiB; UnreadableJoin Events {events}; "
+          f"created in {created_in:.1f}s")
+    assert events == PROBLEM_EVENTS_PER_RUN + 1, events
+    assert after < baseline + 40, (baseline, peak, after)
+    # The run itself is untouched and still reconciled.
+    final = read_run(admin, namespace, "junkrun")
+    assert final.status.member_names == frozenset() and final.status.waiting == ()

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import datetime as dt
+import gc
 import logging
 from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any
@@ -33,6 +36,20 @@ __all__ = ["COMPONENT", "Controller", "Key"]
 
 log = logging.getLogger(__name__)
 
+#: After this many Lease deletions, freed memory is handed back (see ``_release_memory``).
+TRIM_AFTER_DELETIONS = 100
+TRIM_CHECK_SECONDS = 10.0
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and ask glibc to return free heap pages (a no-op elsewhere)."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        return
+
 
 class Controller:
     def __init__(self, client: KubeClient, metrics: Metrics, workers: int = 2,
@@ -49,6 +66,8 @@ class Controller:
         #: When the operator saw each Lease of a run renewed, by node: liveness is what
         #: the operator observed, never the time a node wrote.
         self.renewals: dict[Key, RenewalClock] = {}
+        #: Lease deletions since memory was last handed back.
+        self._deleted_leases = 0
         #: When the operator first saw a member or waiting node without a Lease.
         self._missing: dict[tuple[Key, str], dt.datetime] = {}
         #: The highest status.round seen per run: a round going back is repaired.
@@ -64,6 +83,21 @@ class Controller:
     def start(self) -> None:
         self.queue.start()
         self.keep(self.api.run())
+        self.keep(self._release_memory())
+
+    async def _release_memory(self) -> None:
+        """Give memory back to the system after many Leases were deleted.
+
+        Anyone who may create Leases can make the operator read thousands of
+        large ones; once they are deleted, everything the operator kept of them
+        is dropped, but the C allocator holds on to the freed pages until it is
+        asked to trim (measured: 17 MiB of 45 MiB after 2,000 junk Leases).
+        """
+        while True:
+            await asyncio.sleep(TRIM_CHECK_SECONDS)
+            if self._deleted_leases >= TRIM_AFTER_DELETIONS:
+                self._deleted_leases = 0
+                await asyncio.to_thread(release_freed_memory)
 
     def keep(self, work: Coroutine[Any, Any, None]) -> None:
         """Run ``work`` until the controller stops."""
@@ -138,6 +172,8 @@ class Controller:
         Only Leases of runs the operator holds are remembered, so Leases naming
         no run cost no memory; a deleted Lease is forgotten.
         """
+        if event_type == "DELETED":
+            self._deleted_leases += 1
         run = lease_run(body)
         if not run:
             return
@@ -224,6 +260,7 @@ class Controller:
         indexed = self._indexed_leases(key)
         for node, state in indexed.items():
             await self.observer.report_once(run, node, "UnreadableJoin", state.problem)
+        self.observer.retain_problems(key, "UnreadableJoin", set(indexed))
         plan = reconcile(run, self._members(key, run, indexed), now())
         if plan.sealed or plan.delete_leases:
             # The Lease index comes from another watch than the run and may lag
