@@ -135,10 +135,16 @@ class RenewalClock:
     """
 
     _seen: dict[Hashable, _Sighting] = field(default_factory=dict)
+    #: The last state observed per key and what it was answered with: the operator
+    #: passes the same index entries again on every pass of a large run.
+    _answered: dict[Hashable, tuple[LeaseState, LeaseState]] = field(default_factory=dict)
 
     def observe(self, key: Hashable, state: LeaseState, at: dt.datetime) -> LeaseState:
         """``state`` with ``seen`` set to when this reader first saw its current renewal,
         and its join request's ``noticed`` to when this reader first saw that request."""
+        answered = self._answered.get(key)
+        if answered is not None and answered[0] is state and key in self._seen:
+            return answered[1]
         renewal = (state.uid, state.renewed, state.holder)
         request = state.join.since if state.join is not None else None
         last = self._seen.get(key)
@@ -155,7 +161,9 @@ class RenewalClock:
         join = state.join
         if join is not None and join.since == sighting.request:
             join = dataclasses.replace(join, noticed=sighting.request_at)
-        return dataclasses.replace(state, seen=sighting.at, join=join)
+        observed = dataclasses.replace(state, seen=sighting.at, join=join)
+        self._answered[key] = (state, observed)
+        return observed
 
     def renewed_at(self, key: Hashable) -> dt.datetime | None:
         """When this reader last saw the Lease under ``key`` renewed (None: never seen)."""
@@ -164,11 +172,12 @@ class RenewalClock:
 
     def forget(self, key: Hashable) -> None:
         self._seen.pop(key, None)
+        self._answered.pop(key, None)
 
     def retain(self, keep: Callable[[Hashable], bool]) -> None:
         """Forget every key ``keep`` refuses (Leases deleted, runs gone)."""
         for key in [k for k in self._seen if not keep(k)]:
-            del self._seen[key]
+            self.forget(key)
 
     def __len__(self) -> int:
         return len(self._seen)
