@@ -333,7 +333,7 @@ def test_junk_leases_bound_the_operators_events_and_memory(
     wait_for(lambda: not admin.request("GET", leases_path(namespace),
                                        query={"labelSelector": crd.RUN_LABEL})["items"],
              60, "the junk Leases to be deleted")
-    time.sleep(12)  # the operator hands freed memory back within 10 s of the deletions
+    time.sleep(15)  # freed memory is handed back 8-10 s after the last deletion
     after = _settled_rss(operator.pid, 60)
     print(f"\noperator RSS: baseline {baseline:.1f} MiB, with {JUNK} junk Leases {peak:.1f} "
           f"MiB, after deleting them {after:.1f} MiB; UnreadableJoin Events {events}; "

@@ -16,6 +16,7 @@ import ctypes.util
 import datetime as dt
 import gc
 import logging
+import time
 from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any
 
@@ -36,9 +37,12 @@ __all__ = ["COMPONENT", "Controller", "Key"]
 
 log = logging.getLogger(__name__)
 
-#: After this many Lease deletions, freed memory is handed back (see ``_release_memory``).
+#: After this many Lease deletions, freed memory is handed back once no Lease was
+#: deleted for TRIM_QUIET_SECONDS (kopf lets go of an object's last body a few
+#: seconds after its deletion); see ``_release_memory``.
 TRIM_AFTER_DELETIONS = 100
-TRIM_CHECK_SECONDS = 10.0
+TRIM_QUIET_SECONDS = 8.0
+TRIM_CHECK_SECONDS = 2.0
 
 
 def release_freed_memory() -> None:
@@ -66,8 +70,9 @@ class Controller:
         #: When the operator saw each Lease of a run renewed, by node: liveness is what
         #: the operator observed, never the time a node wrote.
         self.renewals: dict[Key, RenewalClock] = {}
-        #: Lease deletions since memory was last handed back.
+        #: Lease deletions since memory was last handed back, and when the last one came.
         self._deleted_leases = 0
+        self._last_deletion = 0.0
         #: When the operator first saw a member or waiting node without a Lease.
         self._missing: dict[tuple[Key, str], dt.datetime] = {}
         #: The highest status.round seen per run: a round going back is repaired.
@@ -95,7 +100,8 @@ class Controller:
         """
         while True:
             await asyncio.sleep(TRIM_CHECK_SECONDS)
-            if self._deleted_leases >= TRIM_AFTER_DELETIONS:
+            if self._deleted_leases >= TRIM_AFTER_DELETIONS \
+                    and time.monotonic() - self._last_deletion >= TRIM_QUIET_SECONDS:
                 self._deleted_leases = 0
                 await asyncio.to_thread(release_freed_memory)
 
@@ -174,6 +180,7 @@ class Controller:
         """
         if event_type == "DELETED":
             self._deleted_leases += 1
+            self._last_deletion = time.monotonic()
         run = lease_run(body)
         if not run:
             return
