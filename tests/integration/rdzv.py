@@ -93,8 +93,9 @@ def is_waiting(client: KubeClient, namespace: str, run: str, node: str) -> bool:
         if exc.not_found:
             return False
         raise
+    at = now()  # one read: the Lease counts as seen renewed as it is read
     return any(w.name == node for w in
-               pending_joins([lease_state(lease)], current.status, now(), current.uid,
+               pending_joins([lease_state(lease, seen=at)], current.status, at, current.uid,
                              current.spec.heartbeat_timeout))
 
 

@@ -232,6 +232,7 @@ def test_opted_in_pod_is_mutated_and_nothing_is_created(cluster: Cluster,
     assert env["POD_NAME"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}
     assert env["POD_NAMESPACE"] == {"fieldRef": {"apiVersion": "v1",
                                                  "fieldPath": "metadata.namespace"}}
+    assert env["POD_UID"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}
     assert env["POD_IP"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}
     assert env["PET_LOCAL_ADDR"] == "$(POD_IP)"
     assert trainer["command"] == ["torchrun", "train.py"]

@@ -122,7 +122,7 @@ HEARTBEAT_10 = RunSpec(min_nodes=2, max_nodes=3, heartbeat_timeout=10)
 
 def _leases(renewed: dict[str, dt.datetime],
             duration: float = CLAIMED_FOREVER) -> dict[str, LeaseState]:
-    return {n: LeaseState(node=n, holder=n, renewed=t, duration=duration)
+    return {n: LeaseState(node=n, holder=n, renewed=t, duration=duration, seen=t)
             for n, t in renewed.items()}
 
 
@@ -305,7 +305,7 @@ def _joined(names: list[str], at: dt.datetime) -> dict[str, LeaseState]:
     join = {n: WaitingNode(name=n, address="10.0.0.1", store_port=29400, since=at)
             for n in names}
     return {n: LeaseState(node=n, holder=n, renewed=at, duration=10, join=join[n],
-                          owner_uid="uid") for n in names}
+                          owner_uid="uid", seen=at) for n in names}
 
 
 @pytest.mark.parametrize("size", [3, 64])

@@ -150,7 +150,7 @@ def _lease(name: str, since: float, renewed: float = 0.0,
            duration: float = HEARTBEAT) -> LeaseState:
     (join,) = waiting(name, since=since)
     return LeaseState(node=name, holder=name, renewed=at(renewed), duration=duration, join=join,
-                      owner_uid=RUN_UID)
+                      owner_uid=RUN_UID, seen=at(renewed))
 
 
 def pending(leases: list[LeaseState], status: RunStatus, when: dt.datetime

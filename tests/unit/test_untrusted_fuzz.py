@@ -130,7 +130,7 @@ def _running() -> RunStatus:
 
 def _decide_everything(leases: list[Any]) -> None:
     """Every decision handler and operator take from these Leases, at several times."""
-    states = [lease_state(item) for item in leases]
+    states = [lease_state(item, seen=NOW) for item in leases]
     by_node = {s.node: s for s in states if s.node}
     for status in (RunStatus(), _running()):
         for when in (NOW, untrusted.LATEST, untrusted.EARLIEST):
@@ -168,7 +168,8 @@ def test_leases_of_any_shape_are_read_without_raising(items: list[Any]) -> None:
                                   '{"since": "9999-12-31T23:59:59-23:59", "storePort": 1}'])
 def test_an_unreadable_join_request_is_no_request_and_says_why(join: str) -> None:
     state = lease_state(_lease("n0", join, "2026-11-30T12:00:00Z", 15,
-                               [{"kind": crd.KIND, "uid": UID}], "2026-11-30T12:00:00Z"))
+                               [{"kind": crd.KIND, "uid": UID}], "2026-11-30T12:00:00Z"),
+                        seen=NOW)
     if state.join is not None:  # the year-9999 request: clamped, and harmless
         assert state.join.since == untrusted.LATEST
         assert pending_joins([state], RunStatus(), NOW, UID, 15)[0].name == "n0"

@@ -49,6 +49,7 @@ def test_opted_in_pod_gets_the_whole_environment_in_every_container() -> None:
         assert env["PET_NPROC_PER_NODE"] == "8"
         assert env["POD_NAME"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}
         assert env["POD_NAMESPACE"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+        assert env["POD_UID"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}
         assert env["POD_IP"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert env["PET_LOCAL_ADDR"] == "$(POD_IP)"
         names = [e["name"] for e in container["env"]]
@@ -61,7 +62,7 @@ def test_opted_in_pod_gets_the_whole_environment_in_every_container() -> None:
 def test_without_annotations_only_backend_id_and_pod_identity_are_set() -> None:
     env = env_of(webhook.mutated(pod({webhook.RUN_LABEL: "r"}))["spec"]["containers"][0])
     assert set(env) == {"PET_RDZV_BACKEND", "PET_RDZV_ID", "POD_NAME", "POD_NAMESPACE",
-                        "POD_IP", "PET_LOCAL_ADDR"}
+                        "POD_UID", "POD_IP", "PET_LOCAL_ADDR"}
 
 
 def test_a_single_count_means_a_fixed_size() -> None:

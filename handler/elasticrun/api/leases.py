@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from elasticrun.api import crd, untrusted
@@ -56,6 +56,8 @@ class LeaseState:
 
     node: str | None
     holder: str | None
+    #: ``spec.renewTime`` as the node wrote it, by the node's clock: a hint,
+    #: never proof of life (:class:`RenewalClock` decides that).
     renewed: dt.datetime | None
     #: The Lease's own ``leaseDurationSeconds``: informational only.  Whoever
     #: writes the Lease chooses it, so liveness uses the run's heartbeat instead.
@@ -71,27 +73,116 @@ class LeaseState:
     unreachable: Unreachable | None = None
     #: The node's place in a round, as the operator last told it.
     assignment: Assignment | None = None
-    #: The Lease's own name and uid, as observed: what the operator deletes and writes.
+    #: The Lease's own name, uid and resourceVersion (an etcd revision when numeric), as
+    #: observed: the name and uid are what the operator deletes and writes; with
+    #: ``renewed`` and ``holder``, the version tells a renewal from an old copy.
     name: str | None = None
     uid: str | None = None
+    version: int | None = None
+    #: When the reader saw the Lease's current renewal, by the reader's own clock
+    #: (:meth:`RenewalClock.observe`).  None: not observed, which counts as expired.
+    seen: dt.datetime | None = None
 
     def expired(self, now: dt.datetime, timeout: float,
                 not_before: dt.datetime | None = None) -> bool:
-        """Not renewed for ``timeout`` (the run's heartbeat); counted from no earlier than
-        ``not_before``.
+        """Not seen renewed for ``timeout`` (the run's heartbeat); counted from no earlier
+        than ``not_before``.
 
         ``not_before`` is when the holder could last start renewing again (the
         API server came back), so an outage is not mistaken for a dead holder.
+        A Lease no reader has observed counts as expired: only what the reader
+        saw change keeps a node alive, never a time written in the object.
         """
         expiry = self.expired_at(timeout, not_before)
-        return expiry is not None and now > expiry
+        return expiry is None or now > expiry
 
     def expired_at(self, timeout: float,
                    not_before: dt.datetime | None = None) -> dt.datetime | None:
-        if self.renewed is None:
+        """When the Lease expires, by the reader's clock; None when it was never observed."""
+        if self.seen is None:
             return None
-        start = self.renewed if not_before is None else max(self.renewed, not_before)
+        start = self.seen if not_before is None else max(self.seen, not_before)
         return start + dt.timedelta(seconds=timeout)
+
+
+@dataclass(frozen=True)
+class _Sighting:
+    """The renewal of one Lease a reader saw last, and when it saw it."""
+
+    renewal: tuple[str | None, dt.datetime | None, str | None]
+    version: int | None
+    at: dt.datetime
+    #: The join request (its ``since``) on the Lease, and when it was first seen.
+    request: dt.datetime | None = None
+    request_at: dt.datetime | None = None
+
+
+@dataclass
+class RenewalClock:
+    """When this reader saw each Lease renewed, by its own clock.
+
+    The rule of Kubernetes' node lifecycle controller: a Lease counts as
+    renewed at the moment its reader sees the renewal *change* (another
+    ``renewTime``, holder or object), never at the time written in it.  A
+    node's clock is not the reader's (a dead node whose clock ran 60 s fast
+    would stay alive for 60 s more), and neither is a time anyone can write
+    (a ``renewTime`` in 2199 would make a member that never expires).  So a
+    Lease first seen counts as renewed when it is first seen (a restarted
+    operator gives every Lease one full heartbeat), and one that never
+    changes expires a heartbeat later, whatever its ``renewTime`` says.
+    An older copy (a lower resourceVersion, from a watch that lags behind a
+    LIST) is no renewal.  Keys are the reader's (a node name, or the
+    operator's (namespace, run, node)); :meth:`forget` and :meth:`retain`
+    keep its memory to the Leases that exist.
+    """
+
+    _seen: dict[Hashable, _Sighting] = field(default_factory=dict)
+    #: The last state observed per key and what it was answered with: the operator
+    #: passes the same index entries again on every pass of a large run.
+    _answered: dict[Hashable, tuple[LeaseState, LeaseState]] = field(default_factory=dict)
+
+    def observe(self, key: Hashable, state: LeaseState, at: dt.datetime) -> LeaseState:
+        """``state`` with ``seen`` set to when this reader first saw its current renewal,
+        and its join request's ``noticed`` to when this reader first saw that request."""
+        answered = self._answered.get(key)
+        if answered is not None and answered[0] is state and key in self._seen:
+            return answered[1]
+        renewal = (state.uid, state.renewed, state.holder)
+        request = state.join.since if state.join is not None else None
+        last = self._seen.get(key)
+        if last is None:
+            sighting = _Sighting(renewal, state.version, at, request, at)
+        elif state.version is not None and last.version is not None \
+                and state.version <= last.version:
+            sighting = last  # the same copy, or an older one
+        else:  # a newer copy: renewed, or asking anew, only if that changed
+            sighting = _Sighting(renewal, state.version,
+                                 last.at if last.renewal == renewal else at, request,
+                                 last.request_at if last.request == request else at)
+        self._seen[key] = sighting
+        join = state.join
+        if join is not None and join.since == sighting.request:
+            join = dataclasses.replace(join, noticed=sighting.request_at)
+        observed = dataclasses.replace(state, seen=sighting.at, join=join)
+        self._answered[key] = (state, observed)
+        return observed
+
+    def renewed_at(self, key: Hashable) -> dt.datetime | None:
+        """When this reader last saw the Lease under ``key`` renewed (None: never seen)."""
+        last = self._seen.get(key)
+        return last.at if last is not None else None
+
+    def forget(self, key: Hashable) -> None:
+        self._seen.pop(key, None)
+        self._answered.pop(key, None)
+
+    def retain(self, keep: Callable[[Hashable], bool]) -> None:
+        """Forget every key ``keep`` refuses (Leases deleted, runs gone)."""
+        for key in [k for k in self._seen if not keep(k)]:
+            self.forget(key)
+
+    def __len__(self) -> int:
+        return len(self._seen)
 
 
 def suspicion_window(heartbeat: float, renew_interval: float) -> float:
@@ -223,8 +314,12 @@ def read_assignment(raw: Any) -> Assignment | None:
                       store=StoreAddress(host, port), leader=leader, since=since)
 
 
-def lease_state(lease: Mapping[str, Any]) -> LeaseState:
-    """Read a Lease; anything unreadable counts as no request (see ``problem``)."""
+def lease_state(lease: Mapping[str, Any], seen: dt.datetime | None = None) -> LeaseState:
+    """Read a Lease; anything unreadable counts as no request (see ``problem``).
+
+    ``seen``: when the reader saw this renewal; readers that judge liveness go
+    through a :class:`RenewalClock` instead.
+    """
     meta = untrusted.mapping(lease.get("metadata"))
     spec = untrusted.mapping(lease.get("spec"))
     annotations = untrusted.mapping(meta.get("annotations"))
@@ -245,7 +340,8 @@ def lease_state(lease: Mapping[str, Any]) -> LeaseState:
                       unreachable=read_unreachable(annotations.get(UNREACHABLE_ANNOTATION)),
                       assignment=read_assignment(annotations.get(ASSIGNMENT_ANNOTATION)),
                       name=untrusted.text(meta.get("name")),
-                      uid=untrusted.text(meta.get("uid")))
+                      uid=untrusted.text(meta.get("uid")),
+                      version=_revision(meta.get("resourceVersion")), seen=seen)
 
 
 def describe_object(obj: Mapping[str, Any]) -> str:
@@ -276,17 +372,29 @@ def describe_object(obj: Mapping[str, Any]) -> str:
     return "; ".join(f"{k}: {v}" for k, v in parts.items() if v is not None) or "no metadata"
 
 
+def _revision(value: Any) -> int | None:
+    """A resourceVersion as an etcd revision; None when it is not a plain number."""
+    if not isinstance(value, str) or not value.isdigit() or len(value) > 20:
+        return None
+    return int(value)
+
+
 def holder_alive(current: Mapping[str, Any], run: str, owner_uid: str | None,
                  heartbeat: float, now: dt.datetime) -> str | None:
     """The live holder of an existing Lease a node wants for itself, or None.
 
     Only a genuine Lease of this run (same run, same owner uid) renewed within
     the run's heartbeat has a live holder; the Lease's own duration is chosen
-    by whoever wrote it and is not trusted.
+    by whoever wrote it and is not trusted.  This is one read, so there is no
+    renewal to see change: the written ``renewTime`` is taken as a hint that
+    may make the Lease older, never newer than now (a time in the future, from
+    a fast clock or a forged one, counts as a renewal just now).
     """
     state = lease_state(current)
     if lease_run(current) != run or (owner_uid is not None and state.owner_uid != owner_uid):
         return None
+    if state.renewed is not None:
+        state = dataclasses.replace(state, seen=min(state.renewed, now))
     if state.holder is None or state.renewed is None or state.expired(now, heartbeat):
         return None
     return state.holder

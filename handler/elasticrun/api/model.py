@@ -109,6 +109,17 @@ def _opt_str(obj: Mapping[str, Any], key: str, path: str) -> str | None:
     return value
 
 
+#: Longest Pod uid accepted (a UUID is 36 characters; the CRD allows 64).
+MAX_POD_UID = 64
+
+
+def _pod_uid(obj: Mapping[str, Any], path: str) -> str | None:
+    value = _opt_str(obj, "podUID", path)
+    if value is not None and not 0 < len(value) <= MAX_POD_UID:
+        raise InvalidRunError(f"{path}.podUID", f"expected 1 to {MAX_POD_UID} characters")
+    return value
+
+
 def _bool(obj: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
     value = obj.get(key, default)
     if not isinstance(value, bool):
@@ -219,6 +230,9 @@ class Participant:
     #: The join request this membership answered (the node's ``since``): a node
     #: whose Lease still carries it is a member, not waiting.
     since: dt.datetime | None = None
+    #: The uid of the member's Pod, as its handler read it (downward API ``POD_UID``):
+    #: only an event of that very Pod is the member's loss, not one of a namesake.
+    pod_uid: str | None = None
 
     @classmethod
     def from_dict(cls, obj: Any, path: str) -> Participant:
@@ -231,13 +245,14 @@ class Participant:
             joined_round=_int(item, "joinedRound", path, 0),
             pod=_opt_str(item, "pod", path),
             since=_time(item, "since", path),
+            pod_uid=_pod_uid(item, path),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return _drop_none({
             "name": self.name, "rank": self.rank, "address": self.address,
             "storePort": self.store_port, "joinedRound": self.joined_round, "pod": self.pod,
-            "since": format_time(self.since) if self.since else None,
+            "since": format_time(self.since) if self.since else None, "podUID": self.pod_uid,
         })
 
 
@@ -279,10 +294,21 @@ class WaitingNode:
     store_port: int | None = None
     since: dt.datetime | None = None
     pod: str | None = None
+    #: The uid of the node's Pod (see :attr:`Participant.pod_uid`).
+    pod_uid: str | None = None
     #: When the API server created the node's Lease (``creationTimestamp``):
     #: what orders newcomers, because ``since`` is whatever the node claims.
     #: Read from the Lease, never stored in the status, not part of equality.
     arrived: dt.datetime | None = field(default=None, compare=False)
+    #: When the reader first saw this request, by the reader's own clock
+    #: (:class:`elasticrun.api.leases.RenewalClock`): how old the request is,
+    #: because ``since`` is the node's clock.  Never stored, not part of equality.
+    noticed: dt.datetime | None = field(default=None, compare=False)
+
+    @property
+    def asked_at(self) -> dt.datetime | None:
+        """How old the request is, as this reader knows it: when it noticed it, else ``since``."""
+        return self.noticed or self.since
 
     @classmethod
     def from_dict(cls, obj: Any, path: str) -> WaitingNode:
@@ -293,12 +319,14 @@ class WaitingNode:
             store_port=_port(item, "storePort", path),
             since=_time(item, "since", path),
             pod=_opt_str(item, "pod", path),
+            pod_uid=_pod_uid(item, path),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return _drop_none({
             "name": self.name, "address": self.address, "storePort": self.store_port,
             "since": format_time(self.since) if self.since else None, "pod": self.pod,
+            "podUID": self.pod_uid,
         })
 
 

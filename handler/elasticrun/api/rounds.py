@@ -130,7 +130,8 @@ def decide_seal(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> S
                                   f"{status.round} are back")
     if not members and count >= spec.max_nodes:
         return SealDecision(True, f"maxNodes ({spec.max_nodes}) reached")
-    arrivals = sorted(w.since or now for w in eligible)
+    # How long each has waited, by the reader's clock where it noticed the request.
+    arrivals = sorted(min(w.asked_at or now, now) for w in eligible)
     deadline = arrivals[spec.min_nodes - 1] + dt.timedelta(seconds=spec.last_call_timeout)
     if now >= deadline:
         return SealDecision(True, f"last call ({spec.last_call_timeout}s) passed with {count} "
@@ -186,6 +187,7 @@ def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None,
             joined_round=joined.get(w.name, new_round),
             pod=w.pod,
             since=w.since,
+            pod_uid=w.pod_uid,
         )
         for rank, w in enumerate(admitted)
     )

@@ -294,7 +294,8 @@ class K8sRendezvousHandler(RendezvousHandler):
         lease, session = self._lease, self._session
         assert lease is not None and session is not None
         entry = WaitingNode(name=self.settings.node_name, address=self.settings.address,
-                            store_port=self.stores.port, since=now(), pod=self.settings.pod)
+                            store_port=self.stores.port, since=now(), pod=self.settings.pod,
+                            pod_uid=self.settings.pod_uid)
         try:
             if lease.acquired:
                 session.call("join the run", lambda: lease.set_join(entry))

@@ -110,15 +110,17 @@ def reach_store(session: RunSession, stores: RoundStores, run: ElasticRun,
 
 
 def _quiet_for(session: RunSession, run: ElasticRun, leader: str) -> float:
-    """Seconds since the leader last renewed its Lease (one GET); infinite without one.
+    """Seconds since this node saw the leader's Lease renewed (one GET); infinite without one.
 
-    A Lease that is not this run's (another owner) counts as none.
+    Timed by this node's clock across the session's reads (the leader's own
+    ``renewTime`` is the leader's clock): a Lease first read now counts as
+    renewed now.  A Lease that is not this run's (another owner) counts as none.
     """
     item = session.call("read rank 0's Lease", lambda: session.gateway.lease(leader))
-    state = lease_state(item) if item is not None else None
-    if state is None or state.owner_uid != run.uid or state.renewed is None:
+    state = session.observe(lease_state(item)) if item is not None else None
+    if state is None or state.owner_uid != run.uid or state.seen is None:
         return math.inf
-    return max(0.0, (now() - state.renewed).total_seconds())
+    return max(0.0, (now() - state.seen).total_seconds())
 
 
 def _remove_leader(session: RunSession, run: ElasticRun, round_number: int, leader: str,

@@ -19,6 +19,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elasticrun.api.gateway import RunGateway
+from elasticrun.api.leases import LeaseState, RenewalClock, lease_state, pending_joins
 from elasticrun.api.model import ElasticRun, InvalidRunError, RunStatus, WaitingNode, now
 from elasticrun.api.ordering import newer
 from elasticrun.handler.calls import ApiCalls, who
@@ -39,6 +40,9 @@ class RunSession:
         self.watcher = RunWatcher(gateway.client, settings.namespace, settings.run_name,
                                   settings.watch_timeout)
         self._mismatch_logged = False
+        #: When this node saw each of the run's Leases renewed, by its own clock, across
+        #: every LIST and GET of the session: other nodes' clocks are not ours.
+        self.renewals = RenewalClock()
 
     @property
     def who(self) -> str:
@@ -113,11 +117,18 @@ class RunSession:
     def pending(self, run: ElasticRun) -> tuple[WaitingNode, ...]:
         """The join requests no round has answered yet, from one consistent LIST of Leases.
 
-        The node whose request completed the set sees every earlier one.
+        The node whose request completed the set sees every earlier one.  A Lease
+        counts as live by when this node saw it renewed (:meth:`observe`).
         """
-        return self.call("list the run's Leases",
-                         lambda: self.gateway.pending(run.status, now(), run.uid,
-                                                      run.spec.heartbeat_timeout))
+        items = self.call("list the run's Leases", self.gateway.leases)
+        states = [self.observe(lease_state(item)) for item in items]
+        names = {s.node for s in states}
+        self.renewals.retain(lambda node: node in names)
+        return pending_joins(states, run.status, now(), run.uid, run.spec.heartbeat_timeout)
+
+    def observe(self, state: LeaseState) -> LeaseState:
+        """``state`` timed by this node's clock: when it first saw its current renewal."""
+        return self.renewals.observe(state.node, state, now()) if state.node else state
 
     # ------------------------------------------------------------------ writing
 

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 #: Conf keys the backend reads; anything else is logged once and ignored.
 CONF_KEYS = (
-    "namespace", "node_name", "address", "pod", "kubeconfig", "context", "create_run",
+    "namespace", "node_name", "address", "pod", "pod_uid", "kubeconfig", "context", "create_run",
     "join_timeout", "last_call_timeout", "heartbeat_timeout", "lease_interval",
     "keep_alive_interval", "keep_alive_max_attempt", "api_timeout", "request_timeout",
     "close_timeout", "store_port", "watch_timeout",
@@ -60,6 +60,9 @@ class RendezvousSettings:
     watch_timeout: int = 300
     #: Port of the TCPStore this node hosts if it becomes rank 0 (0: any free port).
     store_port: int = 0
+    #: The Pod's uid (downward API ``POD_UID``): what identifies the member's Pod to
+    #: the operator, since a Pod's name can be taken by anyone who may create Pods.
+    pod_uid: str | None = None
 
 
 def _as_int(conf: dict[str, Any], key: str, default: int | None) -> int | None:
@@ -187,6 +190,7 @@ def from_parameters(run_id: str, endpoint: str, min_nodes: int, max_nodes: int,
         node_name=node_name,
         address=address,
         pod=pod,
+        pod_uid=(conf.get("pod_uid") or os.environ.get("POD_UID") or None) if pod else None,
         requested_spec=_requested_spec(min_nodes, max_nodes, conf),
         api_server=api_server,
         kubeconfig=kubeconfig,

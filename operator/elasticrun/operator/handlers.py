@@ -38,8 +38,8 @@ def leases_by_run(*, body: kopf.Body, namespace: str | None, **_: Any
 
 
 @kopf.on.event("coordination.k8s.io", "v1", "leases", labels={crd.RUN_LABEL: kopf.PRESENT})
-async def lease_changed(*, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    _controller(memo).lease_event(body)
+async def lease_changed(*, type: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    _controller(memo).lease_event(body, type or "")
 
 
 @kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL)

@@ -8,12 +8,13 @@ partition), where the Pod object can look healthy for minutes.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from elasticrun.api.model import parse_time
+from elasticrun.api.model import MAX_POD_UID, parse_time
 
 
 @dataclass(frozen=True)
@@ -23,17 +24,28 @@ class Loss:
     reason: str
     message: str
     since: dt.datetime | None = None
+    #: The uid of the Pod that revealed the loss (None: not from a Pod, or unknown).
+    pod_uid: str | None = None
 
 
-def pod_loss(  # noqa: PLR0911 - one return per kind of loss, in the order they are checked
-        pod: Mapping[str, Any], event_type: str | None = None,
-        first_restart_count: int | None = None) -> Loss | None:
-    """The loss a Pod event reveals, or None while the Pod looks alive.
+def pod_loss(pod: Mapping[str, Any], event_type: str | None = None,
+             first_restart_count: int | None = None) -> Loss | None:
+    """The loss a Pod event reveals (with the Pod's uid), or None while the Pod looks alive.
 
     ``first_restart_count`` is the container restart count the operator saw when
     it first met the pod; a higher count means the training container restarted
     (the agent inside lost its state and will join again as a new node).
     """
+    loss = _pod_loss(pod, event_type, first_restart_count)
+    uid = (pod.get("metadata") or {}).get("uid")
+    if loss is None or not isinstance(uid, str) or not uid:
+        return loss
+    return dataclasses.replace(loss, pod_uid=uid[:MAX_POD_UID])
+
+
+def _pod_loss(  # noqa: PLR0911 - one return per kind of loss, in the order they are checked
+        pod: Mapping[str, Any], event_type: str | None,
+        first_restart_count: int | None) -> Loss | None:
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
     name = meta.get("name", "?")

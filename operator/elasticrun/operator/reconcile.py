@@ -37,9 +37,19 @@ EXPIRED_LEASE_RECHECK = dt.timedelta(seconds=1)
 class Members:
     """What Kubernetes says about the nodes of one run."""
 
+    #: The run's Leases by node, each with ``seen``: when the operator saw its
+    #: current renewal (:class:`~elasticrun.api.leases.RenewalClock`).
     leases: Mapping[str, LeaseState] = field(default_factory=dict)
-    #: Losses seen on Pods, by pod name.
+    #: Losses seen on Pods, by pod name: they count only for a member that
+    #: recorded no Pod uid (a handler older than ``podUID``), because a Pod's
+    #: name is anyone's to take.
     pod_losses: Mapping[str, Loss] = field(default_factory=dict)
+    #: Losses seen on Pods, by the Pod's uid: a member that recorded its Pod's
+    #: uid when it joined is lost only through that very Pod.
+    pod_losses_by_uid: Mapping[str, Loss] = field(default_factory=dict)
+    #: When the operator first saw each member or waiting node without a Lease,
+    #: by its own clock (the times in the status are written by nodes).
+    missing_since: Mapping[str, dt.datetime] = field(default_factory=dict)
     #: No Lease counts as expired before its duration has passed since this
     #: time: when the API server last became reachable (elasticrun.operator.apihealth).
     lease_clock_start: dt.datetime | None = None
@@ -84,12 +94,14 @@ def _losses(run: ElasticRun, members: Members, now: dt.datetime
     """Members and waiting nodes that Kubernetes says are gone."""
     status, spec = run.status, run.spec
     found: list[tuple[str, Loss]] = []
-    entries: list[tuple[str, str | None, dt.datetime | None]] = [
-        (p.name, p.pod, status.sealed_at) for p in status.participants]
-    entries += [(w.name, w.pod, w.since) for w in status.waiting]
-    grace = dt.timedelta(seconds=spec.heartbeat_timeout * MISSING_LEASE_GRACE_FACTOR)
-    for name, pod, since in entries:
-        pod_loss = members.pod_losses.get(pod or name)
+    entries: list[tuple[str, str | None, str | None]] = [
+        (p.name, p.pod, p.pod_uid) for p in status.participants]
+    entries += [(w.name, w.pod, w.pod_uid) for w in status.waiting]
+    grace = _missing_grace(spec.heartbeat_timeout)
+    for name, pod, pod_uid in entries:
+        since = members.missing_since.get(name)
+        pod_loss = members.pod_losses_by_uid.get(pod_uid) if pod_uid is not None \
+            else members.pod_losses.get(pod or name)
         if pod_loss is not None:
             found.append((name, pod_loss))
             continue
@@ -109,6 +121,16 @@ def _losses(run: ElasticRun, members: Members, now: dt.datetime
         if loss is not None:
             found.append((suspect.name, loss))
     return found
+
+
+def _missing_grace(heartbeat: float) -> dt.timedelta:
+    return dt.timedelta(seconds=heartbeat * MISSING_LEASE_GRACE_FACTOR)
+
+
+def missing_leases(status: RunStatus, leases: Mapping[str, LeaseState]) -> set[str]:
+    """Members and waiting nodes without a Lease (the controller times how long each is)."""
+    names = status.member_names | {w.name for w in status.waiting}
+    return {name for name in names if name not in leases}
 
 
 @dataclass(frozen=True)
@@ -343,7 +365,7 @@ def _seal_backstop(run: ElasticRun, new: RunStatus, now: dt.datetime,
     decision = rounds.decide_seal(candidate, now)
     grace = dt.timedelta(seconds=0 if rounds.nodes_defer_seal(run.spec) else SEAL_GRACE)
     if decision.seal_now:
-        newest = max((w.since for w in new.waiting if w.since), default=None)
+        newest = max((w.asked_at for w in new.waiting if w.asked_at), default=None)
         ready_at = (newest + grace) if newest else now
         if decision.deadline is None and now < ready_at:
             plan.wake(ready_at)
@@ -388,14 +410,21 @@ def _lease_wakeups(run: ElasticRun, new: RunStatus, members: Members, now: dt.da
         # An expiry already past was acted on in this pass (its member removed, its
         # Lease deleted): should the Lease stay, look again later, never at once.
         plan.wake(max(expiry, now + EXPIRED_LEASE_RECHECK) if expiry is not None else None)
+    grace = _missing_grace(spec.heartbeat_timeout)
+    for name in missing_leases(new, members.leases):
+        since = members.missing_since.get(name)
+        plan.wake(max(since + grace, now + EXPIRED_LEASE_RECHECK) if since is not None
+                  else now + grace)
     suspect = _suspected_leader(run.replace_status(new), members, now)
     silent_at = _suspect_silent_at(run, members, suspect) if suspect is not None else None
     if silent_at is not None:
         plan.wake(silent_at + SUSPECT_RECHECK)
     for w in new.waiting:
-        if w.since is not None:
-            plan.wake(w.since + dt.timedelta(seconds=spec.heartbeat_timeout + 0.5))
-            plan.wake(w.since + dt.timedelta(seconds=spec.join_timeout))
+        # Only a time still ahead is worth a timer.
+        asked = w.asked_at
+        stalled_at = asked + dt.timedelta(seconds=spec.join_timeout) if asked else None
+        if stalled_at is not None and stalled_at > now:
+            plan.wake(stalled_at)
 
 
 # --------------------------------------------------------------------------- reporting
@@ -423,7 +452,7 @@ def _conditions(run: ElasticRun, new: RunStatus, now: dt.datetime) -> RunStatus:
                                    if last and last.round == new.round else "RestartRequested",
                                    f"round {new.round}: {why}", now, generation)
     stalled = [w for w in new.waiting
-               if w.since and (now - w.since).total_seconds() > spec.join_timeout]
+               if w.asked_at and (now - w.asked_at).total_seconds() > spec.join_timeout]
     if stalled or new.condition("Stalled"):
         conditions = set_condition(
             conditions, "Stalled", bool(stalled), "JoinTimeout" if stalled else "Progressing",
@@ -444,7 +473,7 @@ def _write_or_wait(status: RunStatus, material: RunStatus, new: RunStatus, now: 
     # Only bookkeeping changed (the waiting summary, phase, counts, conditions).  While nodes
     # are still joining, writing it would bump the resourceVersion under their
     # seal; wait until the waiting set has been quiet for a moment.
-    newest = max((w.since for w in new.waiting if w.since), default=None)
+    newest = max((w.asked_at for w in new.waiting if w.asked_at), default=None)
     quiet_at = newest + dt.timedelta(seconds=SEAL_GRACE) if newest else now
     if now >= quiet_at:
         plan.status = new

@@ -161,6 +161,7 @@ def desired_env(opt_in: OptIn) -> list[dict[str, Any]]:
     env += [
         {"name": "POD_NAME", **_field("metadata.name")},
         {"name": "POD_NAMESPACE", **_field("metadata.namespace")},
+        {"name": "POD_UID", **_field("metadata.uid")},
         {"name": "POD_IP", **_field("status.podIP")},
         {"name": "PET_LOCAL_ADDR", "value": "$(POD_IP)"},
     ]
