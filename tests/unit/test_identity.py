@@ -146,6 +146,8 @@ def test_the_role_keeps_a_removed_members_lease_and_never_a_foreign_one() -> Non
 
 
 def _state(node: str, renewed: dt.datetime, **kw: Any) -> LeaseState:
+    """A Lease of run ``r`` that the reader saw renewed at ``renewed``."""
+    kw.setdefault("seen", renewed)
     return LeaseState(node=node, holder=node, renewed=renewed, duration=5, owner_uid="uid-r",
                       name=lease_name("r", node), uid=f"uid-{node}", **kw)
 

@@ -409,12 +409,13 @@ def _lease_wakeups(run: ElasticRun, new: RunStatus, members: Members, now: dt.da
         expiry = lease.expired_at(spec.heartbeat_timeout, members.lease_clock_start)
         # An expiry already past was acted on in this pass (its member removed, its
         # Lease deleted): should the Lease stay, look again later, never at once.
-        plan.wake(max(expiry, now + EXPIRED_LEASE_RECHECK) if expiry is not None else None)
+        if expiry is not None:
+            plan.wake(expiry if expiry >= now else now + EXPIRED_LEASE_RECHECK)
     grace = _missing_grace(spec.heartbeat_timeout)
     for name in missing_leases(new, members.leases):
         since = members.missing_since.get(name)
-        plan.wake(max(since + grace, now + EXPIRED_LEASE_RECHECK) if since is not None
-                  else now + grace)
+        due = since + grace if since is not None else now + grace
+        plan.wake(due if due >= now else now + EXPIRED_LEASE_RECHECK)
     suspect = _suspected_leader(run.replace_status(new), members, now)
     silent_at = _suspect_silent_at(run, members, suspect) if suspect is not None else None
     if silent_at is not None:
