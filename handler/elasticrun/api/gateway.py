@@ -38,7 +38,14 @@ from elasticrun.api.leases import (
     pending_joins,
     run_leases_query,
 )
-from elasticrun.api.model import Assignment, RunSpec, RunStatus, WaitingNode, new_run_manifest
+from elasticrun.api.model import (
+    Assignment,
+    RunSpec,
+    RunStatus,
+    WaitingNode,
+    new_run_manifest,
+    next_signal,
+)
 from elasticrun.api.naming import lease_name
 
 
@@ -62,7 +69,7 @@ def announce_patch(status: RunStatus) -> list[dict[str, Any]]:
         {"op": "test", "path": "/status/joinNotice", "value": status.join_notice},
         {"op": "test", "path": "/status/signal", "value": status.signal},
         {"op": "replace", "path": "/status/joinNotice", "value": status.round},
-        {"op": "replace", "path": "/status/signal", "value": status.signal + 1},
+        {"op": "replace", "path": "/status/signal", "value": next_signal(status.signal)},
     ]
 
 

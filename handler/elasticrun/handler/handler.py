@@ -53,8 +53,16 @@ from torch.distributed.elastic.rendezvous import (
 from elasticrun.api import rounds
 from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import KubeClient
-from elasticrun.api.model import Assignment, ElasticRun, WaitingNode, now
+from elasticrun.api.model import (
+    Assignment,
+    ElasticRun,
+    StoreAddress,
+    WaitingNode,
+    next_signal,
+    now,
+)
 from elasticrun.api.policy import RETRY_DELAYS, retry_delay
+from elasticrun.api.stores import store_problem
 from elasticrun.handler import settings as settings_mod
 from elasticrun.handler import step
 from elasticrun.handler.calls import ElasticRunForbiddenError, connect_client, who
@@ -63,7 +71,7 @@ from elasticrun.handler.mailbox import AssignmentWatch
 from elasticrun.handler.reach import REPORT_TIMEOUT, reach_store
 from elasticrun.handler.session import RunSession
 from elasticrun.handler.settings import RendezvousSettings
-from elasticrun.handler.store import RoundStores
+from elasticrun.handler.store import RoundStores, StoreAddressError
 from elasticrun.handler.watcher import RunWatcher
 
 __all__ = ["BACKEND", "ElasticRunForbiddenError", "K8sRendezvousHandler", "create_handler"]
@@ -71,6 +79,10 @@ __all__ = ["BACKEND", "ElasticRunForbiddenError", "K8sRendezvousHandler", "creat
 log = logging.getLogger(__name__)
 
 BACKEND = "k8s"
+#: How long a member looks again at a store its rank 0 did not announce before it
+#: refuses it: the honest mismatch (rank 0 left, or re-joined for the next round)
+#: ends the round, which the member's watch shows within this.
+STORE_CHECK_SECONDS = 5.0
 
 
 class K8sRendezvousHandler(RendezvousHandler):
@@ -110,7 +122,10 @@ class K8sRendezvousHandler(RendezvousHandler):
             session = self._connect()
             run = session.current()
             self._start_lease(session, run)
-            self.stores.fresh(self.settings.address, self.settings.store_port)
+            try:
+                self.stores.fresh(self.settings.address, self.settings.store_port)
+            except StoreAddressError as exc:
+                raise RendezvousError(f"{self._who()}: {exc}") from exc
             started = time.monotonic()
             defer_until = (started + rounds.defer_seal_wait(run.spec)
                            if rounds.nodes_defer_seal(run.spec) else None)
@@ -152,7 +167,7 @@ class K8sRendezvousHandler(RendezvousHandler):
             run = session.read()
             if run is None or run.status.phase == "Closed":
                 return
-            status = run.status.replace(phase="Closed", signal=run.status.signal + 1,
+            status = run.status.replace(phase="Closed", signal=next_signal(run.status.signal),
                                         finished_at=run.status.finished_at or now())
             if session.replace_status(run, status) is not None:
                 return
@@ -360,6 +375,8 @@ class K8sRendezvousHandler(RendezvousHandler):
                                        "publish its TCPStore port")
         host, port = assignment.store.host, assignment.store.port
         latest = session.watcher.latest or run
+        if not self._store_announced(session, latest, assignment):
+            return None
         base = reach_store(session, self.stores, latest, assignment, self._report_unreachable)
         if base is None:
             return None
@@ -369,6 +386,53 @@ class K8sRendezvousHandler(RendezvousHandler):
                  assignment.world_size, host, port)
         return RendezvousInfo(store, rank, assignment.world_size,
                               RendezvousStoreInfo(master_addr=host, master_port=port))
+
+
+    def _store_announced(self, session: RunSession, run: ElasticRun,
+                         assignment: Assignment) -> bool:
+        """Whether the round's store is the one its rank 0 announced; False: round over.
+
+        Rank 0 serves its own store; anyone else reads rank 0's Lease (one GET)
+        and compares (:func:`elasticrun.api.stores.store_problem`).  A store
+        nobody announced is refused before any connection is made, with
+        torch's RendezvousStateError.
+        """
+        given, leader, round_number = assignment.store, assignment.leader, assignment.round
+        node = self.settings.node_name
+        if assignment.rank == 0:
+            own = StoreAddress(self.settings.address, self.stores.port or 0)
+            if given == own:
+                return True
+            raise RendezvousStateError(
+                f"{self._who()}: round {round_number} makes this node rank 0 with store "
+                f"{given.host if given else None}:{given.port if given else None}, but it "
+                f"serves its store at {own.host}:{own.port} and announced that on its Lease; "
+                "status.store was written by someone else: check who may update the "
+                f"ElasticRun {self.settings.run_name} and its status")
+        if leader is None:
+            return True  # the round lost its rank 0: reach_store joins the next one
+        member = run.status.participant(leader) if run.status.round == round_number else None
+        answered = member.since if member is not None else None
+        deadline = time.monotonic() + STORE_CHECK_SECONDS
+        while True:
+            lease = session.call("read rank 0's Lease", lambda: session.gateway.lease(leader))
+            problem = store_problem(given, lease, self.settings.run_name, run.uid, leader,
+                                    answered)
+            if problem is None:
+                return True
+            session.check_watch()
+            latest = session.watcher.latest or run
+            if step.superseded(latest, round_number, node, leader) is not None:
+                return False
+            if time.monotonic() >= deadline:
+                raise RendezvousStateError(
+                    f"{self._who()}: refusing the store of round {round_number}: {problem}. "
+                    "No connection was made: status.store (or this node's assignment) was "
+                    "written by someone other than rank 0; check who may update the "
+                    f"ElasticRun {self.settings.run_name} and its status (per-run RBAC, "
+                    "the admission policy)")
+            session.wait_for_change(latest, min(deadline, time.monotonic() + 0.5),
+                                    lambda: self._closing)
 
 
 def create_handler(params: RendezvousParameters) -> K8sRendezvousHandler:
