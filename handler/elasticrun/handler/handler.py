@@ -144,7 +144,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         while True:
             action = step.next_action(known, now(), time.monotonic())
             if isinstance(action, step.Complete):
-                info = self._complete(session, known.run, action.assignment)
+                info = self._complete(session, known.run, action.assignment, known.own)
                 if info is not None:
                     return info
                 # The round ended before its store answered: join the next one.
@@ -365,8 +365,8 @@ class K8sRendezvousHandler(RendezvousHandler):
             self._lease.report_unreachable(leader, round_number,
                                            min(REPORT_TIMEOUT, self.settings.close_timeout))
 
-    def _complete(self, session: RunSession, run: ElasticRun,
-                  assignment: Assignment) -> RendezvousInfo | None:
+    def _complete(self, session: RunSession, run: ElasticRun, assignment: Assignment,
+                  own: WaitingNode | None = None) -> RendezvousInfo | None:
         """torch's view of the round, or None when it ended before its store answered."""
         round_number, rank = assignment.round, assignment.rank
         if assignment.store is None:
@@ -375,7 +375,7 @@ class K8sRendezvousHandler(RendezvousHandler):
                                        "publish its TCPStore port")
         host, port = assignment.store.host, assignment.store.port
         latest = session.watcher.latest or run
-        if not self._store_announced(session, latest, assignment):
+        if not self._store_announced(session, latest, assignment, own):
             return None
         base = reach_store(session, self.stores, latest, assignment, self._report_unreachable)
         if base is None:
@@ -388,21 +388,31 @@ class K8sRendezvousHandler(RendezvousHandler):
                               RendezvousStoreInfo(master_addr=host, master_port=port))
 
 
-    def _store_announced(self, session: RunSession, run: ElasticRun,
-                         assignment: Assignment) -> bool:
-        """Whether the round's store is the one its rank 0 announced; False: round over.
+    def _store_announced(self, session: RunSession, run: ElasticRun, assignment: Assignment,
+                         request: WaitingNode | None) -> bool:
+        """Whether the round's store is the one its rank 0 announced; False: not our round.
 
         Rank 0 serves its own store; anyone else reads rank 0's Lease (one GET)
-        and compares (:func:`elasticrun.api.stores.store_problem`).  A store
-        nobody announced is refused before any connection is made, with
-        torch's RendezvousStateError.
+        and compares (:func:`elasticrun.api.stores.store_problem`).  A round
+        that does not answer this call's join ``request`` (a status written
+        by hand from an older round) is not this node's round: it joins the
+        next one.  A round that does answer it with a store nobody announced
+        is refused before any connection is made, with torch's
+        RendezvousStateError.
         """
         given, leader, round_number = assignment.store, assignment.leader, assignment.round
         node = self.settings.node_name
+        stale = request is not None and assignment.since is not None \
+            and assignment.since != request.since
         if assignment.rank == 0:
             own = StoreAddress(self.settings.address, self.stores.port or 0)
             if given == own:
                 return True
+            if stale:
+                log.info("%s: round %d answers an earlier request of this node and names "
+                         "another store than its own; joining the next round", self._who(),
+                         round_number)
+                return False
             raise RendezvousStateError(
                 f"{self._who()}: round {round_number} makes this node rank 0 with store "
                 f"{given.host if given else None}:{given.port if given else None}, but it "
@@ -420,6 +430,10 @@ class K8sRendezvousHandler(RendezvousHandler):
                                     answered)
             if problem is None:
                 return True
+            if stale:
+                log.info("%s: round %d answers an earlier request of this node (%s); "
+                         "joining the next round", self._who(), round_number, problem)
+                return False
             session.check_watch()
             latest = session.watcher.latest or run
             if step.superseded(latest, round_number, node, leader) is not None:
