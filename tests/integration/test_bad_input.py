@@ -8,8 +8,8 @@ agents that claim the same node name.
 from __future__ import annotations
 
 import copy
-import subprocess
 import json
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
