@@ -53,6 +53,7 @@ from torch.distributed.elastic.rendezvous import (
 from elasticrun.api import rounds
 from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import KubeClient
+from elasticrun.api.leases import lease_state
 from elasticrun.api.model import (
     Assignment,
     ElasticRun,
@@ -430,9 +431,12 @@ class K8sRendezvousHandler(RendezvousHandler):
                                     answered)
             if problem is None:
                 return True
-            if stale:
-                log.info("%s: round %d answers an earlier request of this node (%s); "
-                         "joining the next round", self._who(), round_number, problem)
+            if stale or lease is None or lease_state(lease).join is None:
+                # Not this call's round, or rank 0 left (its request withdrawn, its
+                # Lease gone): no store to trust and none to connect to.
+                log.warning("%s: not connecting to the store of round %d (%s); joining the "
+                            "next round", self._who(), round_number,
+                            "it answers an earlier request of this node" if stale else problem)
                 return False
             session.check_watch()
             latest = session.watcher.latest or run
