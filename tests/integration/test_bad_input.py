@@ -8,6 +8,7 @@ agents that claim the same node name.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import subprocess
 import time
@@ -153,7 +154,10 @@ def test_well_typed_nonsense_raises_state_error_and_the_operator_repairs(
     assert_all_ok(again)
     assert sorted(o.rank for o in again.values()) == [0, 1, 2]
     final = read_run(cluster.client, namespace, "nonsense")
-    assert final.status.round == round_before + 1
+    # The repair forgets the roster, so the members' answered requests may look
+    # pending again and be sealed before the members are back; such a round
+    # names a store rank 0 no longer serves, and its members join the next one.
+    assert round_before < final.status.round <= round_before + 2
     record(f"hand-edited status: {case}", group="bad input",
            fault=f"kubectl edit --subresource=status: {case} (well typed, schema accepts it)",
            expected="RendezvousStateError naming the field; the operator marks the run Degraded "
@@ -390,6 +394,32 @@ def _patch_status(cluster: Cluster, namespace: str, run: str,
                            "--type=merge", "-p", json.dumps({"status": status}), check=False)
 
 
+def _one_after_the_other(cluster: Cluster, namespace: str, run: str,
+                         handlers: list[Any]) -> dict[str, Outcome]:
+    """``next_rendezvous()`` on each handler once the previous one waits; all outcomes.
+
+    Members of a round an admin reset (its roster kept) come back this way, its
+    rank 0 first: the reset round answers an earlier request of each, so rank 0
+    joins the next one, and so does every other member once rank 0's Lease
+    announces its new request; that round is sealed once all of them are back
+    (with a last call longer than their return).
+    """
+    started = {}
+    for handler in handlers:
+        name = handler.settings.node_name
+        started[name] = start_rendezvous(handler)
+        if handler is not handlers[-1]:
+            wait_for(functools.partial(is_waiting, cluster.client, namespace, run, name), 10,
+                     f"{name} to wait")
+    outcomes = {}
+    for name, (thread, box) in started.items():
+        thread.join(40)
+        assert "info" in box, (name, box)
+        outcomes[name] = Outcome(name, box["info"].rank, box["info"].world_size, box["info"])
+    assert_all_ok(outcomes)
+    return outcomes
+
+
 def test_a_poisoned_round_is_bounded_and_an_admins_reset_is_kept(
         operator: OperatorProcess, make_handler: Any, cluster: Cluster,
         namespace: str) -> None:
@@ -402,7 +432,8 @@ def test_a_poisoned_round_is_bounded_and_an_admins_reset_is_kept(
     is repaired by the operator back to the round it still defends.
     """
     top = crd.counter_maximum()
-    a, b = (make_handler("poisoned", n, min_nodes=2, max_nodes=3) for n in ("a", "b"))
+    a, b = (make_handler("poisoned", n, min_nodes=2, max_nodes=3, last_call_timeout=10)
+            for n in ("a", "b"))
     assert_all_ok(rendezvous_all([a, b]))
     refused = _patch_status(cluster, namespace, "poisoned", {"round": 2**63 - 1})
     assert refused.returncode != 0
@@ -426,17 +457,9 @@ def test_a_poisoned_round_is_bounded_and_an_admins_reset_is_kept(
     assert read_run(cluster.client, namespace, "poisoned").status.round == 5
     assert _repair_events(cluster, namespace, "poisoned") == []
     assert all(h.watcher._error is None for h in (a, b))
-    # A fresh node waits first, so that the members' return seals one round of three.
-    c = make_handler("poisoned", "c", min_nodes=2, max_nodes=3)
-    thread, box = start_rendezvous(c)
-    wait_for(lambda: is_waiting(cluster.client, namespace, "poisoned", "c"), 10,
-             "the fresh node to wait")
+    c = make_handler("poisoned", "c", min_nodes=2, max_nodes=3, last_call_timeout=10)
     fresh = [a, b, c]
-    again = rendezvous_all([a, b])
-    thread.join(30)
-    assert "info" in box, box
-    again["c"] = Outcome("c", box["info"].rank, box["info"].world_size, box["info"])
-    assert_all_ok(again)
+    again = _one_after_the_other(cluster, namespace, "poisoned", [c, a, b])
     assert sorted(o.rank for o in again.values()) == [0, 1, 2]
     assert {o.world_size for o in again.values()} == {3}
     formed = read_run(cluster.client, namespace, "poisoned").status.round

@@ -57,24 +57,31 @@ pytestmark = pytest.mark.slow
 # --------------------------------------------------------------------------- the TCPStore
 
 
-def _listeners(port: int) -> list[str]:
-    """Local addresses listening on ``port`` (from /proc/net/tcp and tcp6, hex decoded)."""
-    found = []
+def _sockets() -> Iterator[tuple[str, str, str]]:
+    """(local, remote, state) of every TCP socket of this machine, hex as the kernel
+    writes them in /proc/net/tcp and tcp6."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
         except FileNotFoundError:
             continue
         for line in lines:
-            local, state = line.split()[1], line.split()[3]
-            address, hex_port = local.split(":")
-            if state != "0A" or int(hex_port, 16) != port:  # 0A = LISTEN
-                continue
-            if len(address) == 8:
-                found.append(socket.inet_ntop(socket.AF_INET, bytes.fromhex(address)[::-1]))
-            else:
-                words = [bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, 32, 8)]
-                found.append(socket.inet_ntop(socket.AF_INET6, b"".join(words)))
+            fields = line.split()
+            yield fields[1], fields[2], fields[3]
+
+
+def _listeners(port: int) -> list[str]:
+    """Local addresses listening on ``port`` (hex decoded)."""
+    found = []
+    for local, _, state in _sockets():
+        address, hex_port = local.split(":")
+        if state != "0A" or int(hex_port, 16) != port:  # 0A = LISTEN
+            continue
+        if len(address) == 8:
+            found.append(socket.inet_ntop(socket.AF_INET, bytes.fromhex(address)[::-1]))
+        else:
+            words = [bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, 32, 8)]
+            found.append(socket.inet_ntop(socket.AF_INET6, b"".join(words)))
     return found
 
 
@@ -650,18 +657,9 @@ def test_an_unreadable_join_request_is_one_event_and_no_member(
 
 
 def _established_to(port: int) -> int:
-    """TCP connections on this machine whose remote end is ``port`` (/proc/net/tcp, tcp6)."""
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except FileNotFoundError:
-            continue
-        for line in lines:
-            remote, state = line.split()[2], line.split()[3]
-            if state == "01" and int(remote.split(":")[1], 16) == port:  # 01 = ESTABLISHED
-                count += 1
-    return count
+    """TCP connections on this machine whose remote end is ``port``."""
+    return sum(1 for _, remote, state in _sockets()
+               if state == "01" and int(remote.split(":")[1], 16) == port)  # 01 = ESTABLISHED
 
 
 def _status_writer(cluster: Cluster, namespace: str, tmp_path: Path) -> KubeClient:

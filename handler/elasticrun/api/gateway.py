@@ -171,6 +171,19 @@ class RunGateway:
                 return None
             raise
 
+    def listed_lease(self, node: str) -> dict[str, Any] | None:
+        """``node``'s Lease in this run, read by a LIST selecting its name; None if none.
+
+        A per-run Role grants ``get`` on a Lease by name once the operator has
+        seen it, and ``list`` at once: a member checking its rank 0's store
+        right after the seal may not have ``get`` on that Lease yet.
+        """
+        listed = self.client.request("GET", leases_path(self.namespace), query={
+            "fieldSelector": f"metadata.name={lease_name(self.name, node)}"})
+        items = listed.get("items")
+        found = items[0] if isinstance(items, list) and len(items) == 1 else None
+        return found if isinstance(found, dict) else None
+
     def assign(self, node: str, assignment: Assignment) -> bool:
         """Write ``node``'s place in the round on its Lease; False when it has no Lease."""
         patch = {"metadata": {"annotations": {

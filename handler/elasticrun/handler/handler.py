@@ -33,6 +33,7 @@ through the run's gateway (:mod:`.session`).
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import random
 import threading
@@ -393,54 +394,45 @@ class K8sRendezvousHandler(RendezvousHandler):
                          request: WaitingNode | None) -> bool:
         """Whether the round's store is the one its rank 0 announced; False: not our round.
 
-        Rank 0 serves its own store; anyone else reads rank 0's Lease (one GET)
-        and compares (:func:`elasticrun.api.stores.store_problem`).  A round
-        that does not answer this call's join ``request`` (a status written
-        by hand from an older round) is not this node's round: it joins the
-        next one.  A round that does answer it with a store nobody announced
-        is refused before any connection is made, with torch's
-        RendezvousStateError.
+        Rank 0 serves its own store; anyone else reads rank 0's Lease (one
+        LIST by name) and compares (:func:`elasticrun.api.stores.store_problem`).
+        A round that does not answer this call's join ``request`` (a status
+        written by hand from an older round), or whose rank 0 has moved on
+        (its request withdrawn or replaced by a newer one), is not this node's
+        round: it joins the next one.  A round that answers rank 0's current
+        request with a store rank 0 did not announce is refused before any
+        connection is made, with torch's RendezvousStateError.
         """
         given, leader, round_number = assignment.store, assignment.leader, assignment.round
-        node = self.settings.node_name
+        # Every seal records the request it answers: a round holding an older
+        # request of this node was written from an older round (a hand edit, a
+        # restore, a repair that forgot the roster).
         stale = request is not None and assignment.since is not None \
             and assignment.since != request.since
         if assignment.rank == 0:
-            own = StoreAddress(self.settings.address, self.stores.port or 0)
-            if given == own:
-                return True
-            if stale:
-                log.info("%s: round %d answers an earlier request of this node and names "
-                         "another store than its own; joining the next round", self._who(),
-                         round_number)
-                return False
-            raise RendezvousStateError(
-                f"{self._who()}: round {round_number} makes this node rank 0 with store "
-                f"{given.host if given else None}:{given.port if given else None}, but it "
-                f"serves its store at {own.host}:{own.port} and announced that on its Lease; "
-                "status.store was written by someone else: check who may update the "
-                f"ElasticRun {self.settings.run_name} and its status")
+            return self._own_store(given, round_number, stale)
         if leader is None:
             return True  # the round lost its rank 0: reach_store joins the next one
-        member = run.status.participant(leader) if run.status.round == round_number else None
-        answered = member.since if member is not None else None
+        answered = self._answered(session, run, leader, round_number)
         deadline = time.monotonic() + STORE_CHECK_SECONDS
         while True:
-            lease = session.call("read rank 0's Lease", lambda: session.gateway.lease(leader))
+            lease = session.call("read rank 0's Lease",
+                                 lambda: session.gateway.listed_lease(leader))
             problem = store_problem(given, lease, self.settings.run_name, run.uid, leader,
                                     answered)
             if problem is None:
                 return True
-            if stale or lease is None or lease_state(lease).join is None:
-                # Not this call's round, or rank 0 left (its request withdrawn, its
-                # Lease gone): no store to trust and none to connect to.
-                log.warning("%s: not connecting to the store of round %d (%s); joining the "
-                            "next round", self._who(), round_number,
-                            "it answers an earlier request of this node" if stale else problem)
+            join = lease_state(lease).join if lease is not None else None
+            if stale or join is None or join.since != answered:
+                log.warning("%s: not connecting to the store of round %d (%s); %s, joining "
+                            "the next round", self._who(), round_number, problem,
+                            "it answers an earlier request of this node" if stale
+                            else "rank 0 has moved on")
                 return False
             session.check_watch()
             latest = session.watcher.latest or run
-            if step.superseded(latest, round_number, node, leader) is not None:
+            if step.superseded(latest, round_number, self.settings.node_name,
+                               leader) is not None:
                 return False
             if time.monotonic() >= deadline:
                 raise RendezvousStateError(
@@ -451,6 +443,36 @@ class K8sRendezvousHandler(RendezvousHandler):
                     "the admission policy)")
             session.wait_for_change(latest, min(deadline, time.monotonic() + 0.5),
                                     lambda: self._closing)
+
+    def _own_store(self, given: StoreAddress | None, round_number: int, stale: bool) -> bool:
+        """Rank 0's check: the round names the store this node serves for this call."""
+        own = StoreAddress(self.settings.address, self.stores.port or 0)
+        if given == own:
+            return True
+        if stale:
+            log.warning("%s: round %d answers an earlier request of this node and names "
+                        "another store than its own; joining the next round", self._who(),
+                        round_number)
+            return False
+        raise RendezvousStateError(
+            f"{self._who()}: round {round_number} makes this node rank 0 with store "
+            f"{given.host if given else None}:{given.port if given else None}, but it "
+            f"serves its store at {own.host}:{own.port} and announced that on its Lease; "
+            "status.store was written by someone else: check who may update the "
+            f"ElasticRun {self.settings.run_name} and its status")
+
+    @staticmethod
+    def _answered(session: RunSession, run: ElasticRun, leader: str,
+                  round_number: int) -> dt.datetime | None:
+        """The join request of ``leader`` that round ``round_number`` holds (its ``since``).
+
+        A copy of the run that predates the round (a member told on its Lease)
+        does not have it, so the run is read once.
+        """
+        if run.status.round != round_number:
+            run = session.read() or run
+        member = run.status.participant(leader) if run.status.round == round_number else None
+        return member.since if member is not None else None
 
 
 def create_handler(params: RendezvousParameters) -> K8sRendezvousHandler:
