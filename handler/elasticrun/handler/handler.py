@@ -413,13 +413,20 @@ class K8sRendezvousHandler(RendezvousHandler):
             return self._own_store(given, round_number, stale)
         if leader is None:
             return True  # the round lost its rank 0: reach_store joins the next one
-        answered = self._answered(session, run, leader, round_number)
+        # Rank 0's request in this round; a copy that predates the round (a member
+        # told on its Lease) has none, and is read afresh only if the store differs.
+        member = run.status.participant(leader) if run.status.round == round_number else None
+        answered, read_afresh = (member.since if member is not None else None), member is None
         deadline = time.monotonic() + STORE_CHECK_SECONDS
         while True:
             lease = session.call("read rank 0's Lease",
                                  lambda: session.gateway.listed_lease(leader))
             problem = store_problem(given, lease, self.settings.run_name, run.uid, leader,
                                     answered)
+            if problem is not None and read_afresh:
+                answered, read_afresh = self._answered(session, run, leader, round_number), False
+                problem = store_problem(given, lease, self.settings.run_name, run.uid, leader,
+                                        answered)
             if problem is None:
                 return True
             join = lease_state(lease).join if lease is not None else None
@@ -464,13 +471,10 @@ class K8sRendezvousHandler(RendezvousHandler):
     @staticmethod
     def _answered(session: RunSession, run: ElasticRun, leader: str,
                   round_number: int) -> dt.datetime | None:
-        """The join request of ``leader`` that round ``round_number`` holds (its ``since``).
-
-        A copy of the run that predates the round (a member told on its Lease)
-        does not have it, so the run is read once.
-        """
-        if run.status.round != round_number:
-            run = session.read() or run
+        """The join request of ``leader`` that round ``round_number`` holds (its ``since``),
+        from a fresh read of the run (one GET of the whole roster: only when the store
+        a member was told differs from what rank 0 announces)."""
+        run = session.read() or run
         member = run.status.participant(leader) if run.status.round == round_number else None
         return member.since if member is not None else None
 
