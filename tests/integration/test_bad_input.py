@@ -8,7 +8,9 @@ agents that claim the same node name.
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +29,7 @@ from elasticrun.api.naming import lease_name
 
 from chaoskit import assert_all_ok, raw_run, record
 from conftest import Cluster, OperatorProcess, wait_for
-from rdzv import is_waiting, read_run, rendezvous_all, start_rendezvous
+from rdzv import Outcome, is_waiting, read_run, rendezvous_all, start_rendezvous
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +154,10 @@ def test_well_typed_nonsense_raises_state_error_and_the_operator_repairs(
     assert_all_ok(again)
     assert sorted(o.rank for o in again.values()) == [0, 1, 2]
     final = read_run(cluster.client, namespace, "nonsense")
-    assert final.status.round == round_before + 1
+    # The repair forgets the roster, so the members' answered requests may look
+    # pending again and be sealed before the members are back; such a round
+    # names a store rank 0 no longer serves, and its members join the next one.
+    assert round_before < final.status.round <= round_before + 2
     record(f"hand-edited status: {case}", group="bad input",
            fault=f"kubectl edit --subresource=status: {case} (well typed, schema accepts it)",
            expected="RendezvousStateError naming the field; the operator marks the run Degraded "
@@ -376,4 +381,121 @@ def test_two_agents_with_the_same_node_name(make_handler: Any, cluster: Cluster,
            expected="the second gets a clear RendezvousError; the first is unaffected",
            observed=f"RendezvousError: '...{str(info.value).split(': ', 1)[1][:80]}...'; the "
                     "first agent formed its round",
+           recovery_seconds=None)
+
+
+# --------------------------------------------------------------------------- poisoned counters
+
+
+def _patch_status(cluster: Cluster, namespace: str, run: str,
+                  status: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    """What an admin (or a poisoner) does: kubectl patch of the status, unfenced."""
+    return cluster.kubectl("patch", "er", run, "-n", namespace, "--subresource=status",
+                           "--type=merge", "-p", json.dumps({"status": status}), check=False)
+
+
+def _one_after_the_other(cluster: Cluster, namespace: str, run: str,
+                         handlers: list[Any]) -> dict[str, Outcome]:
+    """``next_rendezvous()`` on each handler once the previous one waits; all outcomes.
+
+    Members of a round an admin reset (its roster kept) come back this way, its
+    rank 0 first: the reset round answers an earlier request of each, so rank 0
+    joins the next one, and so does every other member once rank 0's Lease
+    announces its new request; that round is sealed once all of them are back
+    (with a last call longer than their return).
+    """
+    started = {}
+    for handler in handlers:
+        name = handler.settings.node_name
+        started[name] = start_rendezvous(handler)
+        if handler is not handlers[-1]:
+            wait_for(functools.partial(is_waiting, cluster.client, namespace, run, name), 10,
+                     f"{name} to wait")
+    outcomes = {}
+    for name, (thread, box) in started.items():
+        thread.join(40)
+        assert "info" in box, (name, box)
+        outcomes[name] = Outcome(name, box["info"].rank, box["info"].world_size, box["info"])
+    assert_all_ok(outcomes)
+    return outcomes
+
+
+def test_a_poisoned_round_is_bounded_and_an_admins_reset_is_kept(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster,
+        namespace: str) -> None:
+    """Issue 20, case 4: ``round: 2**63-1`` used to kill the run for good.
+
+    The schema now refuses it.  The largest round a run can hold (the schema's
+    maximum less one) is an absurd mark nobody defends: members and the
+    operator that saw it take an admin's ``round: 5`` as the reset it is, and a
+    round forms after it.  A round at the maximum itself (no round can follow)
+    is repaired by the operator back to the round it still defends.
+    """
+    top = crd.counter_maximum()
+    a, b = (make_handler("poisoned", n, min_nodes=2, max_nodes=3, last_call_timeout=10)
+            for n in ("a", "b"))
+    assert_all_ok(rendezvous_all([a, b]))
+    refused = _patch_status(cluster, namespace, "poisoned", {"round": 2**63 - 1})
+    assert refused.returncode != 0
+    assert f"status.round: Invalid value: {2**63 - 1}: round in body should be less than or " \
+           f"equal to {top}" in refused.stderr, \
+        refused.stderr
+    assert read_run(cluster.client, namespace, "poisoned").status.round == 1
+
+    signal = read_run(cluster.client, namespace, "poisoned").status.signal
+    poisoned = _patch_status(cluster, namespace, "poisoned",
+                             {"round": top - 1, "signal": signal + 1})
+    assert poisoned.returncode == 0, poisoned.stderr
+    wait_for(lambda: all(h.watcher.latest.status.round == top - 1 for h in (a, b)), 10,
+             "the members to see the poisoned round")
+    time.sleep(1.0)  # the operator sees it too (its mark holds it)
+    reset = _patch_status(cluster, namespace, "poisoned", {"round": 5, "signal": signal + 2})
+    assert reset.returncode == 0, reset.stderr
+    wait_for(lambda: all(h.watcher.latest.status.round == 5 for h in (a, b)), 10,
+             "the members to take the reset")
+    time.sleep(1.5)  # a reconcile or two: a "repair" back to the poisoned round would show
+    assert read_run(cluster.client, namespace, "poisoned").status.round == 5
+    assert _repair_events(cluster, namespace, "poisoned") == []
+    assert all(h.watcher._error is None for h in (a, b))
+    c = make_handler("poisoned", "c", min_nodes=2, max_nodes=3, last_call_timeout=10)
+    fresh = [a, b, c]
+    again = _one_after_the_other(cluster, namespace, "poisoned", [c, a, b])
+    assert sorted(o.rank for o in again.values()) == [0, 1, 2]
+    assert {o.world_size for o in again.values()} == {3}
+    formed = read_run(cluster.client, namespace, "poisoned").status.round
+    assert 5 < formed < 10 and all(h._round == formed for h in fresh)
+
+    # A round at the maximum: no round can follow it, so the operator repairs it to
+    # the round it defends (the one just formed) and the members re-form after it.
+    signal = read_run(cluster.client, namespace, "poisoned").status.signal
+    assert _patch_status(cluster, namespace, "poisoned",
+                         {"round": top, "signal": signal + 1}).returncode == 0
+
+    def repaired() -> Any:
+        try:
+            run = read_run(cluster.client, namespace, "poisoned")
+        except InvalidRunError:
+            return None
+        return run if _repair_events(cluster, namespace, "poisoned") else None
+
+    run = wait_for(repaired, 15, "the operator to repair the round at the maximum")
+    assert run.status.round == formed and run.status.degraded
+    (event,) = _repair_events(cluster, namespace, "poisoned")
+    assert "no round can follow it" in event, event
+    wait_for(lambda: all(h.num_nodes_waiting() >= 1 for h in fresh), 15,
+             "members to be asked to re-form")
+    last = rendezvous_all(fresh)
+    assert_all_ok(last)
+    assert sorted(o.rank for o in last.values()) == [0, 1, 2]
+    final = read_run(cluster.client, namespace, "poisoned").status.round
+    assert formed < final < formed + 4 and all(h._round == final for h in fresh)
+    record("poisoned counter (status.round)", group="bad input",
+           fault=f"status.round 2**63-1, then {top - 1} (members and operator saw it), then "
+                 f"an admin's round 5; later {top}",
+           expected="2**63-1 refused by the schema; the admin's reset kept; a round at the "
+                    "maximum repaired; rounds form after each",
+           observed=f"schema: '...less than or equal to {top}'; reset to 5 kept, round 6 "
+                    f"round {formed} formed with ranks 0-2 by the two members that saw the "
+                    f"poison and a fresh node; round {top} repaired "
+                    f"to {formed}, round {final} formed",
            recovery_seconds=None)

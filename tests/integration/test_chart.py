@@ -297,6 +297,10 @@ def test_webhook_can_be_switched_off(helm: Helm) -> None:
     ({"training": {"perRunRBAC": True}, "operator": {"scope": "namespaces"},
       "trainingNamespaces": ["t"], "admissionPolicy": {"enabled": False}},
      "training.perRunRBAC=true needs admissionPolicy.enabled=true"),
+    ({"networkPolicy": {"perRun": True}},
+     "networkPolicy.perRun=true needs networkPolicy.enabled=true"),
+    ({"networkPolicy": {"enabled": True, "perRun": True, "storePort": 0}},
+     "networkPolicy.perRun=true with storePort 0 (not pinned) needs networkPolicy.isolate=true"),
 ])
 def test_bad_values_fail_with_what_to_set(helm: Helm, values: dict[str, Any],
                                           message: str) -> None:

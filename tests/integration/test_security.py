@@ -63,24 +63,31 @@ pytestmark = pytest.mark.slow
 # --------------------------------------------------------------------------- the TCPStore
 
 
-def _listeners(port: int) -> list[str]:
-    """Local addresses listening on ``port`` (from /proc/net/tcp and tcp6, hex decoded)."""
-    found = []
+def _sockets() -> Iterator[tuple[str, str, str]]:
+    """(local, remote, state) of every TCP socket of this machine, hex as the kernel
+    writes them in /proc/net/tcp and tcp6."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             lines = Path(table).read_text().splitlines()[1:]
         except FileNotFoundError:
             continue
         for line in lines:
-            local, state = line.split()[1], line.split()[3]
-            address, hex_port = local.split(":")
-            if state != "0A" or int(hex_port, 16) != port:  # 0A = LISTEN
-                continue
-            if len(address) == 8:
-                found.append(socket.inet_ntop(socket.AF_INET, bytes.fromhex(address)[::-1]))
-            else:
-                words = [bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, 32, 8)]
-                found.append(socket.inet_ntop(socket.AF_INET6, b"".join(words)))
+            fields = line.split()
+            yield fields[1], fields[2], fields[3]
+
+
+def _listeners(port: int) -> list[str]:
+    """Local addresses listening on ``port`` (hex decoded)."""
+    found = []
+    for local, _, state in _sockets():
+        address, hex_port = local.split(":")
+        if state != "0A" or int(hex_port, 16) != port:  # 0A = LISTEN
+            continue
+        if len(address) == 8:
+            found.append(socket.inet_ntop(socket.AF_INET, bytes.fromhex(address)[::-1]))
+        else:
+            words = [bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, 32, 8)]
+            found.append(socket.inet_ntop(socket.AF_INET6, b"".join(words)))
     return found
 
 
@@ -913,3 +920,217 @@ def test_another_runs_writer_cannot_put_leases_into_a_runs_list(
            observed=f"150 refused; A's LIST: 2 items, {size} bytes, {took * 1000:.0f} ms",
            recovery_seconds=None)
 
+
+# --------------------------------------------------------------------------- the round's store
+
+
+def _established_to(port: int) -> int:
+    """TCP connections on this machine whose remote end is ``port``."""
+    return sum(1 for _, remote, state in _sockets()
+               if state == "01" and int(remote.split(":")[1], 16) == port)  # 01 = ESTABLISHED
+
+
+def _status_writer(cluster: Cluster, namespace: str, tmp_path: Path) -> KubeClient:
+    """A ServiceAccount allowed to update ElasticRuns and their status, and nothing else
+    (a user with kubectl rights on runs, or a pod of another run in a shared namespace)."""
+    _service_account(cluster, namespace, "status-writer")
+    rules = [{"apiGroups": [crd.GROUP], "resources": [crd.PLURAL, f"{crd.PLURAL}/status"],
+              "verbs": ["get", "list", "watch", "update", "patch"]}]
+    base = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}"
+    cluster.client.request("POST", f"{base}/roles", body={
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": {"name": "status-writer"}, "rules": rules})
+    cluster.client.request("POST", f"{base}/rolebindings", body={
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": "status-writer"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                    "name": "status-writer"},
+        "subjects": [{"kind": "ServiceAccount", "name": "status-writer",
+                      "namespace": namespace}]})
+    kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, "status-writer"),
+                                  tmp_path / "status-writer.kubeconfig", namespace)
+    return KubeClient(load_credentials(str(kubeconfig)), timeout=10)
+
+
+def test_nodes_refuse_a_store_their_rank0_did_not_announce(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
+        tmp_path: Path) -> None:
+    """Issue 20, case 8: a writer of the run seals a round on the attacker's TCPStore.
+
+    The attacker holds only ElasticRun rights (a real token).  It seals the
+    waiting nodes' round itself, with their real join requests and ranks, and
+    ``status.store`` pointing at its own TCPStore.  Rank 0 refuses (it serves
+    its own store), the other member refuses (rank 0's Lease announces another
+    store), nobody connects, and an honest round forms afterwards.
+    """
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import RendezvousStateError
+
+    from elasticrun.api.leases import lease_state
+    from elasticrun.api.model import RunStatus
+
+    from rdzv import is_waiting, start_rendezvous
+
+    attacker = _status_writer(cluster, namespace, tmp_path)
+    trap = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    keys_before = trap.num_keys()
+    own_connections = _established_to(trap.port)  # the trap's own client, to its server
+    a, b = (make_handler("victim", n, min_nodes=3) for n in ("a", "b"))
+    boxes = [start_rendezvous(h) for h in (a, b)]
+    wait_for(lambda: all(is_waiting(cluster.client, namespace, "victim", n) for n in "ab"), 15,
+             "a and b to wait")
+    joins = {n: lease_state(cluster.client.request(
+        "GET", lease_path(namespace, lease_name("victim", n)))).join for n in "ab"}
+    raw = attacker.request("GET", run_path(namespace, "victim"))
+    honest = RunStatus.from_dict(raw.get("status"))
+    forged = {**honest.to_dict(), "phase": "Running", "round": 1, "signal": honest.signal + 1,
+              "participants": [
+                  {"name": n, "rank": rank, "joinedRound": 1,
+                   "since": format_time(joins[n].since)}  # type: ignore[union-attr]
+                  for rank, n in enumerate("ab")],
+              "waiting": [], "store": {"host": "127.0.0.1", "port": trap.port}}
+    raw["status"] = forged
+    attacker.request("PUT", run_path(namespace, "victim", "status"), body=raw)
+    for thread, _ in boxes:
+        thread.join(30)
+    (_, box_a), (_, box_b) = boxes
+    error_a, error_b = box_a.get("error"), box_b.get("error")
+    assert isinstance(error_a, RendezvousStateError), box_a
+    assert isinstance(error_b, RendezvousStateError), box_b
+    announced = f"127.0.0.1:{joins['a'].store_port}"  # type: ignore[union-attr]
+    assert f"round 1 makes this node rank 0 with store 127.0.0.1:{trap.port}, but it serves " \
+           f"its store at {announced}" in str(error_a), error_a
+    assert f"refusing the store of round 1: the round names store 127.0.0.1:{trap.port}, " \
+           f"but rank 0 (a) announced {announced}. No connection was made" in str(error_b)
+    assert "check who may update the ElasticRun victim" in str(error_b)
+    assert trap.num_keys() == keys_before
+    assert _established_to(trap.port) == own_connections
+    # The honest path: a third node waits first, a and b come back, one round of three.
+    c = make_handler("victim", "c", min_nodes=3)
+    thread_c, box_c = start_rendezvous(c)
+    wait_for(lambda: is_waiting(cluster.client, namespace, "victim", "c"), 15, "c to wait")
+    outcomes = rendezvous_all([a, b])
+    thread_c.join(30)
+    assert_all_ok(outcomes)
+    assert "info" in box_c, box_c
+    infos = {"c": box_c["info"], **{n: o.info for n, o in outcomes.items()}}
+    assert sorted(i.rank for i in infos.values()) == [0, 1, 2]
+    assert {i.world_size for i in infos.values()} == {3}
+    run = read_run(cluster.client, namespace, "victim")
+    assert run.status.round == 2 and run.status.store is not None
+    assert run.status.store.port != trap.port
+    leader = next(i for i in infos.values() if i.rank == 0)
+    leader.store.set("honest", "yes")
+    assert all(i.store.get("honest") == b"yes" for i in infos.values())
+    assert trap.num_keys() == keys_before and _established_to(trap.port) == own_connections
+    record("status.store pointed at an attacker's TCPStore", group="security",
+           fault="a writer of the run (ElasticRun rights only, real token) seals the waiting "
+                 "nodes' round with status.store on its own TCPStore",
+           expected="rank 0 and the member refuse with RendezvousStateError naming both "
+                    "stores; no connection; an honest round forms after",
+           observed=f"both refused; the attacker's store: {trap.num_keys() - keys_before} new "
+                    "keys, 0 connections; round 2 formed with ranks 0-2 on rank 0's store",
+           recovery_seconds=None)
+
+
+# --------------------------------------------------------------------------- per-run policies
+
+NP_VALUES = {"networkPolicy": {"enabled": True, "perRun": True, "storePort": 29400}}
+
+
+def _admits_tcp(rule: dict[str, Any], port: int) -> bool:
+    for allowed in rule.get("ports") or [{}]:
+        low = allowed.get("port")
+        high = allowed.get("endPort", low)
+        if allowed.get("protocol", "TCP") == "TCP" and (low is None or low <= port <= high):
+            return True
+    return False
+
+
+def _run_manifest(name: str) -> dict[str, Any]:
+    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": name},
+            "spec": {"minNodes": 1}}
+
+
+def test_per_run_network_policies_admit_only_the_runs_pods_to_its_store(
+        cluster: Cluster, helm: Helm, namespace: str, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    """Issue 20, case 8: run A's pods reach run B's store (a namespace policy cannot say
+    "the same run").  With ``networkPolicy.perRun`` the chart's namespace policy leaves
+    the store port out, and the operator, on nothing but the chart's role, gives each
+    run a policy of its own (checked as stored: no CNI here enforces it)."""
+    port = NP_VALUES["networkPolicy"]["storePort"]
+    values = {"trainingNamespaces": [namespace], "fullnameOverride": namespace,
+              "operator": {"scope": "namespaces"}, "webhook": {"enabled": False},
+              **NP_VALUES}
+    rendered = helm.template("sec", namespace, values)
+    (deployment,) = by_kind(rendered, "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--per-run-network-policy={port}" in args
+    (shared,) = by_kind(rendered, "NetworkPolicy")
+    assert not any(_admits_tcp(rule, port) for rule in shared["spec"]["ingress"]), shared
+    assert any(_admits_tcp(rule, port - 1) for rule in shared["spec"]["ingress"])
+    (role,) = [d for d in by_kind(rendered, "Role")
+               if d["metadata"]["name"] == f"{namespace}-operator"]
+    policy_rules = [r for r in role["rules"] if "networkpolicies" in r["resources"]]
+    assert policy_rules == [{"apiGroups": ["networking.k8s.io"],
+                             "resources": ["networkpolicies"],
+                             "verbs": ["create", "patch", "delete"]}]
+    docs = [d for d in rendered if d["kind"] in {"ServiceAccount", "Role", "RoleBinding",
+                                                  "ClusterRole", "ClusterRoleBinding"}]
+    request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
+    apply(cluster, docs)
+    kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, namespace),
+                                  tmp_path / "operator.kubeconfig", namespace)
+    op = OperatorProcess(kubeconfig, [namespace], tmp_path,
+                         extra_args=["--per-run-network-policy", str(port)])
+    op.start()
+    try:
+        runs = {}
+        for name in ("team-a", "team-b"):
+            runs[name] = cluster.client.request(
+                "POST", f"/apis/{crd.API_VERSION}/namespaces/{namespace}/{crd.PLURAL}",
+                body=_run_manifest(name))["metadata"]["uid"]
+        base = f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies"
+
+        def made() -> Any:
+            items = cluster.client.request("GET", base).get("items") or []
+            own = [i for i in items if i["metadata"]["name"].startswith("elasticrun-store.")]
+            return own if len(own) == 2 else None
+
+        policies = {p["metadata"]["annotations"][crd.RUN_LABEL]: p
+                    for p in wait_for(made, 20, "the operator to make the per-run policies")}
+        for name, uid in runs.items():
+            stored = policies[name]
+            pods = {"matchLabels": {crd.RUN_LABEL: name}}
+            assert stored["spec"]["podSelector"] == pods
+            assert stored["spec"]["policyTypes"] == ["Ingress"]
+            assert stored["spec"]["ingress"] == [
+                {"from": [{"podSelector": pods}], "ports": [{"protocol": "TCP", "port": port}]}]
+            (owner,) = stored["metadata"]["ownerReferences"]
+            assert (owner["kind"], owner["name"], owner["uid"]) == (crd.KIND, name, uid)
+        log_text = op.log_path.read_text(errors="replace")
+        assert "forbidden" not in log_text, log_text[-2000:]
+    finally:
+        op.stop()
+    record("per-run NetworkPolicy (networkPolicy.perRun)", group="security",
+           fault="a pod of run A connects to run B's TCPStore (same namespace)",
+           expected="the namespace policy leaves the store port out; each run's policy admits "
+                    "only its own pods to it; owned by the run; the chart's role suffices",
+           observed=f"2 runs, 2 policies: podSelector {crd.RUN_LABEL}=<run>, TCP {port} from "
+                    "the same selector, ownerReference the run's uid; the namespace policy "
+                    f"admits TCP {port} from nobody",
+           recovery_seconds=None)
+
+
+def test_no_per_run_network_policy_unless_enabled(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
+        helm: Helm) -> None:
+    assert_all_ok(rendezvous_all([make_handler("plain", "solo")]))
+    time.sleep(1.0)  # a reconcile or two
+    listed = cluster.client.request(
+        "GET", f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies")
+    assert listed.get("items") == []
+    (deployment,) = by_kind(helm.template("sec", "ops"), "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(a.startswith("--per-run-network-policy") for a in args)

@@ -87,6 +87,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and .Values.training.perRunRBAC (not .Values.admissionPolicy.enabled) }}
 {{- fail "training.perRunRBAC=true needs admissionPolicy.enabled=true: without the policy any pod that may create Leases can join another run" }}
 {{- end }}
+{{- if and .Values.networkPolicy.perRun (not .Values.networkPolicy.enabled) }}
+{{- fail "networkPolicy.perRun=true needs networkPolicy.enabled=true: the namespace's policy is what closes the store port to the other runs' pods" }}
+{{- end }}
+{{- if and .Values.networkPolicy.perRun (eq (int .Values.networkPolicy.storePort) 0) (not .Values.networkPolicy.isolate) }}
+{{- fail "networkPolicy.perRun=true with storePort 0 (not pinned) needs networkPolicy.isolate=true: a store on any port cannot be told from the ports left open; or pin the port (storePort, and torchrun --rdzv-conf store_port=<it>)" }}
+{{- end }}
 {{- if and (gt (int .Values.operator.replicas) 1) (not .Values.certManager.enabled) }}
 {{- fail "operator.replicas > 1 needs certManager.enabled=true: each replica would make its own webhook certificate" }}
 {{- end }}
@@ -95,4 +101,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- fail (printf "trainingNamespaces: %q is not a namespace name" .) }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* NetworkPolicy ports: every port but TCP port P (the TCPStore). */}}
+{{- define "elasticrun.portsExcept" -}}
+{{- $p := int . }}
+{{- if gt $p 1 }}
+- protocol: TCP
+  port: 1
+  endPort: {{ sub $p 1 }}
+{{- end }}
+{{- if lt $p 65535 }}
+- protocol: TCP
+  port: {{ add $p 1 }}
+  endPort: 65535
+{{- end }}
+- protocol: UDP
+- protocol: SCTP
 {{- end }}

@@ -58,3 +58,20 @@ def spec_default(field: str) -> Any:
 
 def spec_maximum(field: str) -> int:
     return int(spec_properties()[field]["maximum"])
+
+
+@cache
+def status_properties() -> dict[str, Any]:
+    props: dict[str, Any] = _version_schema()["properties"]["status"]["properties"]
+    return props
+
+
+@cache
+def counter_maximum() -> int:
+    """The largest value of every integer counter in the status (round, signal, ranks, ...).
+
+    One number for all of them, kept in the CRD (``status.round``'s ``maximum``)
+    so that the schema and the model refuse the same values; the unit tests
+    check that every integer of the status schema carries it.
+    """
+    return int(status_properties()["round"]["maximum"])

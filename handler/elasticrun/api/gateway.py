@@ -38,7 +38,14 @@ from elasticrun.api.leases import (
     pending_joins,
     run_leases_query,
 )
-from elasticrun.api.model import Assignment, RunSpec, RunStatus, WaitingNode, new_run_manifest
+from elasticrun.api.model import (
+    Assignment,
+    RunSpec,
+    RunStatus,
+    WaitingNode,
+    new_run_manifest,
+    next_signal,
+)
 from elasticrun.api.naming import lease_name
 
 
@@ -62,7 +69,7 @@ def announce_patch(status: RunStatus) -> list[dict[str, Any]]:
         {"op": "test", "path": "/status/joinNotice", "value": status.join_notice},
         {"op": "test", "path": "/status/signal", "value": status.signal},
         {"op": "replace", "path": "/status/joinNotice", "value": status.round},
-        {"op": "replace", "path": "/status/signal", "value": status.signal + 1},
+        {"op": "replace", "path": "/status/signal", "value": next_signal(status.signal)},
     ]
 
 
@@ -163,6 +170,19 @@ class RunGateway:
             if exc.not_found:
                 return None
             raise
+
+    def listed_lease(self, node: str) -> dict[str, Any] | None:
+        """``node``'s Lease in this run, read by a LIST selecting its name; None if none.
+
+        A per-run Role grants ``get`` on a Lease by name once the operator has
+        seen it, and ``list`` at once: a member checking its rank 0's store
+        right after the seal may not have ``get`` on that Lease yet.
+        """
+        listed = self.client.request("GET", leases_path(self.namespace), query={
+            "fieldSelector": f"metadata.name={lease_name(self.name, node)}"})
+        items = listed.get("items")
+        found = items[0] if isinstance(items, list) and len(items) == 1 else None
+        return found if isinstance(found, dict) else None
 
     def assign(self, node: str, assignment: Assignment, uid: str) -> bool:
         """Write ``node``'s place in the round on its Lease, the object with ``uid``.

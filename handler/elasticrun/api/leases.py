@@ -33,8 +33,9 @@ UNREACHABLE_ANNOTATION = f"{crd.GROUP}/unreachable"
 #: sealed (:class:`~elasticrun.api.model.Assignment` as JSON), written by the
 #: operator after its seal so that the member need not read the whole roster.
 ASSIGNMENT_ANNOTATION = f"{crd.GROUP}/assignment"
-#: Largest round, rank or world size a report or an assignment may name.
-MAX_COUNTER = 2**31
+#: One past the largest round, rank or world size a report or an assignment may
+#: name: the status counters' maximum (:func:`elasticrun.api.crd.counter_maximum`).
+MAX_COUNTER = crd.counter_maximum() + 1
 #: A rank 0 reported unreachable is lost once it has not renewed its Lease for this
 #: many renewal intervals (at most the heartbeat timeout): two independent signals,
 #: its store refusing a member and its Lease going quiet, instead of waiting for the

@@ -22,6 +22,9 @@ from elasticrun.api import crd, untrusted
 PHASES = ("Pending", "Forming", "Running", "Degraded", "Closed", "Succeeded")
 FINISHED_PHASES = ("Closed", "Succeeded")
 LOST_MEMBERS_KEPT = 16
+#: Most conditions and waiting entries a status keeps (the CRD's ``maxItems``).
+CONDITIONS_KEPT = 16
+WAITING_KEPT = 4096
 
 
 class InvalidRunError(ValueError):
@@ -91,6 +94,37 @@ def _opt_int(obj: Mapping[str, Any], key: str, path: str, minimum: int = 0) -> i
     if obj.get(key) is None:
         return None
     return _int(obj, key, path, minimum=minimum)
+
+
+def _count(obj: Mapping[str, Any], key: str, path: str, default: int | None = None) -> int:
+    """A counter of the status (round, signal, rank, ...): 0..``crd.counter_maximum()``.
+
+    The schema refuses larger values; a CRD installed before it had a maximum
+    does not, so the model refuses them too, naming the bound.
+    """
+    value = _int(obj, key, path, default)
+    if value > crd.counter_maximum():
+        raise InvalidRunError(f"{path}.{key}", f"must be <= {crd.counter_maximum()} (the "
+                              f"schema's maximum for counters), found {value}")
+    return value
+
+
+def _opt_count(obj: Mapping[str, Any], key: str, path: str) -> int | None:
+    return None if obj.get(key) is None else _count(obj, key, path)
+
+
+def next_signal(signal: int) -> int:
+    """The signal after ``signal``: any other value wakes the watchers, so it wraps to 1.
+
+    Nodes watch with ``status.signal!=S`` and only ever ask whether it changed,
+    so a signal at the counters' maximum goes on instead of failing every write.
+    """
+    return signal + 1 if signal < crd.counter_maximum() else 1
+
+
+def capped(value: int) -> int:
+    """``value`` no larger than the counters' maximum (``metadata.generation`` is int64)."""
+    return min(value, crd.counter_maximum())
 
 
 def _str(obj: Mapping[str, Any], key: str, path: str, default: str | None = None) -> str:
@@ -239,10 +273,10 @@ class Participant:
         item = _mapping(obj, path)
         return cls(
             name=_str(item, "name", path),
-            rank=_int(item, "rank", path),
+            rank=_count(item, "rank", path),
             address=_opt_str(item, "address", path),
             store_port=_port(item, "storePort", path),
-            joined_round=_int(item, "joinedRound", path, 0),
+            joined_round=_count(item, "joinedRound", path, 0),
             pod=_opt_str(item, "pod", path),
             since=_time(item, "since", path),
             pod_uid=_pod_uid(item, path),
@@ -352,7 +386,7 @@ class LostMember:
                                   f"{detection!r}")
         return cls(
             name=_str(item, "name", path),
-            round=_int(item, "round", path),
+            round=_count(item, "round", path),
             reason=_str(item, "reason", path),
             message=_opt_str(item, "message", path),
             time=_time(item, "time", path),
@@ -391,7 +425,7 @@ class Condition:
             reason=_opt_str(item, "reason", path),
             message=_opt_str(item, "message", path),
             last_transition_time=_time(item, "lastTransitionTime", path),
-            observed_generation=_opt_int(item, "observedGeneration", path),
+            observed_generation=_opt_count(item, "observedGeneration", path),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -400,7 +434,8 @@ class Condition:
             "message": self.message,
             "lastTransitionTime": (format_time(self.last_transition_time)
                                    if self.last_transition_time else None),
-            "observedGeneration": self.observed_generation,
+            "observedGeneration": (capped(self.observed_generation)
+                                   if self.observed_generation is not None else None),
         })
 
 
@@ -501,10 +536,10 @@ class RunStatus:
             store = StoreAddress(host=_str(raw, "host", "status.store"), port=port)
         parsed = cls(
             phase=phase,
-            round=_int(obj, "round", "status", 0),
-            signal=_int(obj, "signal", "status", 0),
-            join_notice=_int(obj, "joinNotice", "status", 0),
-            restart_round=_int(obj, "restartRound", "status", 0),
+            round=_count(obj, "round", "status", 0),
+            signal=_count(obj, "signal", "status", 0),
+            join_notice=_count(obj, "joinNotice", "status", 0),
+            restart_round=_count(obj, "restartRound", "status", 0),
             participants=participants,
             waiting=waiting,
             store=store,
@@ -512,14 +547,20 @@ class RunStatus:
             conditions=conditions,
             sealed_at=_time(obj, "sealedAt", "status"),
             finished_at=_time(obj, "finishedAt", "status"),
-            waiting_count=_opt_int(obj, "waitingCount", "status"),
-            observed_generation=_opt_int(obj, "observedGeneration", "status"),
+            waiting_count=_opt_count(obj, "waitingCount", "status"),
+            observed_generation=_opt_count(obj, "observedGeneration", "status"),
         )
         parsed._check_consistent()
         return parsed
 
     def _check_consistent(self) -> None:
         """Reject well-typed nonsense that would make nodes disagree on ranks."""
+        if self.round >= crd.counter_maximum():
+            raise InvalidRunError(
+                "status.round", f"is {self.round}, the schema's maximum, so no round can "
+                "follow it; it was written by hand: write a lower round (kubectl patch "
+                "elasticrun NAME --subresource=status --type=merge -p "
+                "'{\"status\":{\"round\":0}}'), or let the operator repair it")
         names = [p.name for p in self.participants]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -562,13 +603,14 @@ class RunStatus:
             "memberCount": len(self.participants),
             "waitingCount": len(self.waiting),
             "participants": [p.to_dict() for p in self.participants],
-            "waiting": [w.to_dict() for w in self.waiting],
+            "waiting": [w.to_dict() for w in self.waiting[:WAITING_KEPT]],
             "store": self.store.to_dict() if self.store else None,
             "lostMembers": [m.to_dict() for m in self.lost_members],
-            "conditions": [c.to_dict() for c in self.conditions],
+            "conditions": [c.to_dict() for c in self.conditions[-CONDITIONS_KEPT:]],
             "sealedAt": format_time(self.sealed_at) if self.sealed_at else None,
             "finishedAt": format_time(self.finished_at) if self.finished_at else None,
-            "observedGeneration": self.observed_generation,
+            "observedGeneration": (capped(self.observed_generation)
+                                   if self.observed_generation is not None else None),
         })
 
     def replace(self, **changes: Any) -> RunStatus:

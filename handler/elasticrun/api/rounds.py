@@ -21,6 +21,7 @@ from elasticrun.api.model import (
     RunStatus,
     StoreAddress,
     WaitingNode,
+    next_signal,
 )
 
 #: From this ``maxNodes`` on, nodes leave sealing to the operator (see :func:`nodes_defer_seal`).
@@ -197,7 +198,7 @@ def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None,
     return status.replace(
         phase="Running",
         round=new_round,
-        signal=status.signal + (0 if by_lease else 1),
+        signal=status.signal if by_lease else next_signal(status.signal),
         participants=participants,
         waiting=tuple(w for w in _waiting(run, waiting) if w.name not in admitted_names),
         store=store,
@@ -231,7 +232,7 @@ def remove_member(status: RunStatus, name: str, reason: str, now: dt.datetime,
         restart_round=status.round,
         # Members were already told when the round first lost someone; telling
         # them again for every further loss would make a mass exit quadratic.
-        signal=status.signal + (0 if status.degraded else 1),
+        signal=status.signal if status.degraded else next_signal(status.signal),
         lost_members=(*status.lost_members, lost)[-LOST_MEMBERS_KEPT:],
     )
 
@@ -240,7 +241,8 @@ def request_restart(status: RunStatus) -> RunStatus | None:
     """Mark the current round for re-formation (forced round, drain); None if nothing runs."""
     if status.round == 0 or status.degraded:
         return None
-    return status.replace(phase="Degraded", restart_round=status.round, signal=status.signal + 1)
+    return status.replace(phase="Degraded", restart_round=status.round,
+                          signal=next_signal(status.signal))
 
 
 def nodes_waiting(run: ElasticRun, my_round: int, waiting: Waiting = None) -> int:

@@ -33,6 +33,7 @@ through the run's gateway (:mod:`.session`).
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import random
 import threading
@@ -53,8 +54,17 @@ from torch.distributed.elastic.rendezvous import (
 from elasticrun.api import rounds
 from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import KubeClient
-from elasticrun.api.model import Assignment, ElasticRun, WaitingNode, now
+from elasticrun.api.leases import lease_state
+from elasticrun.api.model import (
+    Assignment,
+    ElasticRun,
+    StoreAddress,
+    WaitingNode,
+    next_signal,
+    now,
+)
 from elasticrun.api.policy import RETRY_DELAYS, retry_delay
+from elasticrun.api.stores import store_problem
 from elasticrun.handler import settings as settings_mod
 from elasticrun.handler import step
 from elasticrun.handler.calls import ElasticRunForbiddenError, connect_client, who
@@ -63,7 +73,7 @@ from elasticrun.handler.mailbox import AssignmentWatch
 from elasticrun.handler.reach import REPORT_TIMEOUT, reach_store
 from elasticrun.handler.session import RunSession
 from elasticrun.handler.settings import RendezvousSettings
-from elasticrun.handler.store import RoundStores
+from elasticrun.handler.store import RoundStores, StoreAddressError
 from elasticrun.handler.watcher import RunWatcher
 
 __all__ = ["BACKEND", "ElasticRunForbiddenError", "K8sRendezvousHandler", "create_handler"]
@@ -71,6 +81,10 @@ __all__ = ["BACKEND", "ElasticRunForbiddenError", "K8sRendezvousHandler", "creat
 log = logging.getLogger(__name__)
 
 BACKEND = "k8s"
+#: How long a member looks again at a store its rank 0 did not announce before it
+#: refuses it: the honest mismatch (rank 0 left, or re-joined for the next round)
+#: ends the round, which the member's watch shows within this.
+STORE_CHECK_SECONDS = 5.0
 
 
 class K8sRendezvousHandler(RendezvousHandler):
@@ -110,7 +124,10 @@ class K8sRendezvousHandler(RendezvousHandler):
             session = self._connect()
             run = session.current()
             self._start_lease(session, run)
-            self.stores.fresh(self.settings.address, self.settings.store_port)
+            try:
+                self.stores.fresh(self.settings.address, self.settings.store_port)
+            except StoreAddressError as exc:
+                raise RendezvousError(f"{self._who()}: {exc}") from exc
             started = time.monotonic()
             defer_until = (started + rounds.defer_seal_wait(run.spec)
                            if rounds.nodes_defer_seal(run.spec) else None)
@@ -129,7 +146,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         while True:
             action = step.next_action(known, now(), time.monotonic())
             if isinstance(action, step.Complete):
-                info = self._complete(session, known.run, action.assignment)
+                info = self._complete(session, known.run, action.assignment, known.own)
                 if info is not None:
                     return info
                 # The round ended before its store answered: join the next one.
@@ -152,7 +169,7 @@ class K8sRendezvousHandler(RendezvousHandler):
             run = session.read()
             if run is None or run.status.phase == "Closed":
                 return
-            status = run.status.replace(phase="Closed", signal=run.status.signal + 1,
+            status = run.status.replace(phase="Closed", signal=next_signal(run.status.signal),
                                         finished_at=run.status.finished_at or now())
             if session.replace_status(run, status) is not None:
                 return
@@ -351,8 +368,8 @@ class K8sRendezvousHandler(RendezvousHandler):
             self._lease.report_unreachable(leader, round_number,
                                            min(REPORT_TIMEOUT, self.settings.close_timeout))
 
-    def _complete(self, session: RunSession, run: ElasticRun,
-                  assignment: Assignment) -> RendezvousInfo | None:
+    def _complete(self, session: RunSession, run: ElasticRun, assignment: Assignment,
+                  own: WaitingNode | None = None) -> RendezvousInfo | None:
         """torch's view of the round, or None when it ended before its store answered."""
         round_number, rank = assignment.round, assignment.rank
         if assignment.store is None:
@@ -361,6 +378,8 @@ class K8sRendezvousHandler(RendezvousHandler):
                                        "publish its TCPStore port")
         host, port = assignment.store.host, assignment.store.port
         latest = session.watcher.latest or run
+        if not self._store_announced(session, latest, assignment, own):
+            return None
         base = reach_store(session, self.stores, latest, assignment, self._report_unreachable)
         if base is None:
             return None
@@ -370,6 +389,95 @@ class K8sRendezvousHandler(RendezvousHandler):
                  assignment.world_size, host, port)
         return RendezvousInfo(store, rank, assignment.world_size,
                               RendezvousStoreInfo(master_addr=host, master_port=port))
+
+
+    def _store_announced(self, session: RunSession, run: ElasticRun, assignment: Assignment,
+                         request: WaitingNode | None) -> bool:
+        """Whether the round's store is the one its rank 0 announced; False: not our round.
+
+        Rank 0 serves its own store; anyone else reads rank 0's Lease (one
+        LIST by name) and compares (:func:`elasticrun.api.stores.store_problem`).
+        A round that does not answer this call's join ``request`` (a status
+        written by hand from an older round), or whose rank 0 has moved on
+        (its request withdrawn or replaced by a newer one), is not this node's
+        round: it joins the next one.  A round that answers rank 0's current
+        request with a store rank 0 did not announce is refused before any
+        connection is made, with torch's RendezvousStateError.
+        """
+        given, leader, round_number = assignment.store, assignment.leader, assignment.round
+        # Every seal records the request it answers: a round holding an older
+        # request of this node was written from an older round (a hand edit, a
+        # restore, a repair that forgot the roster).
+        stale = request is not None and assignment.since is not None \
+            and assignment.since != request.since
+        if assignment.rank == 0:
+            return self._own_store(given, round_number, stale)
+        if leader is None:
+            return True  # the round lost its rank 0: reach_store joins the next one
+        # Rank 0's request in this round; a copy that predates the round (a member
+        # told on its Lease) has none, and is read afresh only if the store differs.
+        member = run.status.participant(leader) if run.status.round == round_number else None
+        answered, read_afresh = (member.since if member is not None else None), member is None
+        deadline = time.monotonic() + STORE_CHECK_SECONDS
+        while True:
+            lease = session.call("read rank 0's Lease",
+                                 lambda: session.gateway.listed_lease(leader))
+            problem = store_problem(given, lease, self.settings.run_name, run.uid, leader,
+                                    answered)
+            if problem is not None and read_afresh:
+                answered, read_afresh = self._answered(session, run, leader, round_number), False
+                problem = store_problem(given, lease, self.settings.run_name, run.uid, leader,
+                                        answered)
+            if problem is None:
+                return True
+            join = lease_state(lease).join if lease is not None else None
+            if stale or join is None or join.since != answered:
+                log.warning("%s: not connecting to the store of round %d (%s); %s, joining "
+                            "the next round", self._who(), round_number, problem,
+                            "it answers an earlier request of this node" if stale
+                            else "rank 0 has moved on")
+                return False
+            session.check_watch()
+            latest = session.watcher.latest or run
+            if step.superseded(latest, round_number, self.settings.node_name,
+                               leader) is not None:
+                return False
+            if time.monotonic() >= deadline:
+                raise RendezvousStateError(
+                    f"{self._who()}: refusing the store of round {round_number}: {problem}. "
+                    "No connection was made: status.store (or this node's assignment) was "
+                    "written by someone other than rank 0; check who may update the "
+                    f"ElasticRun {self.settings.run_name} and its status (per-run RBAC, "
+                    "the admission policy)")
+            session.wait_for_change(latest, min(deadline, time.monotonic() + 0.5),
+                                    lambda: self._closing)
+
+    def _own_store(self, given: StoreAddress | None, round_number: int, stale: bool) -> bool:
+        """Rank 0's check: the round names the store this node serves for this call."""
+        own = StoreAddress(self.settings.address, self.stores.port or 0)
+        if given == own:
+            return True
+        if stale:
+            log.warning("%s: round %d answers an earlier request of this node and names "
+                        "another store than its own; joining the next round", self._who(),
+                        round_number)
+            return False
+        raise RendezvousStateError(
+            f"{self._who()}: round {round_number} makes this node rank 0 with store "
+            f"{given.host if given else None}:{given.port if given else None}, but it "
+            f"serves its store at {own.host}:{own.port} and announced that on its Lease; "
+            "status.store was written by someone else: check who may update the "
+            f"ElasticRun {self.settings.run_name} and its status")
+
+    @staticmethod
+    def _answered(session: RunSession, run: ElasticRun, leader: str,
+                  round_number: int) -> dt.datetime | None:
+        """The join request of ``leader`` that round ``round_number`` holds (its ``since``),
+        from a fresh read of the run (one GET of the whole roster: only when the store
+        a member was told differs from what rank 0 announces)."""
+        run = session.read() or run
+        member = run.status.participant(leader) if run.status.round == round_number else None
+        return member.since if member is not None else None
 
 
 def create_handler(params: RendezvousParameters) -> K8sRendezvousHandler:

@@ -18,6 +18,10 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
+class StoreAddressError(OSError):
+    """The node's address names no interface of its own to serve the TCPStore on."""
+
+
 class StoreHost:
     """This node's TCPStore server for one round.
 
@@ -104,7 +108,10 @@ class RoundStores:
 
 
 def _bind_address(address: str) -> str:
-    """The IP to bind for ``address`` (an IP, or a name that resolves to this host)."""
+    """The IP to bind for ``address`` (an IP, or a name that resolves to this host).
+
+    Raises StoreAddressError when ``address`` does not resolve.
+    """
     try:
         socket.inet_pton(socket.AF_INET, address)
         return address
@@ -117,9 +124,14 @@ def _bind_address(address: str) -> str:
         pass
     try:
         return socket.gethostbyname(address)
-    except OSError:
-        log.warning("cannot resolve %r; the TCPStore listens on all interfaces", address)
-        return "0.0.0.0"
+    except OSError as exc:
+        # Listening on every interface instead would expose the unauthenticated
+        # store wherever the pod is reachable.
+        raise StoreAddressError(
+            f"cannot serve the TCPStore: the node's address {address!r} does not resolve "
+            f"({exc}), and the store listens only on the node's own address, never on all "
+            "interfaces. Set the address: torchrun --rdzv-conf address=<pod IP>, or the "
+            "POD_IP environment variable (fieldRef status.podIP)") from exc
 
 
 def connect(host: str, port: int, timeout: float) -> dist.Store:

@@ -28,6 +28,13 @@ from elasticrun.operator.metrics import Metrics
 log = logging.getLogger("elasticrun.operator")
 
 
+def _tcp_port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535; 0: not pinned)")
+    return port
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="elasticrun-operator", description=__doc__)
     scope = parser.add_mutually_exclusive_group()
@@ -48,6 +55,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "a Role limited to that run and its Leases, bound to SA (the "
                              "operator needs patch/delete on roles and rolebindings, and "
                              "itself every right it grants: RBAC forbids escalation)")
+    parser.add_argument("--per-run-network-policy", type=_tcp_port, default=None, metavar="PORT",
+                        help="give each ElasticRun a NetworkPolicy that admits only its own "
+                             "pods to the TCPStore port PORT (0: the store port is not "
+                             "pinned, so to every port); the operator needs create/patch/"
+                             "delete on networkpolicies")
     parser.add_argument("--workers", type=int, default=2,
                         help="runs reconciled in parallel (default 2)")
     parser.add_argument("--kubeconfig", default=None,
@@ -80,7 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     client = KubeClient.from_config(args.kubeconfig, timeout=15, user_agent=OPERATOR_USER_AGENT,
                                     connections=ASSIGN_CONCURRENCY + 8)
     controller = Controller(client, metrics,
-                            workers=args.workers, per_run_rbac=args.per_run_rbac)
+                            workers=args.workers, per_run_rbac=args.per_run_rbac,
+                            store_policy_port=args.per_run_network_policy)
 
     @kopf.on.startup()
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:

@@ -57,7 +57,7 @@ def release_freed_memory() -> None:
 
 class Controller:
     def __init__(self, client: KubeClient, metrics: Metrics, workers: int = 2,
-                 per_run_rbac: bool = False) -> None:
+                 per_run_rbac: bool = False, store_policy_port: int | None = None) -> None:
         self.client = client
         self.metrics = metrics
         self.runs: dict[Key, dict[str, Any]] = {}
@@ -80,7 +80,7 @@ class Controller:
         self.queue = WorkQueue(self.reconcile, workers)
         self.observer = Observer(client, metrics)
         self.executor = PlanExecutor(client, self.observer, self._accept_written, self.enqueue,
-                                     per_run_rbac)
+                                     per_run_rbac, store_policy_port)
         self.api = ApiAvailability(client, on_change=metrics.api_changed)
         #: Side tasks that live as long as the controller: the API probe, the caBundle check.
         self._tasks: list[asyncio.Task[None]] = []
@@ -269,6 +269,7 @@ class Controller:
             await self.executor.repair(key, raw, exc, min_round=mark.floor(uid))
             return
         self.executor.readable(key)
+        await self.executor.ensure_network_policy(run)
         indexed = self._indexed_leases(key, run)
         await self.executor.ensure_rbac(run, indexed)
         for node, state in indexed.items():

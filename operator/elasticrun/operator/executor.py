@@ -21,7 +21,7 @@ from elasticrun.api.kube import APPLY_PATCH, ApiConnectionError, ApiError, KubeC
 from elasticrun.api.leases import LeaseState, lease_state, owned_by
 from elasticrun.api.model import Assignment, ElasticRun, InvalidRunError, RunStatus, now, parse_run
 from elasticrun.api.ordering import newer, resource_version
-from elasticrun.operator import runrbac
+from elasticrun.operator import netpol, runrbac
 from elasticrun.operator.observer import COMPONENT, Observer
 from elasticrun.operator.reconcile import Plan, repair
 
@@ -43,8 +43,13 @@ class PlanExecutor:
 
     def __init__(self, client: KubeClient, observer: Observer,
                  accept: Callable[[Key, dict[str, Any]], None],
-                 enqueue: Callable[[Key], None], per_run_rbac: bool = False) -> None:
+                 enqueue: Callable[[Key], None], per_run_rbac: bool = False,
+                 store_policy_port: int | None = None) -> None:
         self.client = client
+        #: Give every run a NetworkPolicy of its own for this store port (0: any port;
+        #: None: none), elasticrun.operator.netpol.
+        self.store_policy_port = store_policy_port
+        self._policy_applied: dict[Key, str] = {}
         #: Give runs naming a ServiceAccount a Role of their own (elasticrun.operator.runrbac).
         self.per_run_rbac = per_run_rbac
         self.observer = observer
@@ -68,6 +73,7 @@ class PlanExecutor:
 
     def forget(self, key: Key) -> None:
         self._rbac_applied.pop(key, None)
+        self._policy_applied.pop(key, None)
         self._invalid_reported.pop(key, None)
         self._told.pop(key, None)
         self._delete_failures.pop(key, None)
@@ -214,6 +220,23 @@ class PlanExecutor:
         log.info("%s/%s: Role %s allows ServiceAccount %s this run and %d Lease(s)", *key,
                  runrbac.object_name(run.name), account, len(names))
 
+    async def ensure_network_policy(self, run: ElasticRun) -> None:
+        """The run's own NetworkPolicy (:mod:`.netpol`), applied only when it changes."""
+        if self.store_policy_port is None:
+            return
+        key = (run.namespace, run.name)
+        manifest = netpol.policy(run.name, run.namespace, run.uid, self.store_policy_port)
+        fingerprint = json.dumps(manifest, sort_keys=True)
+        if self._policy_applied.get(key) == fingerprint:
+            return
+        await asyncio.to_thread(
+            self.client.request, "PATCH", netpol.path(run.namespace, run.name), body=manifest,
+            query={"fieldManager": netpol.MANAGER, "force": "true"}, content_type=APPLY_PATCH)
+        self._policy_applied[key] = fingerprint
+        log.info("%s/%s: NetworkPolicy %s admits only the run's pods to %s", *key,
+                 netpol.object_name(run.name),
+                 f"port {self.store_policy_port}" if self.store_policy_port else "its pods")
+
     async def delete_run(self, run: ElasticRun) -> None:
         key = (run.namespace, run.name)
         await self.observer.post_event(
@@ -228,6 +251,8 @@ class PlanExecutor:
         if self.per_run_rbac:  # owned by the run, but a cluster may run no garbage collector
             for kind in ("RoleBinding", "Role"):
                 await self.delete_object(runrbac.path(kind, run.namespace, run.name))
+        if self.store_policy_port is not None:
+            await self.delete_object(netpol.path(run.namespace, run.name))
         await self.delete_object(gateway.path)
 
     async def delete_orphaned_leases(self, key: Key, uid: str | None) -> None:

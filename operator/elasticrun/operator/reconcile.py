@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 
 from elasticrun.api import crd, rounds
 from elasticrun.api.leases import LeaseState, pending_joins, suspicion_window
-from elasticrun.api.model import Assignment, Condition, ElasticRun, LostMember, RunStatus
+from elasticrun.api.model import (
+    Assignment,
+    Condition,
+    ElasticRun,
+    LostMember,
+    RunStatus,
+    capped,
+    next_signal,
+)
 from elasticrun.operator.liveness import Loss
 
 #: The handlers seal within milliseconds of the write that made a round
@@ -246,7 +254,8 @@ def _expire(run: ElasticRun, now: dt.datetime, plan: Plan) -> Plan:
 def _close(run: ElasticRun, now: dt.datetime, plan: Plan) -> Plan:
     """``spec.closed``: the run is finished for every node, waiting or late."""
     generation = run.generation
-    new = run.status.replace(phase="Closed", signal=run.status.signal + 1, finished_at=now)
+    new = run.status.replace(phase="Closed", signal=next_signal(run.status.signal),
+                             finished_at=now)
     conditions = set_condition(new.conditions, "Closed", True, "ClosedBySpec",
                                "spec.closed is true: waiting and late nodes are refused",
                                now, generation)
@@ -263,7 +272,7 @@ def _reopen(run: ElasticRun, now: dt.datetime, plan: Plan) -> RunStatus:
     new = run.status
     if new.phase != "Closed":
         return new
-    new = new.replace(phase="Forming", finished_at=None, signal=new.signal + 1,
+    new = new.replace(phase="Forming", finished_at=None, signal=next_signal(new.signal),
                       restart_round=new.round if new.round and not new.degraded
                       else new.restart_round)
     new = new.replace(conditions=set_condition(new.conditions, "Closed", False, "Reopened",
@@ -338,7 +347,7 @@ def _succeed(run: ElasticRun, new: RunStatus, now: dt.datetime, plan: Plan) -> P
     """Every member of the round left after finishing: the run succeeded."""
     generation = run.generation
     count = len([m for m in new.lost_members if m.round == new.round])
-    new = new.replace(phase="Succeeded", finished_at=now, signal=new.signal + 1)
+    new = new.replace(phase="Succeeded", finished_at=now, signal=next_signal(new.signal))
     conditions = set_condition(new.conditions, "Succeeded", True, "AllMembersLeft",
                                f"all {count} members of round {new.round} finished", now,
                                generation)
@@ -498,11 +507,14 @@ def repair(raw_status: object, error: Exception, now: dt.datetime, generation: i
            min_round: int = 0) -> dict[str, object]:
     """A readable status to replace one the model rejects, losing nothing that is safe.
 
-    The round number (at least ``min_round``, the highest the operator saw) and
-    the signal move forward (never back), waiting entries that
-    are readable are kept, and the current round is marked for restart, so every
-    member re-joins and a consistent round is sealed again.  The error goes into
-    the ``Degraded`` condition for ``kubectl describe``.
+    The round number (at least ``min_round``, the highest the operator saw and
+    still defends, :meth:`~elasticrun.api.ordering.RoundMark.floor`) and the
+    signal move forward (never back), waiting entries that are readable are
+    kept, and the current round is marked for restart, so every member re-joins
+    and a consistent round is sealed again.  A round no round can follow (at
+    the counters' maximum, or beyond it in a CRD without one) is not kept: the
+    run starts again from ``min_round``.  The error goes into the ``Degraded``
+    condition for ``kubectl describe``.
     """
     from elasticrun.api.model import WaitingNode  # noqa: PLC0415
 
@@ -511,9 +523,11 @@ def repair(raw_status: object, error: Exception, now: dt.datetime, generation: i
     def count(key: str) -> int:
         value = status.get(key)
         return value if isinstance(value, int) and not isinstance(value, bool) \
-            and value >= 0 else 0
+            and 0 <= value <= crd.counter_maximum() else 0
 
-    round_ = max(count("round"), min_round)
+    raw_round = count("round")
+    round_ = max(raw_round if raw_round < crd.counter_maximum() else 0, min_round)
+    generation = capped(generation)
     waiting: dict[str, dict[str, object]] = {}
     for item in status.get("waiting") or [] if isinstance(status.get("waiting"), list) else []:
         try:
@@ -528,7 +542,7 @@ def repair(raw_status: object, error: Exception, now: dt.datetime, generation: i
     return {
         "phase": "Degraded" if round_ else "Forming",
         "round": round_,
-        "signal": count("signal") + 1,
+        "signal": next_signal(count("signal")),
         "joinNotice": round_,
         "restartRound": round_,
         "memberCount": 0,
