@@ -125,7 +125,8 @@ def test_train_py_under_torchrun_with_only_the_injected_environment(
 
 def pod_environment(pod: dict[str, Any], name: str, namespace: str) -> dict[str, str]:
     """What the kubelet would put in the container's environment for this pod."""
-    fields = {"metadata.name": name, "metadata.namespace": namespace, "status.podIP": "127.0.0.1"}
+    fields = {"metadata.name": name, "metadata.namespace": namespace,
+              "metadata.uid": f"uid-{name}", "status.podIP": "127.0.0.1"}
     env: dict[str, str] = {}
     for var in pod["spec"]["containers"][0]["env"]:
         if "valueFrom" in var:
