@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from elasticrun.api.kube import runs_path
 from elasticrun.api.model import parse_run
@@ -49,21 +50,33 @@ def trainjob_container(trainjob: str, num_nodes: int) -> dict[str, Any]:
                     {"name": "PET_MASTER_PORT", "value": "29500"}]}
 
 
-def pytorchjob_v1_container(job: str, min_replicas: int, max_replicas: int) -> dict[str, Any]:
-    """A worker of a v1 PyTorchJob with ``elasticPolicy: {rdzvBackend: k8s, minReplicas,
-    maxReplicas, maxRestarts: 3, nProcPerNode: 1, rdzvConf}`` and a ``pytorchjob-port``
-    of 23456, as ``setPodEnv`` and ``ElasticEnvVarGenerator`` write it (worker-only,
-    so no MASTER_ADDR or RANK)."""
-    return {"name": "pytorch", "image": "trainer:1",
-            "command": ["torchrun", str(TRAIN), "--epochs", "2", "--steps-per-epoch", "20"],
-            "ports": [{"name": "pytorchjob-port", "containerPort": 23456}],
-            "env": [{"name": "PYTHONUNBUFFERED", "value": "1"},
-                    {"name": "PET_RDZV_ENDPOINT", "value": f"{job}-worker-0:23456"},
-                    {"name": "PET_RDZV_BACKEND", "value": "k8s"},
-                    {"name": "PET_NNODES", "value": f"{min_replicas}:{max_replicas}"},
-                    {"name": "PET_MAX_RESTARTS", "value": "3"},
-                    {"name": "PET_NPROC_PER_NODE", "value": "1"},
-                    {"name": "PET_RDZV_CONF", "value": RDZV_CONF}]}
+PYTORCHJOB = ROOT / "deploy" / "integrations" / "pytorchjob.yaml"
+
+
+def pytorchjob_v1_worker(job: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A worker pod's metadata and container as the v1.8.1 controller writes them for
+    ``job`` (worker-only, so no MASTER_ADDR or RANK): ``setPodEnv`` adds
+    PYTHONUNBUFFERED, ``ElasticEnvVarGenerator`` the endpoint (``<job>-worker-0`` and
+    the ``pytorchjob-port``), backend, MIN:MAX, maxRestarts, nProcPerNode and the
+    rdzvConf pairs.  The command runs this checkout's train.py, for a short time."""
+    name, policy = job["metadata"]["name"], job["spec"]["elasticPolicy"]
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]
+    container = dict(worker["spec"]["containers"][0])
+    port = next(p["containerPort"] for p in container["ports"]
+                if p["name"] == "pytorchjob-port")
+    conf = ",".join(f"{c['key']}={c['value']}" for c in policy.get("rdzvConf") or [])
+    container["command"] = ["torchrun", str(TRAIN), "--epochs", "2", "--steps-per-epoch", "20"]
+    container["env"] = [
+        *container.get("env", []),
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "PET_RDZV_ENDPOINT", "value": f"{name}-worker-0:{port}"},
+        {"name": "PET_RDZV_BACKEND", "value": policy["rdzvBackend"]},
+        {"name": "PET_NNODES", "value": f"{policy['minReplicas']}:{policy['maxReplicas']}"},
+        {"name": "PET_MAX_RESTARTS", "value": str(policy["maxRestarts"])},
+        {"name": "PET_NPROC_PER_NODE", "value": str(policy["nProcPerNode"])},
+        # the test's short timings, as rdzvConf would give them
+        {"name": "PET_RDZV_CONF", "value": conf or RDZV_CONF}]
+    return worker["metadata"], container
 
 
 def launcher_pod(name: str, namespace: str, labels: dict[str, str],
@@ -156,14 +169,17 @@ def test_a_trainjob_pod_rendezvouses_through_k8s_whatever_rank_and_master_it_was
 
 def test_a_pytorchjob_v1_worker_with_rdzv_backend_k8s_rendezvouses_through_k8s(
         cluster: Cluster, namespace: str, processes: ProcessGroup, tmp_path: Path) -> None:
-    """``PET_RDZV_ENDPOINT=<job>-worker-0:23456`` (always injected by the v1 controller)
-    is a store address the k8s backend ignores; two workers train in a world of 2."""
+    """docs/integrations.md's PyTorchJob: ``PET_RDZV_ENDPOINT=<job>-worker-0:23456``
+    (always injected by the v1 controller) is a store address the k8s backend ignores;
+    two of its workers (minReplicas 2) train in a world of 2."""
+    (job,) = [d for d in yaml.safe_load_all(PYTORCHJOB.read_text()) if d]
+    meta, container = pytorchjob_v1_worker(job)
     pods = [webhook.mutated(launcher_pod(
         f"llama-v1-worker-{i}", namespace,
-        {webhook.RUN_LABEL: "llama-v1", "training.kubeflow.org/job-name": "llama-v1",
+        {**meta["labels"], "training.kubeflow.org/job-name": "llama-v1",
          "training.kubeflow.org/replica-type": "worker",
          "training.kubeflow.org/replica-index": str(i)},
-        {}, pytorchjob_v1_container("llama-v1", 2, 2))) for i in range(2)]
+        {}, container)) for i in range(2)]
     for pod in pods:
         env = kubelet_env(pod)
         assert env["PET_RDZV_ENDPOINT"] == "llama-v1-worker-0:23456"
