@@ -19,7 +19,13 @@ project's helm (``tests/helmtool/build.sh``).  Applied as rendered, except:
   metrics servers on this machine's loopback;
 - Trainer's chart names JobSet and LWS as sub-charts to fetch from a registry;
   its copy here has no ``dependencies`` (JobSet is installed from its own
-  module, LWS is not used).
+  module, LWS is not used);
+- on this one node every pod shares the host's network, and Trainer gives each
+  node pod ``containerPort: 29500`` (a host port under ``hostNetwork``), so the
+  scheduler and kubelet would admit one pod per TrainJob: a
+  MutatingAdmissionPolicy of the test bed (:data:`LOCAL_NODE_PORTS`) drops the
+  ports of a JobSet's host-network containers that declare 29500 (torchrun with
+  the k8s backend listens on a free port; nothing uses 29500).
 
 ``TMPDIR`` points each process at a directory of its own, so controller-runtime's
 default certificate directory (``$TMPDIR/k8s-webhook-server/serving-certs``) and
@@ -49,6 +55,35 @@ MODULE_DIR = HERE / "addons"
 READY_TIMEOUT = 120.0
 #: What ``CLUSTER_ADDONS`` may name, and what each name starts.
 BUNDLES = {"jobset": ("jobset",), "kubeflow": ("jobset", "trainer")}
+
+
+#: A JobSet's host-network pod with Trainer's port (its pods carry no Trainer label).
+_TRAINER_POD = ("has(object.spec.hostNetwork) && object.spec.hostNetwork && "
+                "has(object.metadata.labels) && "
+                "'jobset.sigs.k8s.io/jobset-name' in object.metadata.labels && "
+                "object.spec.containers.exists(c, has(c.ports) && "
+                "c.ports.exists(p, p.containerPort == 29500))")
+#: The test bed's own policy for Trainer's pods (see the module docstring).
+LOCAL_NODE_PORTS: list[dict[str, Any]] = [
+    {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingAdmissionPolicy",
+     "metadata": {"name": "elasticrun-local-node-trainer-ports"},
+     "spec": {
+         "matchConstraints": {"resourceRules": [{
+             "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+             "resources": ["pods"]}]},
+         "matchConditions": [{"name": "trainer-pod-on-the-host-network",
+                              "expression": _TRAINER_POD}],
+         "failurePolicy": "Fail", "reinvocationPolicy": "Never",
+         "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression": (
+             "[0, 1, 2, 3, 4, 5, 6, 7].filter(i, i < object.spec.containers.size() && "
+             "has(object.spec.containers[i].ports) && "
+             "object.spec.containers[i].ports.exists(p, p.containerPort == 29500))"
+             ".map(i, JSONPatch{op: 'remove', "
+             "path: '/spec/containers/' + string(i) + '/ports'})")}}]}},
+    {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingAdmissionPolicyBinding",
+     "metadata": {"name": "elasticrun-local-node-trainer-ports"},
+     "spec": {"policyName": "elasticrun-local-node-trainer-ports"}},
+]
 
 
 @dataclass(frozen=True)
@@ -222,6 +257,8 @@ def _start_one(addon: Addon, cluster_dir: Path, client: Any, kubectl: Any, helm:
                                cert_dir=certs)
     (d / "config.yaml").write_text(yaml.safe_dump(config))
     objects = adapt(docs, webhook_port, (cluster_dir / "ca.crt").read_bytes())
+    if addon is TRAINER:
+        objects += LOCAL_NODE_PORTS
     kubectl("create", "namespace", addon.namespace, check=False)
     crds = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
     rest = [o for o in objects if o["kind"] != "CustomResourceDefinition"]
