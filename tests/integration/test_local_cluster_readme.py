@@ -6,7 +6,9 @@ The commands are read from the README's first ``bash`` block under
 adaptation: the walkthrough's ``kubectl ... get er ... -w`` watches forever, so
 the test stops watching at the first ``Succeeded`` (bounded).  The cluster is
 the README's own, in ``.cluster/``: the test is skipped if one is running there
-already, and stops it at the end whatever happens.
+already, and stops it at the end whatever happens.  There is one node cluster
+per machine (port 443), so this file sorts before ``test_realnode*.py``, whose
+session cluster holds the port until the session ends.
 """
 
 from __future__ import annotations
