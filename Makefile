@@ -53,7 +53,7 @@ helm:
 addons:
 	@bash tests/controlplane/build-addons.sh >/dev/null
 
-test: setup node helm
+test: setup node helm addons
 	CONTROLPLANE_BIN="$(CONTROLPLANE_BIN)" RUNTIME_BIN="$(RUNTIME_BIN)" $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup controlplane

@@ -25,7 +25,7 @@ from nodekit import RELEASE, RELEASE_NAMESPACE
 from rdzv import read_run
 
 pytest_plugins = ("nodefixtures",)
-pytestmark = [pytest.mark.node, pytest.mark.slow, pytest.mark.addons]
+pytestmark = [pytest.mark.node, pytest.mark.slow]
 
 INTEGRATIONS = ROOT / "deploy" / "integrations"
 TRAIN_IN_IMAGE = f"{localize.EXAMPLES_IN_IMAGE}/train.py"
@@ -107,6 +107,7 @@ def lose_one_and_replace(cluster: Cluster, namespace: str, run: str,
     return victim, survivors
 
 
+@pytest.mark.addons
 def test_a_jobset_replaces_a_deleted_pod_without_restarting_the_others(
         addons_cluster: Cluster, node_namespace: str) -> None:
     cluster, ns, run = addons_cluster, node_namespace, "llama-js"
@@ -125,6 +126,7 @@ def test_a_jobset_replaces_a_deleted_pod_without_restarting_the_others(
     assert read_run(cluster.client, ns, run).status.phase == "Succeeded"
 
 
+@pytest.mark.addons
 def test_a_trainjob_on_the_chart_runtime_replaces_a_deleted_node(
         addons_cluster: Cluster, node_namespace: str, tmp_path: Path) -> None:
     cluster, ns, run = addons_cluster, node_namespace, "llama-tj"
@@ -146,3 +148,28 @@ def test_a_trainjob_on_the_chart_runtime_replaces_a_deleted_node(
     after = pod_identity(cluster, ns, selector)
     assert {name: after[name] for name in survivors} == survivors
     assert read_run(cluster.client, ns, run).status.phase == "Succeeded"
+
+
+def test_an_indexed_job_whose_last_index_comes_after_success_ends_complete(
+        node_cluster: Cluster, node_namespace: str) -> None:
+    """completions 3, parallelism 2, nnodes 2: indexes 0 and 1 train; index 2 starts
+    when one of them has finished, finds the run Succeeded and exits 0."""
+    cluster, ns, run = node_cluster, node_namespace, "llama-ix"
+    apply_integration(cluster, ns, INTEGRATIONS / "indexed-job.yaml",
+                      ["--epochs", "100", "--steps-per-epoch", "10"])
+    path = f"/apis/batch/v1/namespaces/{ns}/jobs/{run}"
+
+    def finished() -> dict[str, Any] | None:
+        job: dict[str, Any] = cluster.client.request("GET", path)
+        return job if condition(job, "Complete") or condition(job, "Failed") else None
+
+    job = wait_for(finished, 300, "the Job to finish", interval=1)
+    status = job["status"]
+    assert condition(job, "Complete"), status
+    assert (status.get("succeeded"), status.get("failed", 0)) == (3, 0), status
+    final = read_run(cluster.client, ns, run)
+    assert final.status.phase == "Succeeded"
+    index = "batch.kubernetes.io/job-completion-index"
+    pods = pods_of(cluster, ns, f"batch.kubernetes.io/job-name={run}")
+    late = [p["metadata"]["name"] for p in pods if p["metadata"]["annotations"].get(index) == "2"]
+    assert len(late) == 1 and late[0] not in {m.name for m in final.status.lost_members}, late
