@@ -6,7 +6,8 @@
 #   make bench-scale  rounds of 64 to 2,048 nodes, simulated and real (docs/benchmarks-scale.md)
 #   make lint     ruff + mypy
 #   make cluster / cluster-down   a local single-node Kubernetes (kubelet, containerd) for
-#                 kubectl, helm and the examples; CLUSTER_MODE=apiserver for etcd + API server only
+#                 kubectl, helm and the examples; CLUSTER_MODE=apiserver for etcd + API server only;
+#                 CLUSTER_ADDONS=kubeflow adds the JobSet and Kubeflow Trainer controllers
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -19,7 +20,10 @@ CONTROLPLANE_BIN = $$(bash tests/controlplane/build.sh --node)
 RUNTIME_BIN = $$(bash tests/controlplane/build-runtime.sh)
 PYTEST_ARGS ?=
 
-.PHONY: help setup controlplane node helm test test-fast lint demo bench bench-quick bench-scale cluster cluster-down clean
+CLUSTER_ADDONS ?=
+export CLUSTER_ADDONS
+
+.PHONY: help setup controlplane node helm addons test test-fast lint demo bench bench-quick bench-scale cluster cluster-down clean
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -45,7 +49,11 @@ node: controlplane
 helm:
 	@bash tests/helmtool/build.sh >/dev/null
 
-test: setup node helm
+# JobSet and Kubeflow Trainer controllers (tests/controlplane/addons), for CLUSTER_ADDONS.
+addons:
+	@bash tests/controlplane/build-addons.sh >/dev/null
+
+test: setup node helm addons
 	CONTROLPLANE_BIN="$(CONTROLPLANE_BIN)" RUNTIME_BIN="$(RUNTIME_BIN)" $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup controlplane
@@ -70,7 +78,7 @@ BASELINE ?= 3849ad2
 bench-scale: setup controlplane
 	$(PY) bench/scale.py --baseline $(BASELINE)
 
-cluster: setup $(if $(filter node,$(CLUSTER_MODE)),node,controlplane)
+cluster: setup $(if $(filter node,$(CLUSTER_MODE)),node,controlplane) $(if $(CLUSTER_ADDONS),addons helm)
 	@$(PY) -m controlplane.localcluster up --dir $(CLUSTER_DIR) --mode $(CLUSTER_MODE)
 	@KUBECONFIG=$(CLUSTER_DIR)/kubeconfig $(VENV)/bin/kubectl apply --server-side -f deploy/crds/ >&2
 

@@ -60,7 +60,7 @@ from controlplane.procs import (
 )
 
 __all__ = ["STOP_TIMEOUT", "ClusterState", "LocalControlPlane", "clean_env", "descendants",
-           "kill_tree", "pid_alive", "reap_orphans", "running", "stop_pid"]
+           "kill_tree", "pid_alive", "reap_orphans", "running", "stop_pid", "wait_usable"]
 
 HERE = Path(__file__).resolve().parent
 READY_TIMEOUT = 120.0
@@ -148,6 +148,8 @@ class ClusterState:
     #: The process whose lifetime bounds this control plane (a pytest session);
     #: 0 for one that should outlive its starter (``make cluster``).
     owner_pid: int = 0
+    #: Add-on controllers (controlplane.addons) by name: their PIDs.
+    addon_pids: dict[str, int] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -216,7 +218,7 @@ class LocalControlPlane:
 
     def __init__(self, directory: Path, bin_dir: Path | None = None,
                  extra_apiserver_args: Sequence[str] = (), owner_pid: int = 0,
-                 mode: str = APISERVER_ONLY) -> None:
+                 mode: str = APISERVER_ONLY, addons: str = "") -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.dir = directory.resolve()
@@ -224,6 +226,8 @@ class LocalControlPlane:
         self.extra_apiserver_args = list(extra_apiserver_args)
         self.owner_pid = owner_pid
         self.mode = mode
+        #: ``CLUSTER_ADDONS``' form: "kubeflow" (JobSet + Trainer), "jobset", or "".
+        self.addons = addons
         self.state: ClusterState | None = None
 
     @property
@@ -265,13 +269,47 @@ class LocalControlPlane:
         self._start_apiserver()
         state.save()
         self._write_kubeconfig()
-        if node:
-            try:
+        try:
+            if node:
                 self._start_node()
-            except BaseException:
-                self.stop()
-                raise
+            if self.addons:
+                self._start_addons()
+        except BaseException:
+            self.stop()
+            raise
         return state
+
+    def _start_addons(self) -> None:
+        """JobSet / Trainer controllers as processes (controlplane.addons), webhooks serving."""
+        from elasticrun.api.kube import KubeClient, load_credentials
+
+        from controlplane import addons as addons_mod
+
+        assert self.state
+        wanted = addons_mod.wanted(self.addons)
+        bin_dir = addons_mod.build(wanted)
+        helm = Path(subprocess.run(["bash", str(HERE.parent / "helmtool" / "build.sh")],
+                                   check=True, stdout=subprocess.PIPE, text=True
+                                   ).stdout.strip().splitlines()[-1])
+        kubectl_bin = shutil.which("kubectl", path=f"{Path(sys.executable).parent}"
+                                                    f"{os.pathsep}{os.environ.get('PATH', '')}")
+        if kubectl_bin is None:
+            raise RuntimeError("kubectl not found (make setup installs it into .venv/bin)")
+        kubeconfig = str(self.state.kubeconfig)
+
+        def kubectl(*args: str, check: bool = True, input: str | None = None) -> None:
+            subprocess.run([kubectl_bin, *args], env={**clean_env(), "KUBECONFIG": kubeconfig},
+                           input=input, text=True, capture_output=True, check=check,
+                           timeout=120)
+
+        client = KubeClient(load_credentials(kubeconfig), timeout=10)
+        try:
+            for running in addons_mod.start(wanted, self.dir, client, kubectl, helm, bin_dir,
+                                             free_port):
+                self.state.addon_pids[running.name] = running.pid
+                self.state.save()
+        finally:
+            client.close()
 
     def _start_node(self) -> None:
         """kube-scheduler, kube-controller-manager and the node, on this API server."""
@@ -298,6 +336,7 @@ class LocalControlPlane:
             node = self.node
             assert node is not None
             node.start(client)
+            wait_usable(client)
         finally:
             client.close()
 
@@ -402,6 +441,8 @@ class LocalControlPlane:
         state = self.state or ClusterState.load(self.dir)
         if state is None:
             return
+        for pid in state.addon_pids.values():
+            stop_pid(pid)
         if state.mode == NODE:
             LocalNode(self.dir, state.kubeconfig, Path()).stop()
         for pid in (state.controller_manager_pid, state.scheduler_pid, state.apiserver_pid,
@@ -441,6 +482,42 @@ class LocalControlPlane:
         assert self.state
         return _http_get(f"{self.state.url}/metrics", token=self.state.token,
                          ca=self.state.ca).decode()
+
+
+#: What a new user's first commands need beyond a Ready node, each made by a controller
+#: some time after the API server is up: a pod in ``default`` is refused until its
+#: ServiceAccount exists (ServiceAccount admission), and its token volume is not
+#: mounted until the namespace's root-CA ConfigMap exists.
+USABLE = (
+    ("/api/v1/namespaces/default/serviceaccounts/default",
+     "the default ServiceAccount in namespace default (serviceaccount controller)"),
+    ("/api/v1/namespaces/default/configmaps/kube-root-ca.crt",
+     "the kube-root-ca.crt ConfigMap in namespace default (root-ca-cert-publisher)"),
+    ("/api/v1/namespaces/kube-system/serviceaccounts/default",
+     "the default ServiceAccount in namespace kube-system"),
+)
+
+
+def wait_usable(client: object, timeout: float = READY_TIMEOUT) -> None:
+    """Return once every object of :data:`USABLE` exists; a TimeoutError names the missing."""
+    from elasticrun.api.kube import ApiConnectionError, ApiError
+
+    deadline = time.monotonic() + timeout
+    missing = list(USABLE)
+    while True:
+        still = []
+        for path, what in missing:
+            try:
+                client.request("GET", path)  # type: ignore[attr-defined]
+            except (ApiError, ApiConnectionError):
+                still.append((path, what))
+        missing = still
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the cluster is not usable after {timeout:.0f}s: no "
+                               + "; no ".join(what for _, what in missing))
+        time.sleep(0.2)
 
 
 def _require_free(port: int, what: str) -> None:
@@ -497,8 +574,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mode", choices=MODES, default=NODE,
                         help="node: a complete single-node cluster (default); "
                              "apiserver: etcd + kube-apiserver only")
+    parser.add_argument("--addons", default=os.environ.get("CLUSTER_ADDONS", ""),
+                        help="kubeflow (JobSet + Kubeflow Trainer controllers) or jobset; "
+                             "default: $CLUSTER_ADDONS, else none")
     args = parser.parse_args(argv)
-    cp = LocalControlPlane(args.dir, mode=args.mode)
+    cp = LocalControlPlane(args.dir, mode=args.mode, addons=args.addons)
     if args.command == "build":
         print(build_binaries(node=args.mode == NODE))
         return 0
@@ -519,7 +599,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if up else 1
     started = time.monotonic()
     state = cp.start()
-    what = "node Ready" if state.mode == NODE else "kube-apiserver ready"
+    what = ("node Ready, default ServiceAccount present" if state.mode == NODE
+            else "kube-apiserver ready")
+    if state.addon_pids:
+        what += ", " + ", ".join(f"{name} (pid {pid})" for name, pid in state.addon_pids.items())
     print(f"{state.mode} cluster at {state.url}: {what} in {time.monotonic() - started:.1f}s "
           f"(etcd pid {state.etcd_pid}, kube-apiserver pid {state.apiserver_pid})",
           file=sys.stderr)

@@ -15,6 +15,10 @@ ServiceAccount, restart policy):
   directory (one node: every member sees the same checkpoint);
 - resources: two cores for all members, so requests and limits go.
 
+Pod templates of Jobs, StatefulSets, JobSets and Kubeflow Trainer runtimes are
+adapted; a TrainJob's own ``spec.trainer.image`` becomes the local image and
+the claims its ``runtimePatches`` mount become host directories.
+
     python -m controlplane.localize deploy/examples/job.yaml --volumes DIR | kubectl apply -f -
 """
 
@@ -46,16 +50,47 @@ def pod_spec(doc: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def localize_pod(spec: dict[str, Any], volumes_dir: Path) -> None:
-    """Change one pod spec in place (see the module docstring)."""
-    spec["hostNetwork"] = True
-    spec["dnsPolicy"] = "ClusterFirstWithHostNet"
-    volumes = spec.setdefault("volumes", [])
+def pod_specs(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every pod spec a document holds: workloads', a JobSet's and a Trainer runtime's Jobs."""
+    single = pod_spec(doc)
+    if single is not None:
+        return [single]
+    if doc.get("kind") == "JobSet":
+        jobset: dict[str, Any] = doc["spec"]
+    elif doc.get("kind") in ("ClusterTrainingRuntime", "TrainingRuntime"):
+        jobset = doc["spec"]["template"]["spec"]
+    else:
+        return []
+    return [job["template"]["spec"]["template"]["spec"]
+            for job in jobset.get("replicatedJobs") or []]
+
+
+def _claims_to_host(volumes: list[dict[str, Any]], volumes_dir: Path) -> None:
     for volume in volumes:
         claim = volume.pop("persistentVolumeClaim", None)
         if claim is not None:
             volume["hostPath"] = {"path": str(volumes_dir / claim["claimName"]),
                                   "type": "DirectoryOrCreate"}
+
+
+def _trainjob(doc: dict[str, Any], volumes_dir: Path) -> None:
+    """A TrainJob's own image and the claims its runtimePatches mount."""
+    trainer = doc["spec"].get("trainer") or {}
+    if trainer.get("image"):
+        trainer["image"] = IMAGE
+    for patch in doc["spec"].get("runtimePatches") or []:
+        jobset = ((patch.get("trainingRuntimeSpec") or {}).get("template") or {}).get("spec")
+        for job in (jobset or {}).get("replicatedJobs") or []:
+            pod = (((job.get("template") or {}).get("spec") or {}).get("template") or {})
+            _claims_to_host((pod.get("spec") or {}).get("volumes") or [], volumes_dir)
+
+
+def localize_pod(spec: dict[str, Any], volumes_dir: Path) -> None:
+    """Change one pod spec in place (see the module docstring)."""
+    spec["hostNetwork"] = True
+    spec["dnsPolicy"] = "ClusterFirstWithHostNet"
+    volumes = spec.setdefault("volumes", [])
+    _claims_to_host(volumes, volumes_dir)
     volumes += [{"name": name, "hostPath": {"path": path, "type": "Directory"}}
                 for name, path in _HOST_MOUNTS]
     volumes.append({"name": "examples", "hostPath": {
@@ -81,9 +116,10 @@ def localize(docs: Iterable[dict[str, Any]], volumes_dir: Path) -> list[dict[str
         if not original or original.get("kind") == "PersistentVolumeClaim":
             continue
         doc = copy.deepcopy(original)
-        spec = pod_spec(doc)
-        if spec is not None:
+        for spec in pod_specs(doc):
             localize_pod(spec, volumes_dir)
+        if doc.get("kind") == "TrainJob":
+            _trainjob(doc, volumes_dir)
         out.append(doc)
     return out
 

@@ -26,6 +26,7 @@ from elasticrun.api.kube import ApiError, KubeClient, load_credentials
 
 from chartkit import Helm, apply, build_helm
 from conftest import CRD_FILE, ROOT, Cluster
+from controlplane import addons
 from controlplane.localcluster import NODE, LocalControlPlane
 from controlplane.node import host_paths, read_tunables
 from nodekit import RELEASE, RELEASE_NAMESPACE
@@ -41,7 +42,9 @@ def node_cluster() -> Iterator[Cluster]:
         pytest.skip("the local node needs root (a mount namespace, cgroups)")
     tunables, paths = read_tunables(), host_paths()
     workdir = Path(tempfile.mkdtemp(prefix="elasticrun-node-"))
-    local = LocalControlPlane(workdir, owner_pid=os.getpid(), mode=NODE)
+    # The JobSet and Trainer controllers join the node when they are built (make addons).
+    local = LocalControlPlane(workdir, owner_pid=os.getpid(), mode=NODE,
+                              addons="kubeflow" if addons.cached_bin() else "")
     try:
         state = local.start()
         client = KubeClient(load_credentials(str(state.kubeconfig)), timeout=30)
@@ -86,3 +89,13 @@ def node_namespace(node_cluster: Cluster) -> Iterator[str]:
     yield name
     with contextlib.suppress(ApiError):
         node_cluster.client.request("DELETE", f"/api/v1/namespaces/{name}")
+
+
+@pytest.fixture
+def addons_cluster(node_cluster: Cluster) -> Cluster:
+    """The node cluster, with the JobSet and Kubeflow Trainer controllers running."""
+    local = node_cluster.local
+    if local is None or local.state is None or not local.state.addon_pids:
+        pytest.skip("the JobSet and Kubeflow Trainer controllers are not built: run "
+                    "`make addons` (tests/controlplane/build-addons.sh, a few minutes once)")
+    return node_cluster

@@ -286,6 +286,29 @@ def test_webhook_can_be_switched_off(helm: Helm) -> None:
     assert not any("mutatingwebhookconfigurations" in r["resources"] for r in rules)
 
 
+def test_the_training_runtime_is_optional_and_opts_its_pods_in(helm: Helm) -> None:
+    assert by_kind(helm.template("r", "x", {}), "ClusterTrainingRuntime") == []
+    docs = helm.template("r", "x", {"trainingRuntime": {
+        "enabled": True, "podAnnotations": {"elasticrun.dev/nnodes": "1:8"}},
+        "training": {"serviceAccount": {"name": "trainers"}}})
+    runtime = one(docs, "ClusterTrainingRuntime")
+    assert runtime["metadata"]["name"] == "torch-elastic-k8s"
+    assert runtime["metadata"]["labels"]["trainer.kubeflow.org/framework"] == "torch"
+    (job,) = runtime["spec"]["template"]["spec"]["replicatedJobs"]
+    assert job["name"] == "node"  # Trainer's torch plugin fills the container named node
+    spec = job["template"]["spec"]
+    # A lost pod fails no Job (so JobSet never restarts the others); disruptions never count.
+    assert spec["backoffLimit"] == 6
+    assert spec["podFailurePolicy"]["rules"] == [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]
+    pod = spec["template"]
+    assert pod["metadata"]["labels"] == {crd.RUN_LABEL: ""}
+    assert pod["metadata"]["annotations"] == {"elasticrun.dev/nnodes": "1:8"}
+    assert pod["spec"]["serviceAccountName"] == "trainers"
+    assert pod["spec"]["restartPolicy"] == "Never"
+    assert [c["name"] for c in pod["spec"]["containers"]] == ["node"]
+
+
 @pytest.mark.parametrize(("values", "message"), [
     ({"operator": {"scope": "everything"}}, 'operator.scope must be "cluster" or "namespaces"'),
     ({"operator": {"scope": "namespaces"}}, "operator.scope=namespaces needs trainingNamespaces"),

@@ -107,7 +107,8 @@ def test_the_chart_operator_runs_as_a_pod(node_cluster: Cluster) -> None:
     assert [c["restartCount"] for c in pod["status"]["containerStatuses"]] == [0]
     webhooks = node_cluster.client.request(
         "GET", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations",
-        query={"labelSelector": "app.kubernetes.io/component=webhook"})["items"]
+        query={"labelSelector": "app.kubernetes.io/name=elasticrun,"
+                                "app.kubernetes.io/component=webhook"})["items"]
     (config,) = webhooks
     assert config["webhooks"][0]["clientConfig"]["caBundle"]  # the operator wrote its CA
 

@@ -382,3 +382,38 @@ def test_a_blanked_ca_bundle_is_repaired_by_the_operator(cluster: Cluster,
                                            {crd.RUN_LABEL: "healed"}), "--dry-run=server")
     assert env_of(pod["spec"]["containers"][0])["PET_RDZV_ID"] == "healed"
     assert "repaired the caBundle" in served.log.read_text()
+
+
+def test_an_empty_run_label_is_filled_from_the_workload(cluster: Cluster,
+                                                        served: Served) -> None:
+    """A shared template carries ``elasticrun.dev/run: ""``; the API server still calls the
+    webhook (objectSelector Exists), which names the run after the outermost workload and
+    writes that name into the stored pod's label, the key the operator watches pods by.
+    The nnodes annotation replaces the launcher's fixed PET_NNODES (Trainer's numNodes)."""
+    labels = {crd.RUN_LABEL: "", "jobset.sigs.k8s.io/jobset-name": "tj",
+              "batch.kubernetes.io/job-name": "tj-node-0"}
+    manifest = pod_manifest("tj-node-0-0", served.namespace, labels,
+                            {webhook.NNODES_ANNOTATION: "2:3"}, containers=[
+                                {"name": "node", "image": "trainer:1",
+                                 "command": ["torchrun", "train.py"],
+                                 "env": [{"name": "PET_NNODES", "value": "3"},
+                                         {"name": "PET_MASTER_ADDR", "value": "tj-node-0-0.tj"}]}])
+    result = create_pod(cluster, manifest)
+    assert result.returncode == 0, result.stderr
+    pod = json.loads(result.stdout)
+    assert pod["metadata"]["labels"][crd.RUN_LABEL] == "tj"
+    env = env_of(pod["spec"]["containers"][0])
+    assert (env["PET_RDZV_ID"], env["PET_NNODES"]) == ("tj", "2:3")
+    assert env["PET_MASTER_ADDR"] == "tj-node-0-0.tj"
+    assert "elasticrun.dev/nnodes makes it '2:3'" in result.stderr
+    selected = cluster.kubectl("get", "pods", "-n", served.namespace, "-l",
+                               f"{crd.RUN_LABEL}=tj", "-o", "name").stdout.split()
+    assert selected == ["pod/tj-node-0-0"]
+
+
+def test_an_empty_run_label_without_a_workload_is_denied(cluster: Cluster,
+                                                         served: Served) -> None:
+    result = create_pod(cluster, pod_manifest(f"bare-{secrets.token_hex(3)}", served.namespace,
+                                              {crd.RUN_LABEL: ""}))
+    assert result.returncode != 0
+    assert "label elasticrun.dev/run is empty and the pod carries none of" in result.stderr

@@ -32,10 +32,24 @@ def test_endpoint_forms(endpoint: str, expected: tuple[str | None, ...]) -> None
     assert parse_endpoint(endpoint) == expected
 
 
-@pytest.mark.parametrize("endpoint", ["a/b/c", "/run", "host:29400"])
+@pytest.mark.parametrize("endpoint", ["a/b/c", "/run", "host:port", "ns:1/run", "host:"])
 def test_bad_endpoints_say_what_to_write(endpoint: str) -> None:
     with pytest.raises(SettingsError, match="rdzv-endpoint"):
         parse_endpoint(endpoint)
+
+
+@pytest.mark.parametrize("endpoint", ["host:29400", "llama-worker-0:23456",
+                                      "svc.team.svc.cluster.local:29500", "10.0.0.7:29400",
+                                      "[fd00::7]:29400"])
+def test_a_store_host_port_is_ignored_and_logged_once(
+        endpoint: str, caplog: pytest.LogCaptureFixture) -> None:
+    """PyTorchJob v1 injects PET_RDZV_ENDPOINT=<job>-worker-0:<port> for every backend."""
+    with caplog.at_level("INFO", logger="elasticrun.handler.settings"):
+        assert parse_endpoint(endpoint) == (None, None, None)
+        s = settings(endpoint=endpoint, run_id="llama")
+    assert (s.namespace, s.run_name, s.api_server) == ("team", "llama", None)
+    ignored = [r for r in caplog.records if "ignoring --rdzv-endpoint" in r.getMessage()]
+    assert len(ignored) == 1 and endpoint in ignored[0].getMessage()
 
 
 def test_pod_environment_gives_namespace_node_and_address() -> None:

@@ -160,3 +160,86 @@ def test_ca_bundle_patch_guards_each_entry_by_name_and_skips_current_ones() -> N
                    {"op": "add", "path": "/webhooks/1/clientConfig/caBundle", "value": "NEW"}]
     patched = jsonpatch.apply_patch(config, ops)
     assert ca_bundle_patch(patched, "NEW") == []
+
+
+# --------------------------------------------------------------------------- launchers
+
+TRAINJOB = "trainer.kubeflow.org/trainjob-name"
+JOBSET = "jobset.sigs.k8s.io/jobset-name"
+JOB = "batch.kubernetes.io/job-name"
+
+
+@pytest.mark.parametrize(("labels", "run"), [
+    ({TRAINJOB: "tj", JOBSET: "tj", JOB: "tj-node-0"}, "tj"),
+    ({JOBSET: "js", JOB: "js-workers-0"}, "js"),
+    ({JOB: "plain", "batch.kubernetes.io/controller-uid": "u"}, "plain"),
+    # The outermost workload names the run whatever the other labels say.
+    ({TRAINJOB: "outer", JOBSET: "middle", JOB: "inner"}, "outer"),
+])
+def test_an_empty_run_label_is_filled_from_the_outermost_workload(labels: dict[str, str],
+                                                                   run: str) -> None:
+    p = pod({webhook.RUN_LABEL: "", **labels})
+    out = webhook.mutated(p)
+    # The label on the stored pod is the run name: the operator keys its pod watch by it.
+    assert out["metadata"]["labels"][webhook.RUN_LABEL] == run
+    assert env_of(out["spec"]["containers"][0])["PET_RDZV_ID"] == run
+    assert {k: v for k, v in out["metadata"]["labels"].items()
+            if k != webhook.RUN_LABEL} == labels
+    assert webhook.mutation_for(out) == []  # idempotent once filled
+
+
+def test_a_named_run_label_is_never_replaced_by_the_workload() -> None:
+    out = webhook.mutated(pod({webhook.RUN_LABEL: "mine", JOBSET: "js"}))
+    assert out["metadata"]["labels"][webhook.RUN_LABEL] == "mine"
+    assert env_of(out["spec"]["containers"][0])["PET_RDZV_ID"] == "mine"
+
+
+@pytest.mark.parametrize(("labels", "expected"), [
+    ({}, "carries none of trainer.kubeflow.org/trainjob-name, jobset.sigs.k8s.io/jobset-name, "
+         "batch.kubernetes.io/job-name to name the run after; write the run name into the "
+         "label, e.g. elasticrun.dev/run: my-run"),
+    ({JOB: "train.v2"}, "taken from batch.kubernetes.io/job-name: 'train.v2' is not a valid "
+                        "ElasticRun name; write one into the label, e.g. "
+                        "elasticrun.dev/run: train-v2"),
+    ({JOBSET: "A" * 70}, "is not a valid ElasticRun name"),
+])
+def test_an_empty_run_label_without_a_usable_workload_name_is_refused(
+        labels: dict[str, str], expected: str) -> None:
+    with pytest.raises(webhook.OptInError) as info:
+        webhook.plan_mutation(pod({webhook.RUN_LABEL: "", **labels}))
+    assert expected in str(info.value)
+
+
+def test_the_nnodes_annotation_wins_over_a_launcher_set_pet_nnodes() -> None:
+    # What Trainer's torch plugin puts in a TrainJob's trainer container (numNodes: 3).
+    trainer_env = [{"name": "PET_NNODES", "value": "3"},
+                   {"name": "PET_NPROC_PER_NODE", "value": "1"},
+                   {"name": "PET_NODE_RANK", "valueFrom": {"fieldRef": {
+                       "fieldPath": "metadata.annotations['batch.kubernetes.io/"
+                                    "job-completion-index']"}}},
+                   {"name": "PET_MASTER_ADDR", "value": "tj-node-0-0.tj"},
+                   {"name": "PET_MASTER_PORT", "value": "29400"}]
+    p = pod({webhook.RUN_LABEL: "", JOBSET: "tj", JOB: "tj-node-0"},
+            {webhook.NNODES_ANNOTATION: "2:3"},
+            containers=[{"name": "node", "image": "i", "env": copy.deepcopy(trainer_env)}])
+    plan = webhook.plan_mutation(p)
+    out = jsonpatch.apply_patch(p, plan.ops)
+    env = env_of(out["spec"]["containers"][0])
+    assert env["PET_NNODES"] == "2:3"
+    assert [e["name"] for e in out["spec"]["containers"][0]["env"]].count("PET_NNODES") == 1
+    # The launcher's rank and master stay; torchrun ignores them with the k8s backend.
+    assert env["PET_MASTER_ADDR"] == "tj-node-0-0.tj" and env["PET_NODE_RANK"] is not None
+    assert env["PET_RDZV_BACKEND"] == "k8s" and env["PET_RDZV_ID"] == "tj"
+    assert plan.warnings == ["container 'node' sets PET_NNODES='3'; elasticrun.dev/nnodes "
+                             "makes it '2:3'"]
+    assert webhook.mutation_for(out) == []
+
+
+def test_without_the_annotation_a_launcher_set_pet_nnodes_stays() -> None:
+    p = pod({webhook.RUN_LABEL: "r"},
+            containers=[{"name": "n", "image": "i", "env": [{"name": "PET_NNODES",
+                                                             "value": "1:4"}]}])
+    plan = webhook.plan_mutation(p)
+    assert env_of(jsonpatch.apply_patch(p, plan.ops)["spec"]["containers"][0])[
+        "PET_NNODES"] == "1:4"
+    assert plan.warnings == []

@@ -76,7 +76,8 @@ from elasticrun.handler.settings import RendezvousSettings
 from elasticrun.handler.store import RoundStores, StoreAddressError
 from elasticrun.handler.watcher import RunWatcher
 
-__all__ = ["BACKEND", "ElasticRunForbiddenError", "K8sRendezvousHandler", "create_handler"]
+__all__ = ["BACKEND", "ElasticRunForbiddenError", "K8sRendezvousHandler", "RunSucceededError",
+           "create_handler"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,24 @@ BACKEND = "k8s"
 #: refuses it: the honest mismatch (rank 0 left, or re-joined for the next round)
 #: ends the round, which the member's watch shows within this.
 STORE_CHECK_SECONDS = 5.0
+
+
+class RunSucceededError(RendezvousClosedError, SystemExit):
+    """The run this node came to join has already succeeded: the node's work is done.
+
+    A late node (a Job's replacement pod, an index started after training
+    finished) must not fail its workload: a Job counts an exit status other than
+    0 as a failed pod.  torch's own ``RendezvousGracefulExitError`` does not help:
+    the agent then returns no result and torchrun still exits 1.  This exception
+    is a ``SystemExit`` with code 0, which torchrun's ``@record`` entry point
+    turns into exit status 0 once the agent and the handler have shut down (no
+    worker runs during a rendezvous); for code that drives the handler itself it
+    is still the ``RendezvousClosedError`` a finished run always raised.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = 0
 
 
 class K8sRendezvousHandler(RendezvousHandler):
@@ -232,6 +251,11 @@ class K8sRendezvousHandler(RendezvousHandler):
         run = known.run
         if isinstance(action, step.Closed):
             self._leave_waiting()
+            if run.status.phase == "Succeeded":
+                log.info("%s: the run already succeeded; nothing to do, exiting with status 0",
+                         self._who())
+                raise RunSucceededError(f"{self._who()}: the run already succeeded "
+                                       f"(round {run.status.round})")
             raise RendezvousClosedError(f"{self._who()}: the run is closed "
                                         f"(phase {run.status.phase}, spec.closed="
                                         f"{str(run.spec.closed).lower()})")

@@ -115,21 +115,38 @@ def _default_namespace(kubeconfig: str | None, context: str | None) -> str:
     return "default"
 
 
+#: torchrun's ``HOST:PORT`` (a c10d store's address); HOST a name, an IPv4 or a [IPv6].
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9]([-A-Za-z0-9.]*[A-Za-z0-9])?)"
+                        r":[0-9]{1,5}$")
+#: ``host:port`` endpoints already reported, so a restarting agent logs each once.
+_IGNORED_ENDPOINTS: set[str] = set()
+
+
 def parse_endpoint(endpoint: str) -> tuple[str | None, str | None, str | None]:
-    """``""`` | ``namespace`` | ``namespace/name`` | ``https://apiserver[:port]``."""
+    """``""`` | ``namespace`` | ``namespace/name`` | ``https://apiserver[:port]`` | ``host:port``.
+
+    ``host:port`` is torchrun's own endpoint form, the address of a c10d store;
+    the k8s backend has no store to reach, so it is accepted and ignored (the
+    namespace then comes from the pod).  Launchers write it whatever the
+    backend: a v1 PyTorchJob with ``elasticPolicy.rdzvBackend: k8s`` always
+    injects ``PET_RDZV_ENDPOINT=<job>-worker-0:<port>``.
+    """
     endpoint = (endpoint or "").strip()
     if not endpoint:
         return None, None, None
     if endpoint.startswith(("https://", "http://")):
         return endpoint.rstrip("/"), None, None
+    if _HOST_PORT.match(endpoint):
+        if endpoint not in _IGNORED_ENDPOINTS:
+            _IGNORED_ENDPOINTS.add(endpoint)
+            log.info("k8s rendezvous: ignoring --rdzv-endpoint=%s (a store address; the k8s "
+                     "backend rendezvouses through the API server)", endpoint)
+        return None, None, None
     parts = endpoint.split("/")
-    if len(parts) > 2 or not all(parts):
-        raise SettingsError(f"--rdzv-endpoint={endpoint!r}: expected NAMESPACE, NAMESPACE/NAME "
-                            "or an API server URL (https://host:port)")
-    # torchrun's own default endpoint form is host:port; it has no meaning here.
-    if ":" in parts[0]:
-        raise SettingsError(f"--rdzv-endpoint={endpoint!r}: the k8s backend needs no store "
-                            "host; leave it empty, or give NAMESPACE or NAMESPACE/NAME")
+    if len(parts) > 2 or not all(parts) or ":" in parts[0]:
+        raise SettingsError(f"--rdzv-endpoint={endpoint!r}: expected NAMESPACE, NAMESPACE/NAME, "
+                            "an API server URL (https://host:port) or a store's host:port "
+                            "(ignored)")
     return None, parts[0], parts[1] if len(parts) == 2 else None
 
 

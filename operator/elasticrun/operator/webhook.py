@@ -4,6 +4,10 @@ A pod opts in with the label ``elasticrun.dev/run: NAME`` (a label, because the
 API server can pre-filter webhook calls by label only, so every other pod in the
 cluster never reaches this code) and, optionally, the annotations
 ``elasticrun.dev/nnodes: "MIN:MAX"`` and ``elasticrun.dev/nproc-per-node: "K"``.
+The label's value may be left empty (``elasticrun.dev/run: ""``): the webhook
+then names the run after the workload that made the pod (:data:`WORKLOAD_LABELS`)
+and writes that name into the label, so one shared template (a Trainer runtime,
+a JobSet) opts in every workload made from it, each as its own run.
 It gets, in every container, the ``PET_*`` environment torchrun reads in place
 of its flags, and the downward-API variables the ``k8s`` backend uses to name
 the node, so the user's command stays a plain ``torchrun train.py``.
@@ -49,6 +53,21 @@ _COUNT = re.compile(r"^[0-9]+$")  # ASCII digits only: str.isdigit() also accept
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
 
 
+#: Labels workload controllers put on the pods they create, outermost workload
+#: first.  The run is the outermost workload: every pod of one training job must
+#: meet in one rendezvous, and only the outermost object spans all of them.  A
+#: JobSet's pods carry its name and their own Job's name (one Job per replicated
+#: job and index), so the Job name would split one JobSet into several runs; a
+#: TrainJob is realised as a JobSet of the same name, so a TrainJob's pods carry
+#: the JobSet's and the Job's labels (and the TrainJob's own, where Trainer sets
+#: one), which all resolve to the TrainJob.  A plain Job has only the last one.
+WORKLOAD_LABELS = (
+    "trainer.kubeflow.org/trainjob-name",
+    "jobset.sigs.k8s.io/jobset-name",
+    "batch.kubernetes.io/job-name",
+)
+
+
 class OptInError(ValueError):
     """A label or annotation the webhook cannot use; the message says what to write."""
 
@@ -61,6 +80,9 @@ class OptIn:
     min_nodes: int | None = None
     max_nodes: int | None = None
     nproc_per_node: str | None = None
+    #: The label came empty and ``run`` was read from :data:`WORKLOAD_LABELS`;
+    #: the mutation writes it into the label, the key the operator watches pods by.
+    run_from_workload: bool = False
 
     @property
     def nnodes(self) -> str | None:
@@ -119,7 +141,10 @@ def read_opt_in(labels: Mapping[str, str] | None,
     if RUN_LABEL not in labels:
         return None
     run = labels[RUN_LABEL]
-    if not is_dns_label(run):
+    from_workload = run == ""
+    if from_workload:
+        run = run_from_workload(labels)
+    elif not is_dns_label(run):
         raise OptInError(f"label {RUN_LABEL}: {run!r} cannot name an ElasticRun; use 1-63 "
                          "lower-case letters, digits and '-', starting and ending with a letter "
                          f"or digit, e.g. {RUN_LABEL}: {_suggest_name(run)}")
@@ -129,7 +154,28 @@ def read_opt_in(labels: Mapping[str, str] | None,
     nproc = None
     if annotations.get(NPROC_ANNOTATION) is not None:
         nproc = parse_nproc_per_node(annotations[NPROC_ANNOTATION])
-    return OptIn(run=run, min_nodes=low, max_nodes=high, nproc_per_node=nproc)
+    return OptIn(run=run, min_nodes=low, max_nodes=high, nproc_per_node=nproc,
+                 run_from_workload=from_workload)
+
+
+def run_from_workload(labels: Mapping[str, str]) -> str:
+    """The run name for an empty run label: the first of :data:`WORKLOAD_LABELS` set.
+
+    The name must be a DNS label like any run name (a Job may be named
+    ``train.v2``); the error then says to write the run name into the label.
+    """
+    for key in WORKLOAD_LABELS:
+        value = labels.get(key)
+        if not value:
+            continue
+        if not is_dns_label(value):
+            raise OptInError(f"label {RUN_LABEL} is empty and the run name taken from {key}: "
+                             f"{value!r} is not a valid ElasticRun name; write one into the "
+                             f"label, e.g. {RUN_LABEL}: {_suggest_name(value)}")
+        return value
+    raise OptInError(f"label {RUN_LABEL} is empty and the pod carries none of "
+                     f"{', '.join(WORKLOAD_LABELS)} to name the run after; write the run name "
+                     f"into the label, e.g. {RUN_LABEL}: my-run")
 
 
 def _suggest_name(value: str) -> str:
@@ -171,9 +217,17 @@ def desired_env(opt_in: OptIn) -> list[dict[str, Any]]:
 def plan_mutation(pod: Mapping[str, Any]) -> Mutation:
     """JSON patch ops that add the missing variables to every container.
 
-    Only ``add`` operations, and only for names a container does not define yet:
-    a user's own value always wins (a warning says so when it differs from what
-    elasticrun would have set), and a pod that was already mutated yields no ops.
+    Variables a container does not define yet are added; a container's own value
+    wins (a warning says so when it differs from what elasticrun would have
+    set), and a pod that was already mutated yields no ops.  Two exceptions,
+    both from the pod's own metadata: an empty run label is replaced by the
+    workload's name (:func:`run_from_workload`), and an ``elasticrun.dev/nnodes``
+    annotation replaces a different ``PET_NNODES``, because launchers set that
+    variable themselves (Trainer's torch plugin to ``numNodes``, a reserved
+    name a TrainJob cannot change) and the annotation is the only place such
+    a pod can state its elastic size.  ``PET_NODE_RANK``, ``PET_MASTER_ADDR``
+    and ``PET_MASTER_PORT`` from a launcher stay: torchrun reads them only for
+    its static rendezvous, and with ``k8s`` the ranks come from the rendezvous.
     Raises :class:`OptInError` for a bad label or annotation.
     """
     meta = pod.get("metadata") or {}
@@ -183,14 +237,18 @@ def plan_mutation(pod: Mapping[str, Any]) -> Mutation:
     wanted = desired_env(opt_in)
     ops: list[dict[str, Any]] = []
     warnings: list[str] = []
+    if opt_in.run_from_workload:
+        ops.append({"op": "replace", "path": f"/metadata/labels/{_pointer(RUN_LABEL)}",
+                    "value": opt_in.run})
     containers = (pod.get("spec") or {}).get("containers") or []
     for index, container in enumerate(containers):
         existing = {item.get("name"): item for item in container.get("env") or []}
         missing = [var for var in wanted if var["name"] not in existing]
+        ops += _nnodes_override(opt_in, index, container, warnings)
         for var in wanted:
             mine = existing.get(var["name"])
             if mine is not None and "value" in var and mine.get("value") != var["value"] \
-                    and var["name"] != "PET_LOCAL_ADDR":
+                    and var["name"] not in ("PET_LOCAL_ADDR", "PET_NNODES"):
                 warnings.append(f"container {container.get('name')!r} sets {var['name']}="
                                 f"{mine.get('value')!r}; elasticrun leaves it as is (it would "
                                 f"set {var['value']!r})")
@@ -202,6 +260,29 @@ def plan_mutation(pod: Mapping[str, Any]) -> Mutation:
         else:
             ops += [{"op": "add", "path": f"{base}/-", "value": var} for var in missing]
     return Mutation(ops, warnings, opt_in)
+
+
+def _pointer(key: str) -> str:
+    """``key`` as one JSON-pointer segment (RFC 6901)."""
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _nnodes_override(opt_in: OptIn, index: int, container: Mapping[str, Any],
+                     warnings: list[str]) -> list[dict[str, Any]]:
+    """Replace a container's ``PET_NNODES`` that differs from the annotation's size."""
+    if opt_in.nnodes is None:
+        return []
+    ops: list[dict[str, Any]] = []
+    for position, item in enumerate(container.get("env") or []):
+        if item.get("name") != "PET_NNODES" or item == {"name": "PET_NNODES",
+                                                        "value": opt_in.nnodes}:
+            continue
+        ops.append({"op": "replace", "path": f"/spec/containers/{index}/env/{position}",
+                    "value": {"name": "PET_NNODES", "value": opt_in.nnodes}})
+        warnings.append(f"container {container.get('name')!r} sets PET_NNODES="
+                        f"{item.get('value')!r}; {NNODES_ANNOTATION} makes it "
+                        f"{opt_in.nnodes!r}")
+    return ops
 
 
 def mutation_for(pod: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -342,8 +423,10 @@ def setup_webhook(settings: kopf.OperatorSettings, args: argparse.Namespace,
 
 __all__: Sequence[str] = (
     "HANDLER_ID", "NNODES_ANNOTATION", "NPROC_ANNOTATION", "RUN_LABEL", "WEBHOOK_PATH",
-    "Mutation", "OptIn", "OptInError", "add_webhook_arguments", "configure_webhook",
+    "WORKLOAD_LABELS", "Mutation", "OptIn", "OptInError", "add_webhook_arguments",
+    "configure_webhook",
     "desired_env", "mutate_pod", "mutated", "mutation_for", "parse_nnodes",
     "parse_nproc_per_node", "plan_mutation", "read_opt_in", "register_handler",
+    "run_from_workload",
     "setup_webhook",
 )

@@ -1,0 +1,175 @@
+"""JobSet and Kubeflow Trainer on the real node: a deleted pod is replaced, nobody restarts.
+
+The real controllers (JobSet v0.12.0, Trainer v2.3.0, controlplane.addons) make
+the Jobs and pods from the manifests in ``deploy/integrations/`` as
+docs/integrations.md gives them (localized for this node like the examples);
+the chart's operator removes the deleted member, the survivors re-form without
+it, and the replacement the Job controller creates joins the next round.
+Times are printed; outcomes are asserted.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_realnode import create_run, elastic_run, logs, pods_of, round_with
+
+from chartkit import Helm, build_helm
+from conftest import ROOT, Cluster, wait_for
+from controlplane import localize
+from nodekit import RELEASE, RELEASE_NAMESPACE
+from rdzv import read_run
+
+pytest_plugins = ("nodefixtures",)
+pytestmark = [pytest.mark.node, pytest.mark.slow]
+
+INTEGRATIONS = ROOT / "deploy" / "integrations"
+TRAIN_IN_IMAGE = f"{localize.EXAMPLES_IN_IMAGE}/train.py"
+#: Long enough for a loss and a replacement (300 epochs end in about 25 s on three
+#: nodes here, before a replacement pod is up).
+TRAINING = ["--epochs", "2000", "--steps-per-epoch", "10"]
+
+
+def with_args(command: list[str], args: list[str]) -> list[str]:
+    return [*command[:command.index(TRAIN_IN_IMAGE) + 1], *args]
+
+
+def apply_integration(cluster: Cluster, namespace: str, path: Path,
+                      args: list[str]) -> list[dict[str, Any]]:
+    """Apply a recipe of docs/integrations.md as a user would, adapted to the local node."""
+    volumes = Path(cluster.require_local().dir) / "node" / "volumes" / namespace
+    docs = localize.localize(localize.load(path), volumes)
+    for doc in docs:
+        if doc["kind"] == "TrainJob":
+            doc["spec"]["trainer"]["command"] = with_args(doc["spec"]["trainer"]["command"], args)
+        for spec in localize.pod_specs(doc):
+            spec["containers"][0]["command"] = with_args(spec["containers"][0]["command"], args)
+    cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump_all(docs))
+    return docs
+
+
+def install_runtime(cluster: Cluster, tmp_path: Path) -> None:
+    """The chart's ClusterTrainingRuntime (trainingRuntime.enabled), localized."""
+    (tmp_path / "helm").mkdir()
+    helm = Helm(build_helm(), tmp_path / "helm")
+    docs = [d for d in helm.template(RELEASE, RELEASE_NAMESPACE,
+                                     {"trainingRuntime": {"enabled": True}})
+            if d["kind"] == "ClusterTrainingRuntime"]
+    assert [d["metadata"]["name"] for d in docs] == ["torch-elastic-k8s"]
+    local = localize.localize(docs, tmp_path / "volumes")
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(local))
+
+
+def pod_identity(cluster: Cluster, namespace: str, selector: str) -> dict[str, tuple[str, int]]:
+    return {p["metadata"]["name"]: (p["metadata"]["uid"], sum(
+        c.get("restartCount", 0) for c in (p.get("status") or {}).get("containerStatuses") or []))
+        for p in pods_of(cluster, namespace, selector)}
+
+
+def condition(obj: dict[str, Any], kind: str) -> bool:
+    return any(c.get("type") == kind and c.get("status") == "True"
+               for c in (obj.get("status") or {}).get("conditions") or [])
+
+
+def lose_one_and_replace(cluster: Cluster, namespace: str, run: str,
+                         selector: str) -> tuple[str, dict[str, tuple[str, int]]]:
+    """Round of 3; delete a pod; round of 2; the replacement makes a round of 3 again.
+
+    Returns the deleted pod's name and the survivors' (UID, restart count)."""
+    first = wait_for(lambda: round_with(cluster, namespace, run, 3), 240,
+                     "the three pods in one round", interval=0.5)
+    rank0 = first.status.participants[0].name
+    wait_for(lambda: "epoch 3 done" in logs(cluster, namespace, rank0), 180,
+             "training to be under way", interval=1)
+    victim = max(first.status.participants, key=lambda p: p.rank).name
+    before = pod_identity(cluster, namespace, selector)
+    survivors = {name: ident for name, ident in before.items() if name != victim}
+    assert len(survivors) == 2, before
+    deleted = time.monotonic()
+    cluster.kubectl("delete", "pod", "-n", namespace, victim, "--wait=false")
+    second = wait_for(lambda: round_with(cluster, namespace, run, 2, after=first.status.round,
+                                         without=victim), 60,
+                      "a round of the two survivors", interval=0.05)
+    took = time.monotonic() - deleted
+    print(f"\n{run}: pod {victim} deleted -> round {second.status.round} of 2 after {took:.2f}s")
+    assert set(second.status.member_names) == set(survivors)
+    assert took < 5.0, f"the survivors re-formed only after {took:.2f}s"
+    third = wait_for(lambda: round_with(cluster, namespace, run, 3, after=second.status.round,
+                                        without=victim), 240,
+                     "the replacement pod in a round of 3", interval=0.1)
+    newcomer = set(third.status.member_names) - set(survivors)
+    print(f"{run}: replacement {sorted(newcomer)} joined round {third.status.round} "
+          f"{time.monotonic() - deleted:.2f}s after the deletion")
+    return victim, survivors
+
+
+@pytest.mark.addons
+def test_a_jobset_replaces_a_deleted_pod_without_restarting_the_others(
+        addons_cluster: Cluster, node_namespace: str) -> None:
+    cluster, ns, run = addons_cluster, node_namespace, "llama-js"
+    create_run(cluster, ns, elastic_run(run, 2, 3))
+    apply_integration(cluster, ns, INTEGRATIONS / "jobset.yaml", TRAINING)
+    selector = f"jobset.sigs.k8s.io/jobset-name={run}"
+    victim, survivors = lose_one_and_replace(cluster, ns, run, selector)
+    path = f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets/{run}"
+    wait_for(lambda: condition(cluster.client.request("GET", path), "Completed"), 400,
+             "the JobSet to complete", interval=1)
+    done = cluster.client.request("GET", path)
+    assert (done["status"].get("restarts") or 0) == 0
+    after = pod_identity(cluster, ns, selector)
+    assert {name: after[name] for name in survivors} == survivors
+    assert victim not in after
+    assert read_run(cluster.client, ns, run).status.phase == "Succeeded"
+
+
+@pytest.mark.addons
+def test_a_trainjob_on_the_chart_runtime_replaces_a_deleted_node(
+        addons_cluster: Cluster, node_namespace: str, tmp_path: Path) -> None:
+    cluster, ns, run = addons_cluster, node_namespace, "llama-tj"
+    install_runtime(cluster, tmp_path)
+    create_run(cluster, ns, elastic_run(run, 2, 3))
+    apply_integration(cluster, ns, INTEGRATIONS / "trainjob.yaml", TRAINING)
+    selector = f"jobset.sigs.k8s.io/jobset-name={run}"
+    _, survivors = lose_one_and_replace(cluster, ns, run, selector)
+    pod = cluster.client.request("GET", f"/api/v1/namespaces/{ns}/pods/{next(iter(survivors))}")
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert (env["PET_NNODES"], env["PET_RDZV_BACKEND"], env["PET_RDZV_ID"]) == ("2:3", "k8s", run)
+    assert pod["metadata"]["labels"]["elasticrun.dev/run"] == run
+    path = f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/{ns}/trainjobs/{run}"
+    wait_for(lambda: condition(cluster.client.request("GET", path), "Complete"), 400,
+             "the TrainJob to complete", interval=1)
+    jobset = cluster.client.request(
+        "GET", f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets/{run}")
+    assert (jobset["status"].get("restarts") or 0) == 0
+    after = pod_identity(cluster, ns, selector)
+    assert {name: after[name] for name in survivors} == survivors
+    assert read_run(cluster.client, ns, run).status.phase == "Succeeded"
+
+
+def test_an_indexed_job_whose_last_index_comes_after_success_ends_complete(
+        node_cluster: Cluster, node_namespace: str) -> None:
+    """completions 3, parallelism 2, nnodes 2: indexes 0 and 1 train; index 2 starts
+    when one of them has finished, finds the run Succeeded and exits 0."""
+    cluster, ns, run = node_cluster, node_namespace, "llama-ix"
+    apply_integration(cluster, ns, INTEGRATIONS / "indexed-job.yaml",
+                      ["--epochs", "100", "--steps-per-epoch", "10"])
+    path = f"/apis/batch/v1/namespaces/{ns}/jobs/{run}"
+
+    def finished() -> dict[str, Any] | None:
+        job: dict[str, Any] = cluster.client.request("GET", path)
+        return job if condition(job, "Complete") or condition(job, "Failed") else None
+
+    job = wait_for(finished, 300, "the Job to finish", interval=1)
+    status = job["status"]
+    assert condition(job, "Complete"), status
+    assert (status.get("succeeded"), status.get("failed", 0)) == (3, 0), status
+    final = read_run(cluster.client, ns, run)
+    assert final.status.phase == "Succeeded"
+    index = "batch.kubernetes.io/job-completion-index"
+    pods = pods_of(cluster, ns, f"batch.kubernetes.io/job-name={run}")
+    late = [p["metadata"]["name"] for p in pods if p["metadata"]["annotations"].get(index) == "2"]
+    assert len(late) == 1 and late[0] not in {m.name for m in final.status.lost_members}, late
