@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from podenv import kubelet_env
 
 from elasticrun.api import crd
 from elasticrun.api.kube import run_path
@@ -96,7 +97,7 @@ def test_train_py_under_torchrun_with_only_the_injected_environment(
         pod = {"metadata": {"name": node, "labels": {crd.RUN_LABEL: "example"},
                             "annotations": annotations},
                "spec": {"containers": [{"name": "trainer", "image": "x"}]}}
-        env = {**clean_env(), **pod_environment(webhook.mutated(pod), node, namespace),
+        env = {**clean_env(), **kubelet_env(webhook.mutated(pod), namespace),
                "KUBECONFIG": str(kubeconfig), "CHECKPOINT": str(checkpoint),
                "PET_RDZV_CONF": "last_call_timeout=1,join_timeout=120",
                "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("handler", "operator"))}
@@ -121,19 +122,6 @@ def test_train_py_under_torchrun_with_only_the_injected_environment(
     run = cluster.client.request("GET", run_path(namespace, "example"))
     assert run["status"]["round"] >= 1
     assert "epoch 2 done" in logs["ex-0"] + logs["ex-1"]
-
-
-def pod_environment(pod: dict[str, Any], name: str, namespace: str) -> dict[str, str]:
-    """What the kubelet would put in the container's environment for this pod."""
-    fields = {"metadata.name": name, "metadata.namespace": namespace,
-              "metadata.uid": f"uid-{name}", "status.podIP": "127.0.0.1"}
-    env: dict[str, str] = {}
-    for var in pod["spec"]["containers"][0]["env"]:
-        if "valueFrom" in var:
-            env[var["name"]] = fields[var["valueFrom"]["fieldRef"]["fieldPath"]]
-        else:
-            env[var["name"]] = var["value"].replace("$(POD_IP)", env.get("POD_IP", ""))
-    return env
 
 
 def test_kind_quick_start_names_the_real_files() -> None:

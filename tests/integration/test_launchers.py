@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import yaml
+from podenv import kubelet_env
 
 from elasticrun.api.kube import runs_path
 from elasticrun.api.model import parse_run
@@ -88,24 +89,6 @@ def launcher_pod(name: str, namespace: str, labels: dict[str, str],
             "metadata": {"name": name, "namespace": namespace, "labels": labels,
                          "annotations": annotations},
             "spec": {"containers": [container]}}
-
-
-def kubelet_env(pod: Mapping[str, Any]) -> dict[str, str]:
-    """The first container's environment as the kubelet resolves it on this machine."""
-    meta = pod["metadata"]
-    fields = {"metadata.name": meta["name"], "metadata.namespace": meta["namespace"],
-              "status.podIP": "127.0.0.1"}
-    fields.update({f"metadata.annotations['{k}']": v
-                   for k, v in (meta.get("annotations") or {}).items()})
-    env: dict[str, str] = {}
-    for item in pod["spec"]["containers"][0].get("env") or []:
-        if "valueFrom" in item:
-            value = fields[item["valueFrom"]["fieldRef"]["fieldPath"]]
-        else:  # $(VAR) expands only from variables defined earlier, as in the kubelet
-            value = re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-                           lambda m: env.get(m.group(1), m.group(0)), item.get("value", ""))
-        env[item["name"]] = value
-    return env
 
 
 def start_pod(processes: ProcessGroup, cluster: Cluster, pod: Mapping[str, Any],
