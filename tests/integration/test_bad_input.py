@@ -231,7 +231,10 @@ def test_round_going_back_is_moved_forward_by_the_operator(
     again = rendezvous_all(nodes)
     assert_all_ok(again)
     assert sorted(o.rank for o in again.values()) == [0, 1, 2]
-    assert read_run(cluster.client, namespace, "forward").status.round == round_repaired + 1
+    # The repair forgets the roster, so the members' old requests may be sealed into one
+    # more round first; they skip it (its store is not what rank 0 now announces).
+    final = read_run(cluster.client, namespace, "forward").status.round
+    assert round_repaired < final <= round_repaired + 2
     record("hand-edited status: round going backwards (operator)", group="bad input",
            fault="status.round set from 2 back to 1 while the operator runs",
            expected="the operator marks the run Degraded (InvalidStatus), moves the round "
