@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from elasticrun.api.kube import ApiError
+from elasticrun.api.kube import ApiError, KubeClient, load_credentials
 
 from conftest import ROOT, Cluster
 
@@ -174,3 +174,27 @@ def refusals(log_text: str) -> list[str]:
     """
     return [line for line in log_text.splitlines()
             if re.search(r'forbidden: User "[^"]+" cannot', line)]
+
+
+def account_client(cluster: Cluster, namespace: str, name: str,
+                   rules: list[dict[str, Any]], directory: Path) -> KubeClient:
+    """A client for a new ServiceAccount ``name`` that holds a Role of ``rules`` only.
+
+    Attacker tests play another user of the namespace with a real token: the
+    API server authenticates and authorizes it exactly as it would that pod.
+    """
+    admin = cluster.client
+    admin.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts", body={
+        "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}})
+    rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}"
+    admin.request("POST", f"{rbac}/roles", body={
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": {"name": name}, "rules": rules})
+    admin.request("POST", f"{rbac}/rolebindings", body={
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]})
+    kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, name),
+                                  directory / f"{name}.kubeconfig", namespace)
+    return KubeClient(load_credentials(str(kubeconfig)), timeout=10)

@@ -30,14 +30,13 @@ from elasticrun.api.kube import (
     KubeClient,
     lease_path,
     leases_path,
-    load_credentials,
 )
 from elasticrun.api.leases import JOIN_ANNOTATION
 from elasticrun.api.model import format_time, now
 from elasticrun.api.naming import label_value, lease_name
 
 from chaoskit import assert_all_ok
-from chartkit import request_token, token_kubeconfig
+from chartkit import account_client
 from conftest import Cluster, wait_for
 from controlplane.kubelet import Kubelet
 from controlplane.operatorproc import OperatorProcess
@@ -193,25 +192,9 @@ def test_a_ghost_lease_renewed_in_2199_is_neither_kept_nor_stalls_the_real_nodes
 
 def _pod_maker(cluster: Cluster, namespace: str, tmp_path: Path) -> KubeClient:
     """Another user of the namespace: a ServiceAccount that may create and delete Pods."""
-    admin = cluster.client
-    admin.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts", body={
-        "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "pod-maker"}})
-    rbac = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}"
-    admin.request("POST", f"{rbac}/roles", body={
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-        "metadata": {"name": "pod-maker"},
-        "rules": [{"apiGroups": [""], "resources": ["pods"],
-                   "verbs": ["create", "delete", "get"]}]})
-    admin.request("POST", f"{rbac}/rolebindings", body={
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-        "metadata": {"name": "pod-maker"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                    "name": "pod-maker"},
-        "subjects": [{"kind": "ServiceAccount", "name": "pod-maker",
-                      "namespace": namespace}]})
-    kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, "pod-maker"),
-                                  tmp_path / "pod-maker.kubeconfig", namespace)
-    return KubeClient(load_credentials(str(kubeconfig)), timeout=10)
+    return account_client(cluster, namespace, "pod-maker",
+                          [{"apiGroups": [""], "resources": ["pods"],
+                            "verbs": ["create", "delete", "get"]}], tmp_path)
 
 
 def test_a_namesake_pod_of_another_user_removes_no_member(

@@ -51,7 +51,15 @@ from elasticrun.handler.handler import ElasticRunForbiddenError
 from elasticrun.operator import runrbac
 
 from chaoskit import assert_all_ok, record, start_node
-from chartkit import Helm, apply, by_kind, delete_cluster_scoped, request_token, token_kubeconfig
+from chartkit import (
+    Helm,
+    account_client,
+    apply,
+    by_kind,
+    delete_cluster_scoped,
+    request_token,
+    token_kubeconfig,
+)
 from conftest import Cluster, ProcessGroup, wait_for
 from controlplane.operatorproc import OperatorProcess, free_port
 from rdzv import AuditLog, read_run, rendezvous_all
@@ -933,23 +941,9 @@ def _established_to(port: int) -> int:
 def _status_writer(cluster: Cluster, namespace: str, tmp_path: Path) -> KubeClient:
     """A ServiceAccount allowed to update ElasticRuns and their status, and nothing else
     (a user with kubectl rights on runs, or a pod of another run in a shared namespace)."""
-    _service_account(cluster, namespace, "status-writer")
-    rules = [{"apiGroups": [crd.GROUP], "resources": [crd.PLURAL, f"{crd.PLURAL}/status"],
-              "verbs": ["get", "list", "watch", "update", "patch"]}]
-    base = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}"
-    cluster.client.request("POST", f"{base}/roles", body={
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-        "metadata": {"name": "status-writer"}, "rules": rules})
-    cluster.client.request("POST", f"{base}/rolebindings", body={
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-        "metadata": {"name": "status-writer"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                    "name": "status-writer"},
-        "subjects": [{"kind": "ServiceAccount", "name": "status-writer",
-                      "namespace": namespace}]})
-    kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, "status-writer"),
-                                  tmp_path / "status-writer.kubeconfig", namespace)
-    return KubeClient(load_credentials(str(kubeconfig)), timeout=10)
+    return account_client(cluster, namespace, "status-writer", [
+        {"apiGroups": [crd.GROUP], "resources": [crd.PLURAL, f"{crd.PLURAL}/status"],
+         "verbs": ["get", "list", "watch", "update", "patch"]}], tmp_path)
 
 
 def test_nodes_refuse_a_store_their_rank0_did_not_announce(
