@@ -15,7 +15,6 @@ it from a worker thread.
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -33,16 +32,13 @@ from elasticrun.api.kube import (
 from elasticrun.api.leases import (
     ASSIGNMENT_ANNOTATION,
     assignment_value,
-    lease_state,
     leases_of,
-    pending_joins,
     run_leases_query,
 )
 from elasticrun.api.model import (
     Assignment,
     RunSpec,
     RunStatus,
-    WaitingNode,
     new_run_manifest,
     next_signal,
 )
@@ -155,12 +151,6 @@ class RunGateway:
         listed = self.client.request("GET", leases_path(self.namespace),
                                      query=run_leases_query(self.name))
         return leases_of(listed, self.name)
-
-    def pending(self, status: RunStatus, now: dt.datetime, run_uid: str | None,
-                heartbeat: float) -> tuple[WaitingNode, ...]:
-        """The join requests no round has answered yet (:func:`pending_joins`)."""
-        return pending_joins([lease_state(item) for item in self.leases()], status, now,
-                             run_uid, heartbeat)
 
     def lease(self, node: str) -> dict[str, Any] | None:
         """``node``'s Lease in this run; None when there is none."""
