@@ -59,10 +59,19 @@ def test_opted_in_pod_gets_the_whole_environment_in_every_container() -> None:
     assert env_of(out["spec"]["containers"][1])["X"] == "1"
 
 
-def test_without_annotations_only_backend_id_and_pod_identity_are_set() -> None:
+def test_without_annotations_only_backend_id_restarts_and_pod_identity_are_set() -> None:
     env = env_of(webhook.mutated(pod({webhook.RUN_LABEL: "r"}))["spec"]["containers"][0])
-    assert set(env) == {"PET_RDZV_BACKEND", "PET_RDZV_ID", "POD_NAME", "POD_NAMESPACE",
-                        "POD_UID", "POD_IP", "PET_LOCAL_ADDR"}
+    assert set(env) == {"PET_RDZV_BACKEND", "PET_RDZV_ID", "PET_MAX_RESTARTS", "POD_NAME",
+                        "POD_NAMESPACE", "POD_UID", "POD_IP", "PET_LOCAL_ADDR"}
+    assert env["PET_MAX_RESTARTS"] == str(webhook.DEFAULT_MAX_RESTARTS)
+
+
+def test_a_containers_own_max_restarts_is_kept() -> None:
+    """torchrun's default of 0 restarts is replaced, a value the user wrote is not."""
+    spec = pod({webhook.RUN_LABEL: "r"})
+    spec["spec"]["containers"][0]["env"] = [{"name": "PET_MAX_RESTARTS", "value": "2"}]
+    env = env_of(webhook.mutated(spec)["spec"]["containers"][0])
+    assert env["PET_MAX_RESTARTS"] == "2"
 
 
 def test_a_single_count_means_a_fixed_size() -> None:

@@ -48,6 +48,15 @@ NPROC_ANNOTATION = f"{crd.GROUP}/nproc-per-node"
 HANDLER_ID = "elasticrun-pod-env"
 WEBHOOK_PATH = f"/{HANDLER_ID}"
 
+#: ``PET_MAX_RESTARTS`` for opted-in containers that set none.  torchrun's default, 0,
+#: suits a fixed-size job but not an elastic one: when a node dies, the survivors'
+#: workers often fail in a collective before their agent sees the new round, and
+#: that failure counts as a restart; with none left the agent exits, its pod
+#: fails and every survivor is replaced.  A membership change (a node admitted or
+#: removed while the workers are healthy) costs no restart.  ``--max-restarts`` on
+#: the command line, or the container's own ``PET_MAX_RESTARTS``, wins.
+DEFAULT_MAX_RESTARTS = 10
+
 _COUNT = re.compile(r"^[0-9]+$")  # ASCII digits only: str.isdigit() also accepts "²"
 #: torchrun's --nproc-per-node accepts a count or one of these words.
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
@@ -204,6 +213,7 @@ def desired_env(opt_in: OptIn) -> list[dict[str, Any]]:
         env.append({"name": "PET_NNODES", "value": opt_in.nnodes})
     if opt_in.nproc_per_node is not None:
         env.append({"name": "PET_NPROC_PER_NODE", "value": opt_in.nproc_per_node})
+    env.append({"name": "PET_MAX_RESTARTS", "value": str(DEFAULT_MAX_RESTARTS)})
     env += [
         {"name": "POD_NAME", **_field("metadata.name")},
         {"name": "POD_NAMESPACE", **_field("metadata.namespace")},
