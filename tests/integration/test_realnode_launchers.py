@@ -279,12 +279,16 @@ def test_the_same_trainjob_on_the_stock_torch_runtime_restarts_its_nodes(
     trainjob = wait_for(finished, 400, "the TrainJob to finish", interval=1)
     jobset = cluster.client.request(
         "GET", f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets/{run}")
+    job = cluster.client.request("GET", f"/apis/batch/v1/namespaces/{ns}/jobs/{run}-node-0")
     after = pod_identity(cluster, ns, selector)
     print(f"{run} (stock): TrainJob {[c['type'] for c in trainjob['status']['conditions']]}, "
-          f"JobSet restarts {jobset['status'].get('restarts') or 0}, survivors "
-          f"{ {n: (before[n], after.get(n)) for n in survivors} }, pods now {after}")
+          f"JobSet restarts {jobset['status'].get('restarts') or 0}, Job failed "
+          f"{job['status'].get('failed', 0)} of backoffLimit {job['spec'].get('backoffLimit')}, "
+          f"survivors { {n: (before[n], after.get(n)) for n in survivors} }, pods now {after}")
     assert condition(trainjob, "Complete"), trainjob["status"]
     assert (jobset["status"].get("restarts") or 0) == 0
+    # The deleted pod is the Job's one failure; Kubernetes' default backoffLimit absorbs it.
+    assert (job["status"].get("failed", 0), job["spec"].get("backoffLimit")) == (1, 6)
     # Every survivor's container was restarted in its pod (same UID, restartPolicy
     # OnFailure), and training came back only when all three were up again.
     assert {n: after[n][0] for n in survivors} == {n: uid for n, (uid, _) in survivors.items()}
