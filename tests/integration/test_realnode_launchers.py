@@ -4,13 +4,18 @@ The real controllers (JobSet v0.12.0, Trainer v2.3.0, controlplane.addons) make
 the Jobs and pods from the manifests in ``deploy/integrations/`` as
 docs/integrations.md gives them (localized for this node like the examples);
 the chart's operator removes the deleted member, the survivors re-form without
-it, and the replacement the Job controller creates joins the next round.
+it, and the replacement the Job controller creates joins the next round.  The
+same TrainJob on Trainer's own ``torch-distributed`` runtime, with the same
+deletion, is the comparison docs/integrations.md puts beside it.
 Times are printed; outcomes are asserted.
 """
 
 from __future__ import annotations
 
+import math
+import re
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +25,8 @@ from test_realnode import create_run, elastic_run, logs, pods_of, round_with
 
 from chartkit import Helm, build_helm
 from conftest import ROOT, Cluster, wait_for
-from controlplane import localize
+from controlplane import addons, localize
+from controlplane.node import NODE_IP
 from nodekit import RELEASE, RELEASE_NAMESPACE
 from rdzv import read_run
 
@@ -75,11 +81,12 @@ def condition(obj: dict[str, Any], kind: str) -> bool:
                for c in (obj.get("status") or {}).get("conditions") or [])
 
 
-def lose_one_and_replace(cluster: Cluster, namespace: str, run: str,
-                         selector: str) -> tuple[str, dict[str, tuple[str, int]]]:
+def lose_one_and_replace(cluster: Cluster, namespace: str, run: str, selector: str
+                         ) -> tuple[str, dict[str, tuple[str, int]], float]:
     """Round of 3; delete a pod; round of 2; the replacement makes a round of 3 again.
 
-    Returns the deleted pod's name and the survivors' (UID, restart count)."""
+    Returns the deleted pod's name, the survivors' (UID, restart count) and the
+    wall-clock time of the deletion (for :func:`training_resumed`)."""
     first = wait_for(lambda: round_with(cluster, namespace, run, 3), 240,
                      "the three pods in one round", interval=0.5)
     rank0 = first.status.participants[0].name
@@ -89,7 +96,7 @@ def lose_one_and_replace(cluster: Cluster, namespace: str, run: str,
     before = pod_identity(cluster, namespace, selector)
     survivors = {name: ident for name, ident in before.items() if name != victim}
     assert len(survivors) == 2, before
-    deleted = time.monotonic()
+    deleted, deleted_at = time.monotonic(), time.time()
     cluster.kubectl("delete", "pod", "-n", namespace, victim, "--wait=false")
     second = wait_for(lambda: round_with(cluster, namespace, run, 2, after=first.status.round,
                                          without=victim), 60,
@@ -104,7 +111,47 @@ def lose_one_and_replace(cluster: Cluster, namespace: str, run: str,
     newcomer = set(third.status.member_names) - set(survivors)
     print(f"{run}: replacement {sorted(newcomer)} joined round {third.status.round} "
           f"{time.monotonic() - deleted:.2f}s after the deletion")
-    return victim, survivors
+    return victim, survivors, deleted_at
+
+
+#: train.py's lines: a worker starting (after a restart too), and an epoch it finished.
+WORKER_STARTED = "starting at epoch"
+EPOCH_DONE = re.compile(r" rank \d+/(\d+) epoch \d+ done")
+#: The container runtime's RFC 3339 time of a log line (nanoseconds, UTC).
+LOG_STAMP = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?Z")
+
+
+def training_resumed(cluster: Cluster, namespace: str, selector: str,
+                     since: float) -> dict[int, float]:
+    """Seconds from ``since`` until a worker started after it finished an epoch, per world size.
+
+    Read from the pods' current containers (``kubectl logs --timestamps``: the
+    runtime's time of each line), so polling adds nothing to it.  Lines of a
+    worker that was already running at ``since`` do not count: training has
+    resumed when a worker of the new world (an elastic restart, a restarted
+    container or a replacement pod) has completed an epoch.
+    """
+    start = datetime.fromtimestamp(math.floor(since) - 1, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    first: dict[int, float] = {}
+    for pod in pods_of(cluster, namespace, selector):
+        out = cluster.kubectl("logs", "-n", namespace, pod["metadata"]["name"], "--timestamps",
+                              f"--since-time={start}", check=False).stdout
+        started = False
+        for line in out.splitlines():
+            stamp, _, text = line.partition(" ")
+            parsed = LOG_STAMP.fullmatch(stamp)
+            if parsed is None:
+                continue
+            at = datetime.fromisoformat(parsed.group(1)).replace(tzinfo=UTC).timestamp() + float(
+                f"0.{parsed.group(2) or 0}")
+            if at < since:
+                continue
+            if WORKER_STARTED in text:
+                started = True
+            elif started and (done := EPOCH_DONE.search(text)):
+                world = int(done.group(1))
+                first[world] = min(first.get(world, math.inf), at - since)
+    return first
 
 
 @pytest.mark.addons
@@ -114,7 +161,7 @@ def test_a_jobset_replaces_a_deleted_pod_without_restarting_the_others(
     create_run(cluster, ns, elastic_run(run, 2, 3))
     apply_integration(cluster, ns, INTEGRATIONS / "jobset.yaml", TRAINING)
     selector = f"jobset.sigs.k8s.io/jobset-name={run}"
-    victim, survivors = lose_one_and_replace(cluster, ns, run, selector)
+    victim, survivors, _ = lose_one_and_replace(cluster, ns, run, selector)
     path = f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets/{run}"
     wait_for(lambda: condition(cluster.client.request("GET", path), "Completed"), 400,
              "the JobSet to complete", interval=1)
@@ -134,7 +181,7 @@ def test_a_trainjob_on_the_chart_runtime_replaces_a_deleted_node(
     create_run(cluster, ns, elastic_run(run, 2, 3))
     apply_integration(cluster, ns, INTEGRATIONS / "trainjob.yaml", TRAINING)
     selector = f"jobset.sigs.k8s.io/jobset-name={run}"
-    _, survivors = lose_one_and_replace(cluster, ns, run, selector)
+    _, survivors, deleted_at = lose_one_and_replace(cluster, ns, run, selector)
     pod = cluster.client.request("GET", f"/api/v1/namespaces/{ns}/pods/{next(iter(survivors))}")
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert (env["PET_NNODES"], env["PET_RDZV_BACKEND"], env["PET_RDZV_ID"]) == ("2:3", "k8s", run)
@@ -148,6 +195,106 @@ def test_a_trainjob_on_the_chart_runtime_replaces_a_deleted_node(
     after = pod_identity(cluster, ns, selector)
     assert {name: after[name] for name in survivors} == survivors
     assert read_run(cluster.client, ns, run).status.phase == "Succeeded"
+    # Measured as for the stock runtime below (docs/integrations.md, side by side).
+    resumed = training_resumed(cluster, ns, selector, deleted_at)
+    print(f"{run}: training resumed {fmt_resumed(resumed)} after the deletion")
+    assert set(resumed) == {2, 3} and resumed[2] < resumed[3], resumed
+
+
+def fmt_resumed(resumed: dict[int, float]) -> str:
+    return ", ".join(f"in a world of {w} {s:.2f}s" for w, s in sorted(resumed.items()))
+
+
+def install_stock_runtime(cluster: Cluster, tmp_path: Path, trainjob: str) -> None:
+    """Trainer v2.3.0's own ``torch-distributed`` runtime, from the module, localized.
+
+    As the module ships it (``manifests/base/runtimes/torch_distributed.yaml``),
+    with what this node needs: :func:`localize.localize` (the local image and its
+    host mounts, ``hostNetwork``), and, since there is no cluster DNS here, the
+    master address Trainer gives every node (``<trainjob>-node-0-0.<trainjob>``,
+    pod 0 behind JobSet's headless Service) as a host alias for the node's
+    address, which is pod 0's address under ``hostNetwork``.
+    """
+    source = (addons.module_path(addons.TRAINER.module) / "manifests" / "base" / "runtimes"
+              / "torch_distributed.yaml")
+    docs = localize.localize(localize.load(source), tmp_path / "volumes")
+    assert [d["metadata"]["name"] for d in docs] == [STOCK_RUNTIME]
+    for spec in localize.pod_specs(docs[0]):
+        spec["hostAliases"] = [{"ip": NODE_IP,
+                                "hostnames": [f"{trainjob}-node-0-0.{trainjob}"]}]
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(docs))
+
+
+STOCK_RUNTIME = "torch-distributed"
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+
+
+@pytest.mark.addons
+def test_the_same_trainjob_on_the_stock_torch_runtime_restarts_its_nodes(
+        addons_cluster: Cluster, node_namespace: str, tmp_path: Path) -> None:
+    """deploy/integrations/trainjob.yaml with ``runtimeRef: torch-distributed``, nothing else
+    changed: static rendezvous (the TCPStore on pod 0), JobSet's defaults."""
+    cluster, ns, run = addons_cluster, node_namespace, "llama-tj"
+    install_stock_runtime(cluster, tmp_path, run)
+    docs = localize.load(INTEGRATIONS / "trainjob.yaml")
+    for doc in docs:
+        if doc["kind"] == "TrainJob":
+            doc["spec"]["runtimeRef"]["name"] = STOCK_RUNTIME
+    manifest = tmp_path / "trainjob-stock.yaml"
+    manifest.write_text(yaml.safe_dump_all(docs))
+    apply_integration(cluster, ns, manifest, TRAINING)
+    selector = f"jobset.sigs.k8s.io/jobset-name={run}"
+
+    def by_index() -> dict[str, str] | None:
+        pods = pods_of(cluster, ns, selector)
+        if len(pods) != 3 or any((p.get("status") or {}).get("phase") != "Running"
+                                 for p in pods):
+            return None
+        return {p["metadata"]["annotations"][COMPLETION_INDEX]: p["metadata"]["name"]
+                for p in pods}
+
+    nodes = wait_for(by_index, 240, "three Running node pods", interval=0.5)
+    wait_for(lambda: "rank 0/3 epoch 3 done" in logs(cluster, ns, nodes["0"]), 180,
+             "training to be under way", interval=1)
+    pod = cluster.client.request("GET", f"/api/v1/namespaces/{ns}/pods/{nodes['0']}")
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert (env["PET_NNODES"], env["PET_MASTER_ADDR"]) == ("3", f"{run}-node-0-0.{run}")
+    assert "PET_RDZV_BACKEND" not in env and "elasticrun.dev/run" not in pod["metadata"]["labels"]
+    victim = nodes["2"]
+    before = pod_identity(cluster, ns, selector)
+    survivors = {name: ident for name, ident in before.items() if name != victim}
+    deleted_at = time.time()
+    cluster.kubectl("delete", "pod", "-n", ns, victim, "--wait=false")
+    resumed = wait_for(lambda: (r := training_resumed(cluster, ns, selector, deleted_at))
+                       and 3 in r and r, 300, "training to resume in a world of 3",
+                       interval=2)
+    print(f"\n{run} (stock): pod {victim} deleted -> training resumed "
+          f"{fmt_resumed(resumed)} after the deletion")
+    path = f"/apis/trainer.kubeflow.org/v1alpha1/namespaces/{ns}/trainjobs/{run}"
+
+    def finished() -> dict[str, Any] | None:
+        job: dict[str, Any] = cluster.client.request("GET", path)
+        return job if condition(job, "Complete") or condition(job, "Failed") else None
+
+    trainjob = wait_for(finished, 400, "the TrainJob to finish", interval=1)
+    jobset = cluster.client.request(
+        "GET", f"/apis/jobset.x-k8s.io/v1alpha2/namespaces/{ns}/jobsets/{run}")
+    job = cluster.client.request("GET", f"/apis/batch/v1/namespaces/{ns}/jobs/{run}-node-0")
+    after = pod_identity(cluster, ns, selector)
+    print(f"{run} (stock): TrainJob {[c['type'] for c in trainjob['status']['conditions']]}, "
+          f"JobSet restarts {jobset['status'].get('restarts') or 0}, Job failed "
+          f"{job['status'].get('failed', 0)} of backoffLimit {job['spec'].get('backoffLimit')}, "
+          f"survivors { {n: (before[n], after.get(n)) for n in survivors} }, pods now {after}")
+    assert condition(trainjob, "Complete"), trainjob["status"]
+    assert (jobset["status"].get("restarts") or 0) == 0
+    # The deleted pod is the Job's one failure; Kubernetes' default backoffLimit absorbs it.
+    assert (job["status"].get("failed", 0), job["spec"].get("backoffLimit")) == (1, 6)
+    # Every survivor's container was restarted in its pod (same UID, restartPolicy
+    # OnFailure), and training came back only when all three were up again.
+    assert {n: after[n][0] for n in survivors} == {n: uid for n, (uid, _) in survivors.items()}
+    assert all(after[n][1] > restarts for n, (_, restarts) in survivors.items()), after
+    assert victim not in after and len(after) == 3
+    assert set(resumed) == {3}, resumed
 
 
 def test_an_indexed_job_whose_last_index_comes_after_success_ends_complete(
