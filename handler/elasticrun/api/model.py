@@ -443,6 +443,35 @@ class Condition:
 
 
 @dataclass(frozen=True)
+class Desired:
+    """How many nodes the owner of the run's pods asks for, as the operator read it.
+
+    ``size`` is the owner's own count (Job ``parallelism``, StatefulSet
+    ``replicas``, JobSet replicas x parallelism, TrainJob ``numNodes``);
+    ``source`` names the owner as ``Kind/name``; ``coming`` counts that owner's
+    pods which exist but have not asked to join yet (gated, Pending, starting).
+    Only the operator writes it; nodes carry it through their replace of the status.
+    """
+
+    size: int
+    source: str | None = None
+    coming: int = 0
+
+    @classmethod
+    def from_status(cls, obj: Mapping[str, Any]) -> Desired | None:
+        size = _opt_count(obj, "desired", "status")
+        if size is None:
+            return None
+        return cls(size=size, source=_opt_str(obj, "desiredFrom", "status"),
+                   coming=_count(obj, "coming", "status", 0))
+
+    def to_status(self) -> dict[str, Any]:
+        return _drop_none({"desired": capped(self.size), "desiredFrom": self.source,
+                           "coming": capped(self.coming)})
+
+
+
+@dataclass(frozen=True)
 class RunStatus:
     """Membership state of a run: one explicit object, replaced whole on every seal."""
 
@@ -460,6 +489,8 @@ class RunStatus:
     finished_at: dt.datetime | None = None
     waiting_count: int | None = None
     observed_generation: int | None = None
+    #: The owner's desired size (see :class:`Desired`); None when no owner says.
+    desired: Desired | None = None
 
     # ------------------------------------------------------------------ derived views
 
@@ -549,6 +580,7 @@ class RunStatus:
             finished_at=_time(obj, "finishedAt", "status"),
             waiting_count=_opt_count(obj, "waitingCount", "status"),
             observed_generation=_opt_count(obj, "observedGeneration", "status"),
+            desired=Desired.from_status(obj),
         )
         parsed._check_consistent()
         return parsed
@@ -611,6 +643,7 @@ class RunStatus:
             "finishedAt": format_time(self.finished_at) if self.finished_at else None,
             "observedGeneration": (capped(self.observed_generation)
                                    if self.observed_generation is not None else None),
+            **(self.desired.to_status() if self.desired else {}),
         })
 
     def replace(self, **changes: Any) -> RunStatus:
