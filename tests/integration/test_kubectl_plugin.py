@@ -316,6 +316,56 @@ def test_a_read_only_user_is_told_which_right_it_lacks(cluster: Cluster, namespa
                           f"in namespace '{namespace}', and you may not get them")
 
 
+def test_node_written_strings_cannot_drive_the_terminal(cluster: Cluster,
+                                                        namespace: str) -> None:
+    """The schema lets a node write any characters into names and messages; none reach the
+    terminal as control sequences (clear screen, carriage return, a window title)."""
+    create_run(cluster, namespace, "noisy")
+    hostile = "n\x1b[2J\rx"
+    write_status(cluster, namespace, "noisy", {
+        "phase": "Running", "round": 1, "signal": 1, "store": {"host": "10.1.0.1", "port": 1},
+        "participants": [{"name": hostile, "rank": 0, "joinedRound": 1, "pod": "p\x07"}],
+        "lostMembers": [{"name": "gone", "round": 1, "reason": "Left",
+                         "message": "\x1b]0;owned\x07" + "m" * 1000}]})
+    for args in (["status", "noisy"], ["list"]):
+        out = ok(plugin(cluster.kubeconfig, *args, "-n", namespace))
+        assert not any(ch in out for ch in "\x1b\r\x07"), repr(out)
+    text = ok(plugin(cluster.kubeconfig, "status", "noisy", "-n", namespace))
+    assert [r[:3] for r in rows(text, "Ranks")] == [["0", "n\\x1b[2J\\rx", "p\\x07"]]
+    assert max(len(line) for line in text.splitlines()) < 300
+
+
+def _closed_port() -> int:
+    """A port of this machine nobody listens on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_the_context_picks_the_server_and_the_namespace(cluster: Cluster, namespace: str,
+                                                       tmp_path: Path) -> None:
+    """``--context`` as kubectl's: its cluster, its user, its namespace (no ``-n``)."""
+    create_run(cluster, namespace, "ctx")
+    config = yaml.safe_load(cluster.kubeconfig.read_text())
+    base = config["contexts"][0]["context"]
+    config["clusters"].append({"name": "dead", "cluster": {
+        "server": f"https://127.0.0.1:{_closed_port()}", "insecure-skip-tls-verify": True}})
+    config["contexts"] = [{"name": "team", "context": {**base, "namespace": namespace}},
+                          {"name": "dead", "context": {**base, "cluster": "dead"}}]
+    config["current-context"] = "dead"
+    two = tmp_path / "two-contexts"
+    two.write_text(yaml.safe_dump(config))
+    err = failed(plugin(two, "status", "ctx"))
+    assert err.startswith("error: cannot reach the API server https://127.0.0.1:")
+    # KUBECONFIG points elsewhere: --kubeconfig wins, as in kubectl.
+    text = ok(plugin(tmp_path / "absent", "status", "ctx", "--kubeconfig", str(two),
+                     "--context", "team"))
+    assert text.startswith(f"Run:        {namespace}/ctx")
+    err = failed(plugin(two, "--context", "nope", "list"))
+    assert err.startswith(f"error: cannot load credentials from kubeconfig {two} (context "
+                          "nope): ")
+
+
 @pytest.fixture
 def silent_server() -> Iterator[int]:
     """A port that accepts TCP connections and never says a word (a hung API server)."""
@@ -343,9 +393,7 @@ def test_an_unreachable_api_server_is_named_within_the_timeout(silent_server: in
     assert time.monotonic() - started < 15
     assert err.startswith(f"error: cannot reach the API server https://127.0.0.1:{silent_server}"
                           f" (kubeconfig {hung}): no answer within 2s (--request-timeout). ")
-    with socket.socket() as probe:  # a port nobody listens on
-        probe.bind(("127.0.0.1", 0))
-        closed = probe.getsockname()[1]
+    closed = _closed_port()
     refused = _kubeconfig(tmp_path / "refused", f"https://127.0.0.1:{closed}")
     err = failed(plugin(refused, "close", "r"))
     assert f"cannot reach the API server https://127.0.0.1:{closed}" in err
