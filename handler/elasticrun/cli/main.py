@@ -216,7 +216,7 @@ def _created(obj: dict[str, Any]) -> dt.datetime | None:
     return read_time((obj.get("metadata") or {}).get("creationTimestamp"))
 
 
-def _not_found(target: Target, verb: str, name: str) -> CliError:
+def _not_found(target: Target, name: str) -> CliError:
     """No such run: say which runs there are, if the user may list them."""
     where = f"namespace {target.namespace!r}"
     try:
@@ -242,7 +242,7 @@ def read_run(target: Target, verb: str, name: str) -> dict[str, Any]:
                      lambda: target.client.request("GET", run_path(target.namespace, name)))
     except ApiError as exc:
         if exc.not_found:
-            raise _not_found(target, verb, name) from exc
+            raise _not_found(target, name) from exc
         raise CliError(f"reading {target.namespace}/{name}: {exc}") from exc
 
 
@@ -334,7 +334,7 @@ def do_edit(target: Target, args: argparse.Namespace) -> str:
             if exc.conflict and edit.fenced and attempt + 1 < FENCED_TRIES:
                 continue  # someone edited the run between our read and our patch
             if exc.not_found:
-                raise _not_found(target, args.verb, args.run) from exc
+                raise _not_found(target, args.run) from exc
             raise CliError(f"{args.verb} {target.namespace}/{args.run}: the API server "
                            f"refused the change: {exc.message}") from exc
         return verbs.describe(run.namespace, run.name, edit)
