@@ -289,6 +289,13 @@ def test_a_missing_run_lists_the_runs_there(cluster: Cluster, namespace: str) ->
                        "elasticrun list -A lists every namespace)\n")
     err = failed(plugin(cluster.kubeconfig, "status", "gamma", "-n", f"{namespace}-empty"))
     assert f"in namespace '{namespace}-empty'; there are no runs there." in err
+    # Through kubectl, the plugin's exit codes and messages reach the user unchanged.
+    err = failed(plugin(cluster.kubeconfig, "close", "gamma", "-n", namespace,
+                        through_kubectl=True))
+    assert err.startswith("error: no ElasticRun 'gamma'")
+    err = failed(plugin(cluster.kubeconfig, "resize", "alpha", "4:2", "-n", namespace,
+                        through_kubectl=True), 2)
+    assert "maxNodes must be greater than or equal to minNodes" in err
 
 
 def test_a_read_only_user_is_told_which_right_it_lacks(cluster: Cluster, namespace: str,
