@@ -183,18 +183,25 @@ class Controller:
     def _track_pod(self, key: Key, event_type: str, pod_key: str,
                    body: Mapping[str, Any]) -> None:
         """Keep the pod for the run's desired size; a pod added or gone, or its owner
-        changed, has the run's owners read again."""
-        pods = self.run_pods.setdefault(key, {})
+        changed, has the run's owners read again.
+
+        Only pods with a controller are kept: a pod nobody owns gives no size
+        and is never counted as coming.
+        """
+        pods = self.run_pods.get(key, {})
         old = pods.get(pod_key)
         view = None if event_type == "DELETED" else pod_view(body)
+        if view is not None and view.owner is None:
+            view = None
+        if old == view:
+            return
         if view is None:
             pods.pop(pod_key, None)
             if not pods:
-                del self.run_pods[key]
+                self.run_pods.pop(key, None)
         else:
+            self.run_pods[key] = pods
             pods[pod_key] = view
-        if old == view:
-            return
         if old is None or view is None or old.owner != view.owner or old.live != view.live:
             self.owners.invalidate(key)
         self.enqueue(key)
