@@ -88,7 +88,6 @@ class OwnerReader:
 
     def resolve(self, key: Key, refs: Iterable[OwnerRef]) -> dict[OwnerRef, Workload | None]:
         """For each pod owner reference: the outermost workload that says a size."""
-        namespace = key[0]
         cached = self._cache.setdefault(key, {})
         wanted = sorted({r for r in refs if supported(r)}, key=lambda r: (r.kind, r.name))
         wanted = wanted[:MAX_WORKLOADS_PER_RUN]
