@@ -276,3 +276,4 @@ def test_a_pod_with_forged_owner_references_does_not_resize_another_run(
     assert "names Job/big as its controller" in operator.log_tail(200)
     assert _condition(cluster, namespace, "victim") is None
     assert _events(cluster, namespace, SEVERAL_OWNERS) == []
+

@@ -142,6 +142,16 @@ def controller_ref(obj: Mapping[str, Any]) -> OwnerRef | None:
     return OwnerRef(group=group, kind=kind, name=name, uid=uid)
 
 
+def pod_run(pod: Mapping[str, Any]) -> str | None:
+    """The run a pod belongs to: its ``elasticrun.dev/run`` annotation (the full name),
+    else its label."""
+    meta = untrusted.mapping(pod.get("metadata"))
+    annotations, labels = untrusted.mapping(meta.get("annotations")), untrusted.mapping(
+        meta.get("labels"))
+    return untrusted.text(annotations.get(crd.RUN_LABEL)) or untrusted.text(
+        labels.get(crd.RUN_LABEL))
+
+
 def pod_view(pod: Mapping[str, Any]) -> PodView | None:
     """The pod as the operator counts it; None when it has no name."""
     meta = untrusted.mapping(pod.get("metadata"))
