@@ -30,10 +30,9 @@ from elasticrun.operator.owners import (
     supported,
     workload,
 )
+from elasticrun.operator.workqueue import Key
 
 log = logging.getLogger(__name__)
-
-Key = tuple[str, str]  # (namespace, run)
 
 #: A run's owners are read again after this long even when no pod changed (a
 #: parallelism patch that creates no pod yet, a scale-down before the deletion).
