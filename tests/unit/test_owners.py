@@ -47,6 +47,7 @@ from elasticrun.operator.reconcile import (
     DESIRED_ABOVE_MAX,
     DESIRED_BELOW_MIN,
     DESIRED_CONDITION,
+    NO_DESIRED_SIZE,
     SEVERAL_OWNERS,
     Members,
     reconcile,
@@ -341,6 +342,11 @@ def test_pods_of_two_owners_are_a_condition_and_no_desired_size() -> None:
     assert condition is not None and condition.reason == SEVERAL_OWNERS
     assert "Job/train, StatefulSet/other" in (condition.message or "")
     assert _event_reasons(plan) == [SEVERAL_OWNERS]
+    # The pods of both go away: the condition clears, saying no workload gives a size.
+    gone = reconcile(_run().replace_status(plan.status), Members(), T0)
+    assert gone.status is not None and gone.events == []
+    cleared = gone.status.condition(DESIRED_CONDITION)
+    assert cleared is not None and (cleared.status, cleared.reason) == ("False", NO_DESIRED_SIZE)
 
 
 def test_a_postponed_write_posts_no_event() -> None:
@@ -455,3 +461,17 @@ def test_no_reading_failure_escapes() -> None:
     assert reader.resolve(KEY, {JOB}) == {JOB: None}
     unsupported = OwnerRef("apps", "ReplicaSet", "rs", "u")
     assert reader.resolve(KEY, {unsupported}) == {}
+
+
+def test_the_operators_seal_carries_the_owners_size_read_in_the_same_pass() -> None:
+    names = ["n0", "n1"]
+    joined = {n: WaitingNode(name=n, address="10.0.0.1", store_port=29400, since=T0, pod=n)
+              for n in names}
+    leases = {n: LeaseState(node=n, holder=n, renewed=T0, duration=10, join=joined[n],
+                            owner_uid="uid", seen=T0) for n in names}
+    run = ElasticRun("r", "ns", RunSpec(min_nodes=2, max_nodes=2), RunStatus(), "7", uid="uid")
+    members = Members(leases=leases, ownership=_job(2, "n0", "n1"))
+    plan = reconcile(run, members, T0 + dt.timedelta(seconds=5))
+    assert plan.sealed and plan.status is not None and plan.status.round == 1
+    # Both pods are members of the round it sealed: none is coming.
+    assert plan.status.desired == Desired(2, "Job/train", 0)
