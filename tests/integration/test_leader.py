@@ -1,0 +1,269 @@
+"""Two real operator processes under leader election, against the real API server.
+
+Short election timings (lease 4 s, renew deadline 3 s, retry 0.5 s) keep the
+tests quick; the rules are the same as with client-go's defaults.  Each
+replica's requests are told apart in the audit log by its user agent, which
+carries its Lease holder name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elasticrun.api.kube import OPERATOR_USER_AGENT, ApiError, KubeClient, lease_path
+from elasticrun.api.model import format_time, now
+from elasticrun.operator.elector import LEASE_NAME
+
+from chartkit import account_client
+from conftest import Cluster, wait_for
+from controlplane.operatorproc import OperatorProcess
+from rdzv import AuditLog, metric, read_run, rendezvous_all
+
+LEASE = 4.0
+DEADLINE = 3.0
+RETRY = 0.5
+WRITES = {"create", "update", "patch", "delete"}
+
+
+def election_args(namespace: str) -> list[str]:
+    return ["--leader-elect", "--leader-elect-resource-namespace", namespace,
+            "--leader-elect-lease-duration", str(LEASE),
+            "--leader-elect-renew-deadline", str(DEADLINE),
+            "--leader-elect-retry-period", str(RETRY)]
+
+
+def start_replicas(cluster: Cluster, namespace: str, tmp_path: Path,
+                   count: int) -> list[OperatorProcess]:
+    replicas = []
+    for i in range(count):
+        directory = tmp_path / f"replica-{i}"
+        directory.mkdir()
+        replicas.append(OperatorProcess(cluster.kubeconfig, [namespace], directory,
+                                        extra_args=election_args(namespace)).start())
+    return replicas
+
+
+@pytest.fixture
+def replicas(cluster: Cluster, namespace: str, tmp_path: Path,
+             request: pytest.FixtureRequest) -> Iterator[list[OperatorProcess]]:
+    started = start_replicas(cluster, namespace, tmp_path, 2)
+    try:
+        yield started
+    finally:
+        for op in started:
+            if op.proc is not None:
+                os.kill(op.pid, signal.SIGCONT)  # a stopped process cannot take SIGTERM
+            op.stop()
+        report = getattr(request.node, "rep_call", None)
+        if report is not None and report.failed:
+            for i, op in enumerate(started):
+                print(f"\n--- replica {i} log ---\n{op.log_tail(60)}")
+
+
+def leading(op: OperatorProcess) -> float | None:
+    try:
+        return metric(op.metrics(), "elasticrun_operator_leader")
+    except OSError:
+        return None
+
+
+def the_leader(replicas: list[OperatorProcess], timeout: float = 20) -> OperatorProcess:
+    def one() -> OperatorProcess | None:
+        flags = [leading(op) for op in replicas]
+        return replicas[flags.index(1.0)] if sorted(flags) == [0.0, 1.0] else None
+    found: OperatorProcess = wait_for(one, timeout, "exactly one replica to lead")
+    return found
+
+
+def holder(client: KubeClient, namespace: str) -> str | None:
+    try:
+        got = client.request("GET", lease_path(namespace, LEASE_NAME))
+    except ApiError:
+        return None
+    value = (got.get("spec") or {}).get("holderIdentity")
+    return value if isinstance(value, str) else None
+
+
+def by_agent(audit: AuditLog, namespace: str, since: int) -> dict[str, list[Any]]:
+    """The operators' requests by user agent (one per replica)."""
+    found: dict[str, list[Any]] = {}
+    for entry in audit.entries(namespace, since=since):
+        if entry.user_agent.startswith(OPERATOR_USER_AGENT):
+            found.setdefault(entry.user_agent, []).append(entry)
+    return found
+
+
+def agent_of(holder_name: str) -> str:
+    return f"{OPERATOR_USER_AGENT} ({holder_name})"
+
+
+def run_writes(entries: list[Any]) -> list[str]:
+    return [e.kind for e in entries if e.verb in WRITES and e.resource in {"elasticruns",
+                                                                           "events"}]
+
+
+def events(cluster: Cluster, namespace: str, reason: str) -> list[str]:
+    got = cluster.client.request("GET", f"/api/v1/namespaces/{namespace}/events",
+                                 query={"fieldSelector": f"reason={reason}"})
+    return [e["message"] for e in got.get("items") or []]
+
+
+def test_one_of_two_replicas_reconciles_a_stopped_leader_is_replaced_and_stays_fenced(
+        replicas: list[OperatorProcess], make_handler: Any, cluster: Cluster,
+        namespace: str) -> None:
+    local = cluster.require_local()
+    audit = AuditLog(local.state.audit_log)  # type: ignore[union-attr]
+    mark = audit.mark()
+    leader = the_leader(replicas)
+    follower = next(op for op in replicas if op is not leader)
+    first_holder = holder(cluster.client, namespace)
+    assert first_holder is not None
+    # Both serve /healthz (and metrics: read above).
+    for op in replicas:
+        op.healthz()
+
+    nodes = [make_handler("ha", f"n{i}", min_nodes=2, max_nodes=3, heartbeat_timeout=2,
+                          lease_renew_interval=1) for i in range(3)]
+    assert {o.rank for o in rendezvous_all(nodes).values()} == {0, 1, 2}
+    nodes[1]._lease._stop.set()  # n1 goes silent: only the leader may remove it
+    wait_for(lambda: any(m.name == "n1" for m in
+                         read_run(cluster.client, namespace, "ha").status.lost_members),
+             20, "n1 to be removed")
+    lost = [m for m in read_run(cluster.client, namespace, "ha").status.lost_members]
+    assert [(m.name, m.reason) for m in lost] == [("n1", "LeaseExpired")]
+    wait_for(lambda: events(cluster, namespace, "MemberLost"), 10, "a MemberLost Event")
+    time.sleep(2)  # anything a second writer would have posted
+    assert len([m for m in events(cluster, namespace, "MemberLost") if "n1" in m]) == 1
+    assert len([m for m in events(cluster, namespace, "RoundSealed")
+                if m.startswith("round 1:")]) == 1
+    writes = {agent: run_writes(entries) for agent, entries in
+              by_agent(audit, namespace, mark).items()}
+    assert writes.get(agent_of(first_holder)), writes  # the leader wrote the removal
+    assert [w for agent, w in writes.items() if agent != agent_of(first_holder) and w] == [], \
+        writes
+    survivors = [nodes[0], nodes[2]]
+    assert {o.rank for o in rendezvous_all(survivors).values()} == {0, 1}
+
+    # The leader freezes (SIGSTOP, as a node under memory pressure or a paused VM).
+    os.kill(leader.pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    wait_for(lambda: leading(follower) == 1.0, LEASE + 2 * RETRY + 4,
+             "the follower to take the Lease over")
+    took = time.monotonic() - stopped
+    new_holder = holder(cluster.client, namespace)
+    assert new_holder not in (None, first_holder)
+    print(f"\ntake-over {took:.2f}s after SIGSTOP (lease {LEASE:g}s, retry {RETRY:g}s)")
+    assert took <= LEASE + 2 * RETRY + 3
+
+    # A loss after the take-over is still detected, by the new leader.
+    switched = audit.mark()
+    nodes[2]._lease._stop.set()
+    wait_for(lambda: any(m.name == "n2" for m in
+                         read_run(cluster.client, namespace, "ha").status.lost_members),
+             20, "n2 to be removed by the new leader")
+    assert new_holder is not None
+    writes = {agent: run_writes(entries) for agent, entries in
+              by_agent(audit, namespace, switched).items()}
+    assert writes.get(agent_of(new_holder)), writes
+
+    # The old leader resumes: it must not write (its renew deadline is long past).
+    resumed = audit.mark()
+    os.kill(leader.pid, signal.SIGCONT)
+    wait_for(lambda: leading(leader) == 0.0, 10, "the resumed old leader to report 0")
+    survivors[0]._lease._stop.set()  # another change to act on: n0 goes silent too
+    wait_for(lambda: any(m.name == "n0" for m in
+                         read_run(cluster.client, namespace, "ha").status.lost_members),
+             20, "n0 to be removed")
+    time.sleep(2)
+    old = by_agent(audit, namespace, resumed).get(agent_of(first_holder), [])
+    assert run_writes(old) == [], [e.kind for e in old]
+    # Its one write attempt is on the election Lease, refused (its copy is stale).
+    assert all(e.code >= 400 for e in old if e.verb in WRITES), [(e.kind, e.code) for e in old]
+    assert holder(cluster.client, namespace) == new_holder
+    assert leading(leader) == 0.0 and leading(follower) == 1.0
+    for op in replicas:
+        op.healthz()
+
+
+def test_a_lease_writer_cannot_crash_or_spin_the_elector_and_it_recovers(
+        cluster: Cluster, namespace: str, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    """docs/security.md rows 78-82: a ServiceAccount that may write Leases in the
+    operator's namespace writes garbage into the leader Lease, holds it, deletes it."""
+    local = cluster.require_local()
+    audit = AuditLog(local.state.audit_log)  # type: ignore[union-attr]
+    intruder = account_client(cluster, namespace, "lease-writer", [{
+        "apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+        "verbs": ["get", "list", "create", "update", "patch", "delete"]}], tmp_path)
+    (op,) = start_replicas(cluster, namespace, tmp_path, 1)
+    request.addfinalizer(op.stop)
+    wait_for(lambda: leading(op) == 1.0, 10, "the single replica to lead")
+    path = lease_path(namespace, LEASE_NAME)
+
+    def overwrite(spec: dict[str, Any], **meta: Any) -> None:
+        current = intruder.request("GET", path)
+        intruder.request("PUT", path, body={
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": LEASE_NAME, "namespace": namespace,
+                         "resourceVersion": current["metadata"]["resourceVersion"], **meta},
+            "spec": spec})
+
+    def requests_in(window: float) -> list[Any]:
+        start = audit.mark()
+        time.sleep(window)
+        return [e for e in audit.entries(namespace, since=start)
+                if e.user_agent.startswith(OPERATOR_USER_AGENT) and e.resource == "leases"
+                and e.name == LEASE_NAME]
+
+    # Row 78: an unreadable holder (4,000 characters) and absurd numbers: the Lease
+    # counts as free, the operator takes it back at once; bounded requests.
+    overwrite({"holderIdentity": "x" * 4000, "leaseDurationSeconds": 2**31 - 1,
+               "leaseTransitions": 2**31 - 1, "renewTime": "9999-12-31T23:59:59.999999Z"},
+              annotations={"junk": "y" * 100_000})
+    wait_for(lambda: holder(cluster.client, namespace) not in (None, "x" * 4000), 10,
+             "the operator to take the garbage Lease back")
+    assert leading(op) == 1.0
+    window = 6.0
+    seen = requests_in(window)
+    print(f"\noperator requests on the election Lease in {window:g}s after garbage: "
+          f"{len(seen)}")
+    assert len(seen) <= 2 * window / RETRY + 4, [e.kind for e in seen]
+
+    # Row 79: another holder, renewed by the intruder: the operator stops reconciling
+    # (and says so) but does not spin; its leaseDurationSeconds is not believed.
+    overwrite({"holderIdentity": "intruder", "leaseDurationSeconds": 2**31 - 1,
+               "renewTime": "2099-01-01T00:00:00.000000Z"})
+    wait_for(lambda: leading(op) == 0.0, DEADLINE + 3, "the operator to stand down")
+    held_until = time.monotonic() + 4
+    polls = audit.mark()
+    while time.monotonic() < held_until:
+        # A renewal must change the object (an identical PUT leaves it as it is).
+        overwrite({"holderIdentity": "intruder", "leaseDurationSeconds": 2**31 - 1,
+                   "renewTime": format_time(now())})
+        assert leading(op) == 0.0
+        time.sleep(1)
+    spent = [e for e in audit.entries(namespace, since=polls)
+             if e.user_agent.startswith(OPERATOR_USER_AGENT) and e.resource == "leases"
+             and e.name == LEASE_NAME]
+    print(f"operator requests on it in 4s while another holder renews: {len(spent)}")
+    assert len(spent) <= 2 * 4 / RETRY + 4, [e.kind for e in spent]
+    # The intruder stops renewing: a lease duration later (by the operator's clock,
+    # whatever the Lease claims) the operator leads again.
+    stopped = time.monotonic()
+    wait_for(lambda: leading(op) == 1.0, LEASE + 2 * RETRY + 3, "the operator to take over")
+    assert time.monotonic() - stopped >= LEASE - 1.5
+    # Row 81: the Lease deleted: created again.
+    intruder.request("DELETE", path)
+    wait_for(lambda: holder(cluster.client, namespace) not in (None, "intruder"), 10,
+             "the operator to create the Lease again")
+    assert leading(op) == 1.0
+    assert op.proc is not None and op.proc.poll() is None  # never crashed
+    op.healthz()
+    assert "Traceback" not in op.log_path.read_text(errors="replace")
