@@ -8,6 +8,8 @@ carries its Lease holder name.
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import signal
 import time
@@ -17,14 +19,27 @@ from typing import Any
 
 import pytest
 
+from elasticrun.api import crd
 from elasticrun.api.kube import OPERATOR_USER_AGENT, ApiError, KubeClient, lease_path
 from elasticrun.api.model import format_time, now
+from elasticrun.operator import webhook
 from elasticrun.operator.elector import LEASE_NAME
 
-from chartkit import account_client
+from chartkit import (
+    Helm,
+    account_client,
+    apply,
+    by_kind,
+    delete_cluster_scoped,
+    refusals,
+    request_token,
+    token_kubeconfig,
+)
 from conftest import Cluster, wait_for
-from controlplane.operatorproc import OperatorProcess
+from controlplane.operatorproc import OperatorProcess, free_port
 from rdzv import AuditLog, metric, read_run, rendezvous_all
+
+pytest_plugins = ("chartfixtures",)
 
 LEASE = 4.0
 DEADLINE = 3.0
@@ -267,3 +282,95 @@ def test_a_lease_writer_cannot_crash_or_spin_the_elector_and_it_recovers(
     assert op.proc is not None and op.proc.poll() is None  # never crashed
     op.healthz()
     assert "Traceback" not in op.log_path.read_text(errors="replace")
+
+
+WEBHOOKS = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
+
+
+def mutated_on_dry_run(cluster: Cluster, namespace: str) -> tuple[bool, str]:
+    """Create an opted-in pod with --dry-run=server: every webhook of the configuration
+    must answer (failurePolicy Fail) and the pod comes back mutated."""
+    probe = {"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": "probe", "namespace": namespace,
+                          "labels": {crd.RUN_LABEL: "probe"}},
+             "spec": {"containers": [{"name": "trainer", "image": "trainer:1",
+                                      "command": ["torchrun", "train.py"]}]}}
+    result = cluster.kubectl("create", "-f", "-", "-o", "json", "--dry-run=server",
+                             input=json.dumps(probe), check=False)
+    return result.returncode == 0 and "PET_RDZV_ID" in result.stdout, result.stderr
+
+
+def test_both_replicas_serve_the_webhook_with_certificates_of_one_shared_ca(
+        cluster: Cluster, helm: Helm, namespace: str, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    """The chart's default (self-signed, two replicas), on the chart's roles alone: each
+    replica signs its serving certificate with the CA kept in the chart's Secret, so
+    the one caBundle trusts both; their 1 s caBundle checks never flip it."""
+    release = namespace
+    docs = helm.template("ha", namespace, {
+        "trainingNamespaces": [namespace], "fullnameOverride": release,
+        "operator": {"scope": "namespaces"}})
+    rbac = [d for d in docs if d["kind"] in {"ServiceAccount", "Role", "RoleBinding",
+                                               "ClusterRole", "ClusterRoleBinding"}]
+    request.addfinalizer(lambda: delete_cluster_scoped(cluster, rbac))
+    apply(cluster, rbac)
+    (deployment,) = by_kind(docs, "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert deployment["spec"]["replicas"] == 2
+    secret = next(a.split("=", 1)[1] for a in args if a.startswith("--webhook-ca-secret="))
+    lease_name = next(a.split("=", 1)[1] for a in args
+                      if a.startswith("--leader-elect-resource-name="))
+    (config_name,) = [r["resourceNames"][0] for r in by_kind(rbac, "ClusterRole")[0]["rules"]
+                      if r.get("resourceNames")]
+    kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, release),
+                                  tmp_path / "operator.kubeconfig", namespace)
+    ports = [free_port(), free_port()]
+    configuration = {
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+        "metadata": {"name": config_name},
+        "webhooks": [{
+            "name": f"r{i}.pods.elasticrun.dev", "admissionReviewVersions": ["v1"],
+            "sideEffects": "None", "failurePolicy": "Fail", "timeoutSeconds": 5,
+            "reinvocationPolicy": "IfNeeded",
+            "clientConfig": {"url": f"https://127.0.0.1:{port}{webhook.WEBHOOK_PATH}"},
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
+                       "resources": ["pods"], "scope": "Namespaced"}],
+            "objectSelector": {"matchExpressions": [
+                {"key": crd.RUN_LABEL, "operator": "Exists"}]},
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+        } for i, port in enumerate(ports)],
+    }
+    # A failurePolicy=Fail configuration left behind would block later tests' pods.
+    request.addfinalizer(lambda: cluster.client.request("DELETE", f"{WEBHOOKS}/{config_name}"))
+    cluster.apply(configuration)
+    replicas = []
+    for i, port in enumerate(ports):
+        directory = tmp_path / f"replica-{i}"
+        directory.mkdir()
+        op = OperatorProcess(kubeconfig, [namespace], directory, extra_args=[
+            *election_args(namespace), "--leader-elect-resource-name", lease_name,
+            "--webhook-port", str(port), "--webhook-addr", "127.0.0.1",
+            "--webhook-self-signed", "127.0.0.1", "--webhook-cert-dir", str(directory / "certs"),
+            "--webhook-configuration", config_name, "--webhook-ca-check-seconds", "1",
+            "--webhook-ca-secret", secret, "--webhook-ca-secret-namespace", namespace])
+        request.addfinalizer(op.stop)
+        replicas.append(op.start())
+    the_leader(replicas)
+    wait_for(lambda: mutated_on_dry_run(cluster, namespace)[0], 30,
+             "both replicas' webhooks to answer", interval=0.5)
+    stored = cluster.client.request("GET", f"/api/v1/namespaces/{namespace}/secrets/{secret}")
+    shared = base64.b64decode(stored["data"]["ca.crt"])
+    for op in replicas:
+        assert (op.log_path.parent / "certs" / "ca.crt").read_bytes() == shared
+    # Several caBundle checks of both replicas: the bundle stays, every call is served.
+    for _ in range(6):
+        time.sleep(0.5)
+        served, error = mutated_on_dry_run(cluster, namespace)
+        assert served, error
+        config = cluster.client.request("GET", f"{WEBHOOKS}/{config_name}")
+        assert {base64.b64decode(h["clientConfig"]["caBundle"])
+                for h in config["webhooks"]} == {shared}
+    for op in replicas:
+        text = op.log_path.read_text(errors="replace")
+        assert refusals(text) == [], refusals(text)[:5]
+        assert "repaired the caBundle" not in text
