@@ -175,7 +175,9 @@ def test_one_of_two_replicas_reconciles_a_stopped_leader_is_replaced_and_stays_f
     new_holder = holder(cluster.client, namespace)
     assert new_holder not in (None, first_holder)
     print(f"\ntake-over {took:.2f}s after SIGSTOP (lease {LEASE:g}s, retry {RETRY:g}s)")
-    assert took <= LEASE + 2 * RETRY + 3
+    # The last renewal seen at most a jittered poll after it was made, the take-over
+    # at the expiry; the rest is slack for a machine shared with other tests.
+    assert took <= LEASE + 1.2 * RETRY + 2
 
     # A loss after the take-over is still detected, by the new leader.
     switched = audit.mark()
@@ -205,6 +207,16 @@ def test_one_of_two_replicas_reconciles_a_stopped_leader_is_replaced_and_stays_f
     assert leading(leader) == 0.0 and leading(follower) == 1.0
     for op in replicas:
         op.healthz()
+
+    # A clean stop (SIGTERM, as in a rolling update) releases the Lease: the other
+    # replica takes it at its next poll, well within a lease duration.
+    follower.stop()
+    released = time.monotonic()
+    assert holder(cluster.client, namespace) != new_holder
+    assert "leader election: released Lease" in follower.log_path.read_text(errors="replace")
+    wait_for(lambda: leading(leader) == 1.0, LEASE, "the other replica to take the released "
+             "Lease")
+    print(f"hand-over {time.monotonic() - released:.2f}s after a clean stop")
 
 
 def test_a_lease_writer_cannot_crash_or_spin_the_elector_and_it_recovers(

@@ -15,8 +15,11 @@ loop on kopf's event loop, with client-go's rules and defaults (lease duration
   duration *by this replica's own clock* (:class:`Sighting`: the rule of
   :class:`elasticrun.api.leases.RenewalClock`; the holder's ``renewTime`` and
   ``leaseDurationSeconds`` are written by whoever may write Leases in the
-  namespace and are never trusted).  Every write is a PUT with the
-  resourceVersion read, so two candidates never both win (409 for one).
+  namespace and are never trusted).  A follower polls every retry period and
+  once more at the expiry it computed, so it takes over within a lease
+  duration and a (jittered) retry period of the last renewal.  Every write is
+  a PUT with the resourceVersion read, so two candidates never both win (409
+  for one).
 * **Renew** every retry period.  The leader counts its leadership from the
   moment it *sent* its last successful renewal; once that is a renew deadline
   old it stops deciding (:meth:`Elector.may_write` turns false at that instant,
@@ -264,6 +267,8 @@ class Elector:
         self._pending: set[asyncio.Task[None]] = set()
         #: Set by :meth:`stop`: a pass still in its thread writes nothing more.
         self._stopped = False
+        #: When the holder's Lease expires by this replica's clock (a follower polls then).
+        self._expires_at: float | None = None
         #: Requests sent, for tests and logs.
         self.requests = 0
 
@@ -303,6 +308,7 @@ class Elector:
     def _try(self) -> bool:
         """One pass, in a thread: read (unless renewing what we wrote), decide, write.
         True when this replica holds the Lease afterwards."""
+        self._expires_at = None
         if self._stopped:
             return False
         lease = self._lease if self._leading and self._lease is not None else self._read()
@@ -310,6 +316,7 @@ class Elector:
         move = next_move(self.me, lease, self._sighting.observe(lease, at), at, self.timing)
         if move.action == "wait" or self._stopped:
             self._lease = lease
+            self._expires_at = move.expires_at
             return False
         sent = self.clock()
         try:
@@ -345,7 +352,12 @@ class Elector:
                 self._became(True)
             elif self._leading and (not self.may_write() or self._lost_to_another()):
                 self._became(False)
-            await asyncio.sleep(pause(failures, self.timing, self._leading, random.random()))
+            delay = pause(failures, self.timing, self._leading, random.random())
+            if self._expires_at is not None and failures == 0:
+                # Take over at the expiry, not up to a retry period later; a wait
+                # always ends after ``at``, so this is never a zero pause in a loop.
+                delay = min(delay, max(0.0, self._expires_at - self.clock()))
+            await asyncio.sleep(delay)
 
     def _lost_to_another(self) -> bool:
         return self._lease is not None and self._lease.holder != self.me
