@@ -130,6 +130,23 @@ def events(cluster: Cluster, namespace: str, reason: str) -> list[str]:
     return [e["message"] for e in got.get("items") or []]
 
 
+def only_written_by(audit: AuditLog, namespace: str, since: int, holder_name: str) -> None:
+    """The runs and Events of ``namespace`` were written since ``since``, by that holder only."""
+    writes = {agent: run_writes(entries) for agent, entries in
+              by_agent(audit, namespace, since).items()}
+    assert writes.get(agent_of(holder_name)), writes
+    assert [w for agent, w in writes.items() if agent != agent_of(holder_name) and w] == [], \
+        writes
+
+
+def silence(cluster: Cluster, namespace: str, node: Any, name: str) -> None:
+    """The node stops renewing its Lease (alive, partitioned); wait until it is removed."""
+    node._lease._stop.set()
+    wait_for(lambda: any(m.name == name for m in
+                         read_run(cluster.client, namespace, "ha").status.lost_members),
+             20, f"{name} to be removed")
+
+
 def test_one_of_two_replicas_reconciles_a_stopped_leader_is_replaced_and_stays_fenced(
         replicas: list[OperatorProcess], make_handler: Any, cluster: Cluster,
         namespace: str) -> None:
@@ -147,10 +164,7 @@ def test_one_of_two_replicas_reconciles_a_stopped_leader_is_replaced_and_stays_f
     nodes = [make_handler("ha", f"n{i}", min_nodes=2, max_nodes=3, heartbeat_timeout=2,
                           lease_renew_interval=1) for i in range(3)]
     assert {o.rank for o in rendezvous_all(nodes).values()} == {0, 1, 2}
-    nodes[1]._lease._stop.set()  # n1 goes silent: only the leader may remove it
-    wait_for(lambda: any(m.name == "n1" for m in
-                         read_run(cluster.client, namespace, "ha").status.lost_members),
-             20, "n1 to be removed")
+    silence(cluster, namespace, nodes[1], "n1")  # only the leader may remove it
     lost = [m for m in read_run(cluster.client, namespace, "ha").status.lost_members]
     assert [(m.name, m.reason) for m in lost] == [("n1", "LeaseExpired")]
     wait_for(lambda: events(cluster, namespace, "MemberLost"), 10, "a MemberLost Event")
@@ -158,11 +172,7 @@ def test_one_of_two_replicas_reconciles_a_stopped_leader_is_replaced_and_stays_f
     assert len([m for m in events(cluster, namespace, "MemberLost") if "n1" in m]) == 1
     assert len([m for m in events(cluster, namespace, "RoundSealed")
                 if m.startswith("round 1:")]) == 1
-    writes = {agent: run_writes(entries) for agent, entries in
-              by_agent(audit, namespace, mark).items()}
-    assert writes.get(agent_of(first_holder)), writes  # the leader wrote the removal
-    assert [w for agent, w in writes.items() if agent != agent_of(first_holder) and w] == [], \
-        writes
+    only_written_by(audit, namespace, mark, first_holder)
     survivors = [nodes[0], nodes[2]]
     assert {o.rank for o in rendezvous_all(survivors).values()} == {0, 1}
 
@@ -181,23 +191,15 @@ def test_one_of_two_replicas_reconciles_a_stopped_leader_is_replaced_and_stays_f
 
     # A loss after the take-over is still detected, by the new leader.
     switched = audit.mark()
-    nodes[2]._lease._stop.set()
-    wait_for(lambda: any(m.name == "n2" for m in
-                         read_run(cluster.client, namespace, "ha").status.lost_members),
-             20, "n2 to be removed by the new leader")
+    silence(cluster, namespace, nodes[2], "n2")
     assert new_holder is not None
-    writes = {agent: run_writes(entries) for agent, entries in
-              by_agent(audit, namespace, switched).items()}
-    assert writes.get(agent_of(new_holder)), writes
+    only_written_by(audit, namespace, switched, new_holder)
 
     # The old leader resumes: it must not write (its renew deadline is long past).
     resumed = audit.mark()
     os.kill(leader.pid, signal.SIGCONT)
     wait_for(lambda: leading(leader) == 0.0, 10, "the resumed old leader to report 0")
-    survivors[0]._lease._stop.set()  # another change to act on: n0 goes silent too
-    wait_for(lambda: any(m.name == "n0" for m in
-                         read_run(cluster.client, namespace, "ha").status.lost_members),
-             20, "n0 to be removed")
+    silence(cluster, namespace, survivors[0], "n0")  # another change to act on
     time.sleep(2)
     old = by_agent(audit, namespace, resumed).get(agent_of(first_holder), [])
     assert run_writes(old) == [], [e.kind for e in old]
