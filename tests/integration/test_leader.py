@@ -20,10 +20,13 @@ from typing import Any
 import pytest
 
 from elasticrun.api import crd
+from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import OPERATOR_USER_AGENT, ApiError, KubeClient, lease_path
-from elasticrun.api.model import format_time, now
+from elasticrun.api.leases import ASSIGNMENT_ANNOTATION
+from elasticrun.api.model import format_time, now, parse_run
 from elasticrun.operator import webhook
 from elasticrun.operator.elector import LEASE_NAME
+from elasticrun.operator.executor import _preconditions
 
 from chartkit import (
     Helm,
@@ -219,6 +222,49 @@ def test_one_of_two_replicas_reconciles_a_stopped_leader_is_replaced_and_stays_f
     wait_for(lambda: leading(leader) == 1.0, LEASE, "the other replica to take the released "
              "Lease")
     print(f"hand-over {time.monotonic() - released:.2f}s after a clean stop")
+
+
+def test_a_stale_leaders_late_writes_are_refused_by_the_api_server(
+        make_handler: Any, cluster: Cluster, namespace: str) -> None:
+    """docs/security.md row 81: what fences a write the old leader had already sent when
+    it froze, through the operator's own gateway and DeleteOptions: the status
+    compare-and-set on the resourceVersion it decided on, the Lease deletion and the
+    assignment on the uid it observed."""
+    nodes = [make_handler("fence", f"f{i}", min_nodes=2, lease_renew_interval=1)
+             for i in range(2)]
+    assert {o.rank for o in rendezvous_all(nodes).values()} == {0, 1}
+    gateway = RunGateway(cluster.client, namespace, "fence")
+    stale = parse_run(gateway.read())  # the copy the old leader decided on
+    observed = gateway.lease("f1")
+    assert observed is not None
+    old_uid = observed["metadata"]["uid"]
+    assignment = stale.status.assignment("f1")
+    assert assignment is not None
+
+    # Meanwhile the new leader wrote the run, and f1's Lease was re-created (deleted,
+    # then made again by its node's next renewal).
+    gateway.close()
+    fresh = read_run(cluster.client, namespace, "fence")
+    cluster.client.request("DELETE", gateway.lease_path(observed["metadata"]["name"]))
+    renewed = wait_for(lambda: (gateway.lease("f1") or {}).get("metadata", {}).get("uid")
+                       not in (None, old_uid) and gateway.lease("f1"), 15,
+                       "f1 to re-create its Lease")
+
+    # The old leader's late writes: a seal of a round from its copy, the deletion of the
+    # Lease it observed, an assignment on it.
+    late = {**stale.status.to_dict(), "round": stale.status.round + 1}
+    assert gateway.replace_status(stale.resource_version, late, "elasticrun-operator") is None
+    with pytest.raises(ApiError) as refused:
+        cluster.client.request("DELETE", gateway.lease_path(observed["metadata"]["name"]),
+                               body=_preconditions(old_uid))
+    assert refused.value.status == 409
+    assert gateway.assign("f1", assignment, old_uid) is False
+    after = read_run(cluster.client, namespace, "fence")
+    assert after.status.round == fresh.status.round == stale.status.round
+    assert after.resource_version == fresh.resource_version
+    kept = gateway.lease("f1")
+    assert kept is not None and kept["metadata"]["uid"] == renewed["metadata"]["uid"]
+    assert ASSIGNMENT_ANNOTATION not in (kept["metadata"].get("annotations") or {})
 
 
 def test_a_lease_writer_cannot_crash_or_spin_the_elector_and_it_recovers(
