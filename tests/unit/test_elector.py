@@ -260,3 +260,38 @@ def test_a_garbage_lease_is_taken_over_without_a_hot_loop() -> None:
             await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(scenario())
+
+
+def test_the_controller_decides_only_between_lead_and_follow() -> None:
+    from elasticrun.operator.controller import Controller
+    from elasticrun.operator.metrics import Metrics
+
+    async def scenario() -> None:
+        inner = KubeClient.__new__(KubeClient)
+        inner.credentials, inner.timeout, inner.user_agent, inner._pool = (
+            None, 1.0, "ua", None)  # type: ignore[assignment]
+        controller = Controller(inner, Metrics())
+        reconciled: list[tuple[str, str]] = []
+
+        async def reconcile(key: tuple[str, str]) -> None:
+            reconciled.append(key)
+
+        controller.queue.work = reconcile
+        controller.runs = {("ns", "a"): {}, ("ns", "b"): {}}
+        controller.enqueue(("ns", "a"))  # a follower: events queue nothing
+        await asyncio.sleep(0.05)
+        assert reconciled == []
+        controller.reconcile = reconcile  # type: ignore[method-assign]
+        await controller.lead()  # every run held is reconciled once
+        await asyncio.sleep(0.05)
+        assert sorted(reconciled) == [("ns", "a"), ("ns", "b")]
+        await controller.follow()
+        controller.enqueue(("ns", "a"))
+        await asyncio.sleep(0.05)
+        assert len(reconciled) == 2
+        await controller.lead()  # a second term: the queue runs again
+        await asyncio.sleep(0.05)
+        assert len(reconciled) == 4
+        await controller.stop()
+
+    asyncio.run(scenario())
