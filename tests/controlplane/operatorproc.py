@@ -90,6 +90,9 @@ class OperatorProcess:
     def metrics(self) -> str:
         return _get(f"http://127.0.0.1:{self.metrics_port}/metrics")
 
+    def healthz(self) -> str:
+        return _get(f"http://127.0.0.1:{self.health_port}/healthz", timeout=2)
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

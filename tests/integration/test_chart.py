@@ -146,11 +146,15 @@ def test_default_render_is_secure_and_complete(helm: Helm) -> None:
     docs = helm.template("r", "er-system")
     kinds = sorted({d["kind"] for d in docs})
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition",
-                     "Deployment", "MutatingWebhookConfiguration", "Service", "ServiceAccount",
+                     "Deployment", "MutatingWebhookConfiguration", "PodDisruptionBudget", "Role",
+                     "RoleBinding", "Service", "ServiceAccount",
                      "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     deployment = one(docs, "Deployment")
     spec = deployment["spec"]
-    assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
+    # Two replicas under leader election, rolled one at a time, kept by the PDB.
+    assert spec["replicas"] == 2 and spec["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    assert one(docs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     (container,) = pod["containers"]
@@ -172,7 +176,26 @@ def test_default_render_is_secure_and_complete(helm: Helm) -> None:
     config = one(docs, "MutatingWebhookConfiguration")
     assert f"--webhook-configuration={config['metadata']['name']}" in args
     assert "--webhook-self-signed=r-elasticrun-webhook.er-system.svc" in args
-    assert not any(v.get("secret") for v in pod["volumes"])
+    assert "--webhook-ca-secret=r-elasticrun-webhook-ca" in args  # shared by the replicas
+    assert not any(v.get("secret") for v in pod["volumes"])  # read by the operator only
+    assert {"--leader-elect", "--leader-elect-resource-name=r-elasticrun-operator-leader",
+            "--leader-elect-lease-duration=15", "--leader-elect-renew-deadline=10",
+            "--leader-elect-retry-period=2"} <= set(args)
+    term = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term[0]["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    # The Lease and the CA Secret: by name in the release namespace, a Role not a ClusterRole.
+    (role,) = by_kind(docs, "Role")
+    assert role["metadata"]["namespace"] == "er-system"
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "resourceNames": ["r-elasticrun-operator-leader"], "verbs": ["get", "update"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": [""], "resources": ["secrets"],
+         "resourceNames": ["r-elasticrun-webhook-ca"], "verbs": ["get", "update"]},
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
+    (binding,) = by_kind(docs, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
     (hook,) = config["webhooks"]
     assert hook["clientConfig"]["service"] == {
         "name": "r-elasticrun-webhook", "namespace": "er-system",
@@ -224,7 +247,8 @@ def test_namespaced_operator_with_network_policy_applies(
                          "namespaces"}
     roles = {(r["metadata"]["namespace"], r["metadata"]["name"]) for r in by_kind(docs, "Role")}
     assert roles == {(team_a, "er-operator"), (team_b, "er-operator"),
-                     (team_a, "er-training"), (team_b, "er-training")}
+                     (team_a, "er-training"), (team_b, "er-training"),
+                     (namespace, "er-operator-replicas")}  # the leader Lease, the CA Secret
     training = one([r for r in by_kind(docs, "Role") if r["metadata"]["namespace"] == team_a],
                    "Role", "er-training")
     assert "create" not in training["rules"][0]["verbs"]
@@ -314,7 +338,10 @@ def test_the_training_runtime_is_optional_and_opts_its_pods_in(helm: Helm) -> No
     ({"operator": {"scope": "namespaces"}}, "operator.scope=namespaces needs trainingNamespaces"),
     ({"trainingNamespaces": ["Team_A"]}, '"Team_A" is not a namespace name'),
     ({"webhook": {"failurePolicy": "Maybe"}}, "webhook.failurePolicy must be Fail or Ignore"),
-    ({"operator": {"replicas": 2}}, "operator.replicas > 1 needs certManager.enabled=true"),
+    ({"operator": {"leaderElection": {"enabled": False}}},
+     "operator.replicas > 1 needs operator.leaderElection.enabled=true"),
+    ({"operator": {"leaderElection": {"renewDeadline": 15}}},
+     "operator.leaderElection needs retryPeriod x 1.2 < renewDeadline < leaseDuration"),
     ({"training": {"perRunRBAC": True}},
      "training.perRunRBAC=true needs operator.scope=namespaces (and trainingNamespaces)"),
     ({"training": {"perRunRBAC": True}, "operator": {"scope": "namespaces"},
@@ -375,6 +402,19 @@ def test_helm_binary_assumes_the_tested_kubernetes(helm: Helm) -> None:
     probe = helm.run("template", "r", str(CHART), "--show-only", "templates/deployment.yaml")
     assert "kind: Deployment" in probe.stdout
     assert os.access(helm.binary, os.X_OK)
+
+
+def test_one_replica_runs_without_election_pdb_or_lease_rights(helm: Helm) -> None:
+    docs = helm.template("r", "er-system", {
+        "operator": {"replicas": 1, "leaderElection": {"enabled": False}},
+        "certManager": {"enabled": True}})
+    deployment = one(docs, "Deployment")
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not [a for a in args if a.startswith(("--leader-elect", "--webhook-ca-secret"))]
+    # With one replica a PDB of minAvailable 1 would block every drain: none.
+    assert by_kind(docs, "PodDisruptionBudget") == [] and by_kind(docs, "Role") == []
 
 
 def test_webhook_availability_and_operator_network_policy_options(helm: Helm) -> None:

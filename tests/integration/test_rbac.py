@@ -186,6 +186,21 @@ def test_operator_cluster_role_reads_no_secrets_and_writes_only_its_webhook(
         assert not can_i(cluster, operator, verb, "secrets"), verb
         assert not can_i(cluster, operator, verb, "secrets", namespace=namespace), verb
         assert can_i(cluster, operator, verb, "pods")
+    # Replicas: the shared webhook CA and the leader Lease, by name, in its namespace only.
+    ca, leader = f"{namespace}-webhook-ca", f"{namespace}-operator-leader"
+    for verb in ("get", "update"):
+        assert can_i(cluster, operator, verb, "secrets", namespace=namespace, name=ca), verb
+        assert not can_i(cluster, operator, verb, "secrets", namespace=namespace,
+                         name="another"), verb
+        assert can_i(cluster, operator, verb, "leases.coordination.k8s.io",
+                     namespace=namespace, name=leader), verb
+    assert not can_i(cluster, operator, "update", "leases.coordination.k8s.io",
+                     namespace=namespace, name="another")
+    assert can_i(cluster, operator, "create", "leases.coordination.k8s.io", namespace=namespace)
+    assert can_i(cluster, operator, "create", "secrets", namespace=namespace)
+    assert not can_i(cluster, operator, "create", "secrets", namespace="default")
+    assert not can_i(cluster, operator, "create", "leases.coordination.k8s.io",
+                     namespace="default")
     for verb in ("create", "delete", "patch"):
         assert not can_i(cluster, operator, verb, "pods"), verb
     for kind in OWNER_KINDS:
@@ -314,7 +329,10 @@ def _chart_operator(cluster: Cluster, namespace: str, processes: ProcessGroup,
         proc = processes.start(
             [sys.executable, "-m", "elasticrun.operator", *scope_args, "--health-port",
              str(port), "--health-addr", "127.0.0.1", "--metrics-port", "0",
-             "--kubeconfig", str(kubeconfig), "--verbose"],
+             "--kubeconfig", str(kubeconfig), "--verbose",
+             # The chart's default: leader election on its Lease in its namespace.
+             "--leader-elect", "--leader-elect-resource-namespace", namespace,
+             "--leader-elect-resource-name", f"{namespace}-operator-leader"],
             stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
             env={**clean_env(), "KUBECONFIG": str(kubeconfig),
                  "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("handler", "operator"))})
@@ -360,10 +378,15 @@ def _closed_run_is_reported_and_deleted(cluster: Cluster, namespace: str) -> Non
 
     wait_for(lambda: run_deleted(cluster.client, namespace, "done"), 60,
              "the operator to close and TTL-delete the run", interval=0.2)
+    leader = cluster.client.request(
+        "GET", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases/"
+               f"{namespace}-operator-leader")
+    assert leader["spec"]["holderIdentity"]  # it led: the Lease rights are enough
     events = cluster.client.request("GET", f"/api/v1/namespaces/{namespace}/events")
     reasons = {e["reason"] for e in events["items"]
                if e["involvedObject"].get("name") == "done"}
     assert {"Closed", "Deleted"} <= reasons, reasons
     leases = cluster.client.request(
         "GET", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases")
-    assert [lease["metadata"]["name"] for lease in leases["items"]] == []
+    assert [lease["metadata"]["name"] for lease in leases["items"]] == [
+        f"{namespace}-operator-leader"]

@@ -93,8 +93,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and .Values.networkPolicy.perRun (eq (int .Values.networkPolicy.storePort) 0) (not .Values.networkPolicy.isolate) }}
 {{- fail "networkPolicy.perRun=true with storePort 0 (not pinned) needs networkPolicy.isolate=true: a store on any port cannot be told from the ports left open; or pin the port (storePort, and torchrun --rdzv-conf store_port=<it>)" }}
 {{- end }}
-{{- if and (gt (int .Values.operator.replicas) 1) (not .Values.certManager.enabled) }}
-{{- fail "operator.replicas > 1 needs certManager.enabled=true: each replica would make its own webhook certificate" }}
+{{- if and (gt (int .Values.operator.replicas) 1) (not .Values.operator.leaderElection.enabled) }}
+{{- fail "operator.replicas > 1 needs operator.leaderElection.enabled=true: without the leader Lease every replica would reconcile" }}
+{{- end }}
+{{- if and .Values.operator.leaderElection.enabled (not (and (lt (float64 .Values.operator.leaderElection.renewDeadline) (float64 .Values.operator.leaderElection.leaseDuration)) (lt (mulf 1.2 (float64 .Values.operator.leaderElection.retryPeriod)) (float64 .Values.operator.leaderElection.renewDeadline)))) }}
+{{- fail "operator.leaderElection needs retryPeriod x 1.2 < renewDeadline < leaseDuration: a leader must stop reconciling before another replica may start" }}
 {{- end }}
 {{- range .Values.trainingNamespaces }}
 {{- if not (regexMatch "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$" .) }}
@@ -118,4 +121,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 - protocol: UDP
 - protocol: SCTP
+{{- end }}
+
+{{/* The leader election Lease and the webhook CA Secret, in the release namespace. */}}
+{{- define "elasticrun.leaderLease" -}}
+{{ include "elasticrun.fullname" . }}-operator-leader
+{{- end }}
+{{- define "elasticrun.webhookCASecret" -}}
+{{ include "elasticrun.fullname" . }}-webhook-ca
 {{- end }}

@@ -177,9 +177,10 @@ class RunGateway:
     def assign(self, node: str, assignment: Assignment, uid: str) -> bool:
         """Write ``node``'s place in the round on its Lease, the object with ``uid``.
 
-        The uid in the patch is a precondition: the API server refuses (409)
-        a patch of any other object under that name, such as a Lease re-created
-        since it was observed.  False when that Lease is gone or replaced.
+        The uid in the patch is a precondition: the API server refuses a patch
+        of any other object under that name, such as a Lease re-created since it
+        was observed (422, ``metadata.uid`` is immutable; 409 from servers that
+        answer a uid precondition so).  False when that Lease is gone or replaced.
         """
         patch = {"metadata": {"uid": uid, "annotations": {
             ASSIGNMENT_ANNOTATION: assignment_value(assignment)}}}
@@ -187,7 +188,8 @@ class RunGateway:
             self.client.request("PATCH", self.lease_path(lease_name(self.name, node)),
                                 body=patch, content_type=MERGE_PATCH)
         except ApiError as exc:
-            if exc.not_found or exc.conflict:
+            if exc.not_found or exc.conflict or (exc.status == 422
+                                                 and "metadata.uid" in exc.message):
                 return False
             raise
         return True

@@ -1,9 +1,12 @@
 """``python -m elasticrun.operator`` / ``elasticrun-operator``: run the operator.
 
-One replica by default, without kopf peering: every decision is a
-compare-and-set on the API server, so a second replica would only race, and
-nothing is lost while the single one restarts (nodes keep sealing rounds by
-themselves; the operator catches up from the API server's state).
+Without ``--leader-elect`` this process decides on its own (one replica; kopf
+peering is never used).  With it, any number of replicas run: each serves the
+webhook, ``/healthz`` and metrics and observes every run, and the one holding
+the Lease ``--leader-elect-resource-name`` in ``--leader-elect-resource-namespace``
+reconciles (:mod:`elasticrun.operator.elector`).  Nothing is lost while no
+replica leads: nodes keep sealing rounds by themselves, and the next leader
+catches up from the API server's state.
 """
 
 from __future__ import annotations
@@ -20,7 +23,12 @@ from typing import Any, cast
 import kopf
 
 from elasticrun.api.kube import OPERATOR_USER_AGENT, KubeClient
-from elasticrun.operator import handlers, webhook, webhookcert  # noqa: F401 - handlers: importing registers them
+from elasticrun.operator import (  # noqa: F401 - handlers: importing registers them
+    elector,
+    handlers,
+    webhook,
+    webhookcert,
+)
 from elasticrun.operator.controller import Controller
 from elasticrun.operator.executor import ASSIGN_CONCURRENCY
 from elasticrun.operator.metrics import Metrics
@@ -66,8 +74,55 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="kubeconfig for the operator's own writes (default: in-cluster, "
                              "else KUBECONFIG)")
     webhook.add_webhook_arguments(parser)
+    add_election_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.leader_elect:
+        problem = election_timing(args).problem()
+        if problem:
+            parser.error(problem)
+        if not args.leader_elect_resource_namespace:
+            parser.error("--leader-elect needs --leader-elect-resource-namespace "
+                         "(or POD_NAMESPACE): the namespace of the operator's Lease")
+    return args
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text}: expected seconds in (0, 3600]")
+    return value
+
+
+def add_election_arguments(parser: argparse.ArgumentParser) -> None:
+    """client-go's flag names and defaults, so the chart reads like other controllers'."""
+    parser.add_argument("--leader-elect", action="store_true",
+                        default=os.environ.get("ELASTICRUN_LEADER_ELECT") == "true",
+                        help="run as one of several replicas: reconcile only while holding "
+                             "the leader Lease (every replica serves the webhook and metrics)")
+    parser.add_argument("--leader-elect-resource-namespace",
+                        default=os.environ.get("POD_NAMESPACE", ""),
+                        help="namespace of the leader Lease (default: $POD_NAMESPACE)")
+    parser.add_argument("--leader-elect-resource-name", default=elector.LEASE_NAME,
+                        help=f"name of the leader Lease (default {elector.LEASE_NAME})")
+    defaults = elector.Timing()
+    parser.add_argument("--leader-elect-lease-duration", type=_seconds,
+                        default=defaults.lease_duration,
+                        help="seconds a follower waits, by its own clock, after the last change "
+                             "of the Lease it saw before taking it over (default 15)")
+    parser.add_argument("--leader-elect-renew-deadline", type=_seconds,
+                        default=defaults.renew_deadline,
+                        help="seconds after its last successful renewal at which a leader stops "
+                             "reconciling (default 10; less than the lease duration)")
+    parser.add_argument("--leader-elect-retry-period", type=_seconds,
+                        default=defaults.retry_period,
+                        help="seconds between two attempts to renew or acquire (default 2)")
+
+
+def election_timing(args: argparse.Namespace) -> elector.Timing:
+    return elector.Timing(lease_duration=args.leader_elect_lease_duration,
+                          renew_deadline=args.leader_elect_renew_deadline,
+                          retry_period=args.leader_elect_retry_period)
 
 
 def operator_identity() -> str:
@@ -88,12 +143,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         # kopf logs every handled event at INFO; the controller logs what matters.
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     metrics = Metrics()
+    me = elector.identity(operator_identity())
+    # The holder name in the user agent: the audit log tells replicas apart.
+    agent = f"{OPERATOR_USER_AGENT} ({me})"
     # Connections: the workers' writes, plus a large round's assignments in parallel.
-    client = KubeClient.from_config(args.kubeconfig, timeout=15, user_agent=OPERATOR_USER_AGENT,
+    client = KubeClient.from_config(args.kubeconfig, timeout=15, user_agent=agent,
                                     connections=ASSIGN_CONCURRENCY + 8)
-    controller = Controller(client, metrics,
+    candidate: elector.Elector | None = None
+    decider = client
+    if args.leader_elect:
+        # Its own connections: a renewal never queues behind the workers' requests.
+        candidate = elector.Elector(
+            KubeClient.from_config(args.kubeconfig, timeout=15, user_agent=agent, connections=2),
+            args.leader_elect_resource_namespace, me, election_timing(args),
+            name=args.leader_elect_resource_name, on_change=metrics.leading)
+        decider = elector.FencedClient(client, candidate.may_write)
+        metrics.leading(False)
+    controller = Controller(decider, metrics,
                             workers=args.workers, per_run_rbac=args.per_run_rbac,
                             store_policy_port=args.per_run_network_policy)
+    if candidate is not None:
+        candidate.on_lead, candidate.on_follow = controller.lead, controller.follow
 
     @kopf.on.startup()
     async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
@@ -105,20 +175,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.persistence.finalizer = "elasticrun.dev/operator"
         if args.webhook_port:
             # Making the certificate and patching the webhook configuration block.
-            ca = await asyncio.to_thread(webhook.setup_webhook, settings, args,
-                                         controller.client)
+            # Every replica serves the webhook: its set-up is not fenced.
+            ca = await asyncio.to_thread(webhook.setup_webhook, settings, args, client)
             if ca is not None and args.webhook_ca_check_seconds > 0:
                 controller.keep(webhookcert.keep_ca_bundle(
-                    controller.client, args.webhook_configuration, ca,
+                    client, args.webhook_configuration, ca,
                     args.webhook_ca_check_seconds))
         if args.metrics_port:
             metrics.serve(args.metrics_port, args.metrics_addr)
             log.info("metrics on %s:%d/metrics", args.metrics_addr, args.metrics_port)
-        controller.start()
+        controller.start(decide=candidate is None)
+        if candidate is not None:
+            controller.keep(candidate.run())
 
     @kopf.on.cleanup()
     async def cleanup(**_: Any) -> None:
         await controller.stop()
+        if candidate is not None:
+            await candidate.stop()
+            await asyncio.to_thread(candidate.release)
 
     liveness = (f"http://{args.health_addr}:{args.health_port}/healthz"
                 if args.health_port else None)
@@ -132,7 +207,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # pragma: no cover - interactive use
         return 130
     finally:
-        controller.client.close()
+        client.close()
+        if candidate is not None:
+            candidate.client.close()
     return 0
 
 

@@ -101,10 +101,26 @@ class Controller:
         #: Side tasks that live as long as the controller: the API probe, the caBundle check.
         self._tasks: list[asyncio.Task[None]] = []
 
-    def start(self) -> None:
-        self.queue.start()
+    def start(self, decide: bool = True) -> None:
+        """Start observing; and deciding too unless ``decide`` is False (a replica under
+        leader election, which calls :meth:`lead` once it holds the Lease)."""
+        if decide:
+            self.queue.start()
         self.keep(self.api.run())
         self.keep(self._release_memory())
+
+    async def lead(self) -> None:
+        """Start deciding: the work queue runs and every run held is reconciled, so what
+        a previous leader left half done is seen again from the API server's state."""
+        self.queue.start()
+        for key in list(self.runs):
+            self.enqueue(key)
+
+    async def follow(self) -> None:
+        """Stop deciding: in-flight reconciles are cancelled and timers dropped; the
+        watches, indexes and renewal clocks go on, so a take-over starts warm."""
+        await self.queue.stop()
+        self.queue = WorkQueue(self.reconcile, self.queue.workers)
 
     async def _release_memory(self) -> None:
         """Give memory back to the system after many Leases were deleted.

@@ -56,12 +56,20 @@ class Metrics:
             "elasticrun_apiserver_outages_total",
             "Times the API server became unreachable; Lease expiry restarts after each.",
             registry=self.registry)
+        self.leader = Gauge(
+            "elasticrun_operator_leader",
+            "1 while this replica holds the leader Lease and reconciles (always 1 without "
+            "--leader-elect).", registry=self.registry)
         self.api_reachable.set(1)
+        self.leader.set(1)
 
     def api_changed(self, reachable: bool) -> None:
         self.api_reachable.set(1 if reachable else 0)
         if not reachable:
             self.api_outages.inc()
+
+    def leading(self, leading: bool) -> None:
+        self.leader.set(1 if leading else 0)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)

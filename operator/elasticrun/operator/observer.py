@@ -18,6 +18,7 @@ from elasticrun.api.model import (
     now,
     parse_run,
 )
+from elasticrun.operator.elector import NotLeaderError
 from elasticrun.operator.metrics import Metrics
 from elasticrun.operator.reconcile import lost_since
 
@@ -152,6 +153,9 @@ class Observer:
         try:
             await asyncio.to_thread(self.client.request, "POST",
                                     f"/api/v1/namespaces/{run.namespace}/events", body=event)
+        except NotLeaderError:
+            log.debug("not posting event %s for %s/%s: not the leader", reason, run.namespace,
+                      run.name)
         except (ApiError, ApiConnectionError) as exc:
             log.warning("posting event %s for %s/%s failed: %s", reason, run.namespace,
                         run.name, exc)

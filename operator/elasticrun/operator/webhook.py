@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -383,6 +384,13 @@ def add_webhook_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--webhook-self-signed", action="append", default=[], metavar="DNS_NAME",
                        help="make a CA and serving certificate for this name at start "
                             "(repeatable), instead of --webhook-cert/--webhook-key")
+    group.add_argument("--webhook-ca-secret", default=None, metavar="NAME",
+                       help="with --webhook-self-signed: keep the CA in this Secret of "
+                            "--webhook-ca-secret-namespace, made by the first replica, so "
+                            "every replica's certificate chains to the one caBundle")
+    group.add_argument("--webhook-ca-secret-namespace",
+                       default=os.environ.get("POD_NAMESPACE", ""),
+                       help="namespace of --webhook-ca-secret (default: $POD_NAMESPACE)")
     group.add_argument("--webhook-cert-dir", default="/tmp/elasticrun-webhook",
                        help="where --webhook-self-signed writes the certificate")
     group.add_argument("--webhook-configuration", default=None, metavar="NAME",
@@ -417,8 +425,15 @@ def setup_webhook(settings: kopf.OperatorSettings, args: argparse.Namespace,
     certfile, pkeyfile, cafile = args.webhook_cert, args.webhook_key, args.webhook_ca
     written: bytes | None = None
     if args.webhook_self_signed:
+        ca = None
+        if args.webhook_ca_secret:
+            if not args.webhook_ca_secret_namespace:
+                raise ValueError("--webhook-ca-secret needs --webhook-ca-secret-namespace "
+                                 "(or POD_NAMESPACE)")
+            ca = webhookcert.shared_ca(client or KubeClient.from_config(timeout=10),
+                                       args.webhook_ca_secret_namespace, args.webhook_ca_secret)
         cert = webhookcert.generate_serving_cert(Path(args.webhook_cert_dir),
-                                                 args.webhook_self_signed)
+                                                 args.webhook_self_signed, ca=ca)
         certfile, pkeyfile, cafile = str(cert.certfile), str(cert.pkeyfile), str(cert.cafile)
         if args.webhook_configuration:
             webhookcert.inject_ca_bundle(client or KubeClient.from_config(timeout=10),

@@ -1,11 +1,19 @@
 """The webhook's serving certificate when no cert-manager is installed.
 
-The chart's default: at every start the operator makes a throw-away CA, signs
-a serving certificate for its Service's DNS names with it, forgets the CA key,
-and writes the CA into its own MutatingWebhookConfiguration's ``caBundle``.
-Nothing secret is ever stored in the cluster (no Secret, so the operator needs
-no Secret access at all), and a restart is a full rotation.  The one permission
-this needs is ``get``/``patch`` on that single, named configuration.
+The chart's default.  Every replica serves the webhook, so every replica's
+serving certificate must chain to the one CA in the MutatingWebhookConfiguration's
+``caBundle``: the CA is kept in one Secret of the operator's namespace
+(``--webhook-ca-secret``, :func:`shared_ca`).  The first replica to start makes
+it (POST; a replica that loses that race reads the winner's), every replica
+signs its own serving certificate for the Service's DNS names with it, and
+writes the CA into the configuration, which stays the same whoever writes it.
+The operator needs ``get``/``update`` on that Secret and ``create`` on Secrets
+of its namespace, and ``get``/``patch`` on that single, named configuration.
+Rotation: delete the Secret and restart the Deployment.
+
+Without ``--webhook-ca-secret`` (one replica, outside the chart) the CA is made
+in memory at every start and its key forgotten: nothing is stored, and a
+restart is a full rotation.
 
 kopf can self-sign too, but its generator needs oscrypto, which fails to load
 libcrypto from OpenSSL >= 3.0.10; ``cryptography`` has no such problem.
@@ -38,6 +46,17 @@ WEBHOOK_CONFIGURATIONS = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookc
 VALIDITY = dt.timedelta(days=5 * 365)
 
 
+#: A stored CA closer than this to its end is replaced.
+RENEW_BEFORE = dt.timedelta(days=30)
+CA_CERT_KEY, CA_KEY_KEY = "ca.crt", "ca.key"
+
+
+@dataclass(frozen=True)
+class SigningCA:
+    cert: x509.Certificate
+    key: ec.EllipticCurvePrivateKey
+
+
 @dataclass(frozen=True)
 class ServingCert:
     certfile: Path
@@ -60,11 +79,8 @@ def _san(names: Sequence[str]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(entries)
 
 
-def generate_serving_cert(directory: Path, names: Sequence[str],
-                          now: dt.datetime | None = None) -> ServingCert:
-    """Write ``tls.crt``, ``tls.key`` and ``ca.crt`` for ``names`` (DNS names or IPs)."""
-    if not names:
-        raise ValueError("a serving certificate needs at least one DNS name or IP address")
+def make_ca(now: dt.datetime | None = None) -> SigningCA:
+    """A new CA for the webhook's serving certificates."""
     start = (now or dt.datetime.now(dt.UTC)) - dt.timedelta(minutes=5)  # clock skew
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = _name("elasticrun-webhook-ca")
@@ -83,13 +99,27 @@ def generate_serving_cert(directory: Path, names: Sequence[str],
                        critical=False)
         .sign(ca_key, hashes.SHA256())
     )
+    return SigningCA(ca_cert, ca_key)
+
+
+def generate_serving_cert(directory: Path, names: Sequence[str],
+                          now: dt.datetime | None = None,
+                          ca: SigningCA | None = None) -> ServingCert:
+    """Write ``tls.crt``, ``tls.key`` and ``ca.crt`` for ``names`` (DNS names or IPs),
+    signed by ``ca`` (default: a new one whose key is forgotten)."""
+    if not names:
+        raise ValueError("a serving certificate needs at least one DNS name or IP address")
+    start = (now or dt.datetime.now(dt.UTC)) - dt.timedelta(minutes=5)  # clock skew
+    signing = ca or make_ca(now)
+    ca_cert, ca_key, ca_name = signing.cert, signing.key, signing.cert.subject
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
         x509.CertificateBuilder()
         .subject_name(_name(names[0])).issuer_name(ca_name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
-        .not_valid_before(start).not_valid_after(start + VALIDITY)
+        .not_valid_before(start)
+        .not_valid_after(min(start + VALIDITY, ca_cert.not_valid_after_utc))
         .add_extension(_san(names), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.KeyUsage(
@@ -112,6 +142,78 @@ def generate_serving_cert(directory: Path, names: Sequence[str],
     with os.fdopen(fd, "wb") as f:
         f.write(key_pem)
     return paths
+
+
+def read_ca(body: Any, at: dt.datetime | None = None) -> SigningCA | None:
+    """The CA kept in the Secret ``body``; None when it is missing, unreadable, not a CA,
+    not its key's, or within :data:`RENEW_BEFORE` of its end (then it is replaced)."""
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, dict):
+        return None
+    try:
+        cert = x509.load_pem_x509_certificate(base64.b64decode(str(data.get(CA_CERT_KEY))))
+        key = serialization.load_pem_private_key(base64.b64decode(str(data.get(CA_KEY_KEY))),
+                                                 password=None)
+        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+    except (ValueError, TypeError, x509.ExtensionNotFound):
+        return None
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or not constraints.ca \
+            or key.public_key() != cert.public_key():
+        return None
+    if cert.not_valid_after_utc - RENEW_BEFORE <= (at or dt.datetime.now(dt.UTC)):
+        return None
+    return SigningCA(cert, key)
+
+
+def ca_secret(namespace: str, name: str, ca: SigningCA) -> dict[str, Any]:
+    key_pem = ca.key.private_bytes(serialization.Encoding.PEM,
+                                   serialization.PrivateFormat.PKCS8,
+                                   serialization.NoEncryption())
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": name, "namespace": namespace,
+                         "labels": {"app.kubernetes.io/managed-by": "elasticrun-operator"}},
+            "data": {CA_CERT_KEY: base64.b64encode(
+                         ca.cert.public_bytes(serialization.Encoding.PEM)).decode(),
+                     CA_KEY_KEY: base64.b64encode(key_pem).decode()}}
+
+
+def shared_ca(client: KubeClient, namespace: str, name: str, attempts: int = 3) -> SigningCA:
+    """The CA every replica signs with: read from the Secret, or made and stored there.
+
+    Two replicas starting together both find no Secret; one POST wins and the
+    other gets 409 and reads the winner's.  An unusable Secret is replaced
+    (PUT on the resourceVersion read), so one that was tampered with or is
+    close to expiry costs one restart of the other replicas, not a broken
+    webhook.
+    """
+    path = f"/api/v1/namespaces/{namespace}/secrets/{name}"
+    for _ in range(attempts):
+        try:
+            body: dict[str, Any] | None = client.request("GET", path)
+        except ApiError as exc:
+            if not exc.not_found:
+                raise
+            body = None
+        ca = read_ca(body) if body is not None else None
+        if ca is not None:
+            return ca
+        made = make_ca()
+        secret = ca_secret(namespace, name, made)
+        try:
+            if body is None:
+                client.request("POST", f"/api/v1/namespaces/{namespace}/secrets", body=secret)
+            else:
+                secret["metadata"]["resourceVersion"] = (body.get("metadata") or {}).get(
+                    "resourceVersion")
+                client.request("PUT", path, body=secret)
+                log.warning("replaced the unusable webhook CA in Secret %s/%s", namespace, name)
+        except ApiError as exc:
+            if exc.conflict:
+                continue  # another replica stored its CA first: use that one
+            raise
+        return made
+    raise RuntimeError(f"could not read or store the webhook CA in Secret {namespace}/{name} "
+                       f"after {attempts} attempts (another writer keeps changing it?)")
 
 
 def ca_bundle_patch(configuration: dict[str, Any], ca_b64: str) -> list[dict[str, Any]]:
