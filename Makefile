@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 CLUSTER_ADDONS ?=
 export CLUSTER_ADDONS
 
-.PHONY: help setup controlplane node helm addons test test-fast lint demo bench bench-quick bench-scale cluster cluster-down clean
+.PHONY: help setup controlplane node helm addons monitoring-crds test test-fast lint demo bench bench-quick bench-scale cluster cluster-down clean
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -53,7 +53,12 @@ helm:
 addons:
 	@bash tests/controlplane/build-addons.sh >/dev/null
 
-test: setup node helm addons
+# The prometheus-operator CRDs (ServiceMonitor, PodMonitor, PrometheusRule) the chart's
+# monitoring objects are checked against; YAML only, from the Go module.
+monitoring-crds:
+	@bash tests/controlplane/build-monitoring-crds.sh >/dev/null
+
+test: setup node helm addons monitoring-crds
 	CONTROLPLANE_BIN="$(CONTROLPLANE_BIN)" RUNTIME_BIN="$(RUNTIME_BIN)" $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup controlplane
