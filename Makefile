@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 CLUSTER_ADDONS ?=
 export CLUSTER_ADDONS
 
-.PHONY: help setup controlplane node helm addons monitoring-crds test test-fast lint demo bench bench-quick bench-scale cluster cluster-down clean
+.PHONY: help setup controlplane node helm addons monitoring test test-fast lint demo bench bench-quick bench-scale cluster cluster-down clean
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -53,12 +53,13 @@ helm:
 addons:
 	@bash tests/controlplane/build-addons.sh >/dev/null
 
-# The prometheus-operator CRDs (ServiceMonitor, PodMonitor, PrometheusRule) the chart's
-# monitoring objects are checked against; YAML only, from the Go module.
-monitoring-crds:
-	@bash tests/controlplane/build-monitoring-crds.sh >/dev/null
+# What the chart's monitoring kit is checked against: the prometheus-operator CRDs
+# (ServiceMonitor, PodMonitor, PrometheusRule; YAML from its Go module) and
+# promql-check (Prometheus' PromQL parser, tests/controlplane/promqlcheck).
+monitoring:
+	@bash tests/controlplane/build-monitoring.sh >/dev/null
 
-test: setup node helm addons monitoring-crds
+test: setup node helm addons monitoring
 	CONTROLPLANE_BIN="$(CONTROLPLANE_BIN)" RUNTIME_BIN="$(RUNTIME_BIN)" $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup controlplane

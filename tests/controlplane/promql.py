@@ -24,6 +24,7 @@ LABEL_LISTS = frozenset({"by", "without", "on", "ignoring", "group_left", "group
 _IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
 _NAME_MATCHER = re.compile(r"""__name__\s*=\s*(["'`])([A-Za-z_:][A-Za-z0-9_:]*)\1""")
 _LABEL_VALUES = re.compile(r"^\s*label_values\s*\((.*)\)\s*$", re.DOTALL)
+_INTERVAL_VARIABLE = re.compile(r"\$(?:__[A-Za-z_]+|\{__[A-Za-z_]+\})")
 _CLOSING = {"{": "}", "[": "]", "(": ")"}
 
 
@@ -114,20 +115,30 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
-def grafana_query_names(query: str) -> set[str]:
-    """The metric names a Grafana Prometheus query reads: PromQL, or a template
-    variable's ``label_values(EXPR, label)`` (whose last argument is a label)."""
+def grafana_promql(query: str) -> str | None:
+    """A Grafana Prometheus query as plain PromQL, for a real parser: a template
+    variable's ``label_values(EXPR, label)`` becomes EXPR (None when it names no
+    series), and Grafana's interval variables (``$__rate_interval``, ``${__range}``)
+    a duration.  Variables inside label values are left: they are strings there."""
     match = _LABEL_VALUES.match(query)
-    if match is None:
-        return metric_names(query)
-    inner = match.group(1)
-    depth, split = 0, -1
-    for index, char in enumerate(inner):
-        depth += char in "({["
-        depth -= char in ")}]"
-        if char == "," and depth == 0:
-            split = index
-    return metric_names(inner[:split]) if split >= 0 else set()
+    if match is not None:
+        inner = match.group(1)
+        depth, split = 0, -1
+        for index, char in enumerate(inner):
+            depth += char in "({["
+            depth -= char in ")}]"
+            if char == "," and depth == 0:
+                split = index
+        if split < 0:
+            return None
+        query = inner[:split]
+    return _INTERVAL_VARIABLE.sub("5m", query)
+
+
+def grafana_query_names(query: str) -> set[str]:
+    """The metric names a Grafana Prometheus query reads (see :func:`grafana_promql`)."""
+    promql = grafana_promql(query)
+    return set() if promql is None else metric_names(promql)
 
 
 def exposed_names(exposition: str) -> set[str]:

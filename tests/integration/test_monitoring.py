@@ -23,13 +23,13 @@ from test_chart import apply_chart
 
 from chartkit import CHART, Helm, by_kind, one
 from conftest import ROOT, Cluster, Kubelet, OperatorProcess, wait_for
-from controlplane.promql import exposed_names, grafana_query_names, metric_names
+from controlplane.promql import exposed_names, grafana_promql, metric_names
 from rdzv import metric, rendezvous_all
 
 #: The fixtures helm, helm_binary and extra_namespace.
 pytest_plugins = ("chartfixtures",)
 
-CRD_FETCH = ROOT / "tests" / "controlplane" / "build-monitoring-crds.sh"
+MONITORING_BUILD = ROOT / "tests" / "controlplane" / "build-monitoring.sh"
 MONITORING_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 ALERTS = ["ElasticRunStalled", "ElasticRunDegraded", "ElasticRunMembersLostFast",
           "ElasticRunOperatorAPIServerUnreachable"]
@@ -54,12 +54,17 @@ FULL = {"metrics": {
 
 
 @pytest.fixture(scope="session")
-def monitoring_crds(cluster: Cluster) -> None:
+def monitoring_bin() -> Path:
+    """The prometheus-operator CRDs and promql-check (built once, then cached)."""
+    out = subprocess.run(["bash", str(MONITORING_BUILD)], check=True, stdout=subprocess.PIPE,
+                         text=True, timeout=1800)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def monitoring_crds(cluster: Cluster, monitoring_bin: Path) -> None:
     """ServiceMonitor, PodMonitor and PrometheusRule served by the session's API server."""
-    out = subprocess.run(["bash", str(CRD_FETCH)], check=True, stdout=subprocess.PIPE,
-                         text=True, timeout=900)
-    folder = Path(out.stdout.strip().splitlines()[-1])
-    files = sorted(folder.glob("monitoring.coreos.com_*.yaml"))
+    files = sorted(monitoring_bin.glob("monitoring.coreos.com_*.yaml"))
     assert len(files) == 3, files
     for path in files:
         applied = cluster.kubectl("apply", "--server-side", "--field-manager=monitoring-test",
@@ -74,6 +79,19 @@ def monitoring_crds(cluster: Cluster) -> None:
             30, f"{plural} to be served")
 
 
+@pytest.fixture(scope="session")
+def promql_check(monitoring_bin: Path) -> Callable[[list[str]], list[dict[str, Any]]]:
+    """Prometheus' own parser: each expression's parse error or the metric names it reads."""
+
+    def check(exprs: list[str]) -> list[dict[str, Any]]:
+        done = subprocess.run([str(monitoring_bin / "promql-check")], input=json.dumps(exprs),
+                              capture_output=True, text=True, timeout=60, check=True)
+        results: list[dict[str, Any]] = json.loads(done.stdout)
+        return results
+
+    return check
+
+
 def live(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any]:
     group = doc["apiVersion"].split("/")[0]
     got = cluster.kubectl("get", f"{doc['kind'].lower()}.{group}", doc["metadata"]["name"],
@@ -82,21 +100,21 @@ def live(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any]:
     return stored
 
 
-def queries(docs: list[dict[str, Any]], with_additional: bool = False) -> dict[str, set[str]]:
-    """The metric names each alert and each dashboard query reads, by where it is."""
-    found: dict[str, set[str]] = {}
+def queries(docs: list[dict[str, Any]], with_additional: bool = False) -> dict[str, str]:
+    """Each alert's and each dashboard query's PromQL, by where it is."""
+    found: dict[str, str] = {}
     for rule in one(docs, "PrometheusRule")["spec"]["groups"][0]["rules"]:
         if with_additional or rule["alert"] in ALERTS:
-            found[f"alert {rule['alert']}"] = metric_names(rule["expr"])
+            found[f"alert {rule['alert']}"] = rule["expr"]
     dashboard = json.loads(one(docs, "ConfigMap")["data"]["elasticrun.json"])
-    for panel in dashboard["panels"]:
-        for target in panel["targets"]:
-            found[f"panel {panel['title']} {target['refId']}"] = \
-                grafana_query_names(target["expr"])
-    for variable in dashboard["templating"]["list"]:
-        if variable["type"] == "query":
-            found[f"variable {variable['name']}"] = \
-                grafana_query_names(variable["query"]["query"])
+    grafana = [(f"panel {p['title']} {t['refId']}", t["expr"])
+               for p in dashboard["panels"] for t in p["targets"]]
+    grafana += [(f"variable {v['name']}", v["query"]["query"])
+                for v in dashboard["templating"]["list"] if v["type"] == "query"]
+    for where, query in grafana:
+        promql = grafana_promql(query)
+        assert promql is not None, f"{where} names no series: {query}"
+        found[where] = promql
     return found
 
 
@@ -276,7 +294,8 @@ def test_a_monitor_the_crd_refuses_is_reported(
 
 def test_alert_and_dashboard_queries_name_only_exported_series(
         helm: Helm, operator: OperatorProcess, make_handler: Any, pods: Kubelet,
-        cluster: Cluster, namespace: str) -> None:
+        cluster: Cluster, namespace: str,
+        promql_check: Callable[[list[str]], list[dict[str, Any]]]) -> None:
     """Every series an alert or a dashboard query reads is on a live operator's /metrics
     once it has seen a run form, lose a member to a deleted pod and re-form."""
     names = ["m0", "m1", "m2"]
@@ -297,7 +316,11 @@ def test_alert_and_dashboard_queries_name_only_exported_series(
              15, "the second round to be seen")
     text = operator.metrics()
     exported = exposed_names(text)
-    read = queries(helm.template("r", "er-system", FULL), with_additional=True)
+    exprs = queries(helm.template("r", "er-system", FULL), with_additional=True)
+    parsed = promql_check(list(exprs.values()))
+    # The names by Prometheus' parser, and by the tokenizer (the two agree: see below).
+    read = {where: set(result["metrics"]) | metric_names(expr)
+            for (where, expr), result in zip(exprs.items(), parsed, strict=True)}
     assert len(read) >= 10 and all(read.values()), read
     missing = {where: sorted(found - exported) for where, found in read.items()
                if found - exported}
@@ -318,13 +341,21 @@ def test_alert_and_dashboard_queries_name_only_exported_series(
             "elasticrun_round_duration_seconds_bucket"} <= used
 
 
-def test_a_misnamed_series_would_be_caught(helm: Helm) -> None:
-    """The comparison above fails on a name the operator does not export."""
-    docs = helm.template("r", "x", {"metrics": {"prometheusRule": {
-        "enabled": True, "additionalRules": [
-            {"alert": "Typo", "expr": "max by (run) (elasticrun_waiting_node) > 0"}]},
-        "dashboard": {"enabled": True}}})
-    read = queries(docs, with_additional=True)
-    assert read["alert Typo"] == {"elasticrun_waiting_node"}
-    exported = {"elasticrun_waiting_nodes"}
-    assert read["alert Typo"] - exported == {"elasticrun_waiting_node"}
+def test_every_query_parses_and_the_tokenizer_reads_what_prometheus_reads(
+        helm: Helm, promql_check: Callable[[list[str]], list[dict[str, Any]]]) -> None:
+    """Prometheus' parser accepts every alert and dashboard query (the API server's CRD
+    checks no PromQL), and names the same series as ``controlplane.promql``."""
+    exprs = queries(helm.template("r", "er-system", FULL), with_additional=True)
+    results = promql_check(list(exprs.values()))
+    errors = {where: r["error"] for where, r in zip(exprs, results, strict=True)
+              if r.get("error")}
+    assert not errors, errors
+    disagree = {where: (sorted(r["metrics"]), sorted(metric_names(expr)))
+                for (where, expr), r in zip(exprs.items(), results, strict=True)
+                if set(r["metrics"]) != metric_names(expr)}
+    assert not disagree, disagree
+    # The checker does report a broken expression and a misnamed series.
+    broken, typo = promql_check(["max by (run) (elasticrun_waiting_nodes > 0",
+                                 "max by (run) (elasticrun_waiting_node) > 0"])
+    assert "unclosed left parenthesis" in broken["error"]
+    assert typo["metrics"] == ["elasticrun_waiting_node"]

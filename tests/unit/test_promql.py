@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.promql import exposed_names, grafana_query_names, metric_names
+from controlplane.promql import exposed_names, grafana_promql, grafana_query_names, metric_names
 
 
 @pytest.mark.parametrize(("expr", "names"), [
@@ -39,6 +39,13 @@ def test_grafana_label_values_names_only_its_series() -> None:
     assert grafana_query_names('label_values(m{namespace=~"$namespace", a=","}, run)') == {"m"}
     assert grafana_query_names("label_values(namespace)") == set()
     assert grafana_query_names("sum(x)") == {"x"}
+
+
+def test_grafana_queries_become_plain_promql() -> None:
+    assert grafana_promql('rate(x{run=~"$run"}[$__rate_interval]) / ${__range}') == \
+        'rate(x{run=~"$run"}[5m]) / 5m'
+    assert grafana_promql('label_values(m{a=","}, run)') == 'm{a=","}'
+    assert grafana_promql("label_values(namespace)") is None
 
 
 def test_exposed_names_reads_the_text_format() -> None:
