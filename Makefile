@@ -23,7 +23,7 @@ PYTEST_ARGS ?=
 CLUSTER_ADDONS ?=
 export CLUSTER_ADDONS
 
-.PHONY: help setup controlplane node helm addons monitoring test test-fast lint demo bench bench-quick bench-scale cluster cluster-down clean
+.PHONY: help setup controlplane node helm addons test test-fast lint demo bench bench-quick bench-scale cluster cluster-down clean
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -56,6 +56,7 @@ addons:
 # What the chart's monitoring kit is checked against: the prometheus-operator CRDs
 # (ServiceMonitor, PodMonitor, PrometheusRule; YAML from its Go module) and
 # promql-check (Prometheus' PromQL parser, tests/controlplane/promqlcheck).
+.PHONY: monitoring
 monitoring:
 	@bash tests/controlplane/build-monitoring.sh >/dev/null
 
