@@ -74,7 +74,7 @@ def monitoring_crds(cluster: Cluster, monitoring_bin: Path) -> None:
         cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}",
                         "--timeout=30s")
     for plural in ("servicemonitors", "podmonitors", "prometheusrules"):
-        wait_for(lambda p=plural: cluster.kubectl(  # type: ignore[misc]
+        wait_for(lambda p=plural: cluster.kubectl(
             "get", f"{p}.monitoring.coreos.com", "-A", check=False).returncode == 0,
             30, f"{plural} to be served")
 
