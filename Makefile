@@ -53,7 +53,14 @@ helm:
 addons:
 	@bash tests/controlplane/build-addons.sh >/dev/null
 
-test: setup node helm addons
+# What the chart's monitoring kit is checked against: the prometheus-operator CRDs
+# (ServiceMonitor, PodMonitor, PrometheusRule; YAML from its Go module) and
+# promql-check (Prometheus' PromQL parser, tests/controlplane/promqlcheck).
+.PHONY: monitoring
+monitoring:
+	@bash tests/controlplane/build-monitoring.sh >/dev/null
+
+test: setup node helm addons monitoring
 	CONTROLPLANE_BIN="$(CONTROLPLANE_BIN)" RUNTIME_BIN="$(RUNTIME_BIN)" $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup controlplane

@@ -10,6 +10,8 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from elasticrun.api.model import PHASES
+
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 #: The ``reason`` label's values: the reasons elasticrun itself records.  The
 #: reason comes from ``status.lostMembers``, which nodes can write, so any other
@@ -48,6 +50,10 @@ class Metrics:
                             ("namespace", "run", "reason"), registry=self.registry)
         self.round = Gauge("elasticrun_round", "The current round number.", labels,
                            registry=self.registry)
+        self.phase = Gauge("elasticrun_run_phase",
+                           "1 for the run's current phase, 0 for the others (one series "
+                           "per phase, so an alert can ask how long a run stayed in one).",
+                           ("namespace", "run", "phase"), registry=self.registry)
         self.api_reachable = Gauge(
             "elasticrun_apiserver_reachable",
             "1 while the operator's /readyz probe of the API server succeeds.",
@@ -83,6 +89,12 @@ class Metrics:
             self.detection.labels(namespace=namespace, run=run, reason=label).observe(
                 detection_seconds)
 
+    def run_phase(self, namespace: str, run: str, phase: str) -> None:
+        """Set the run's phase series: 1 for ``phase``, 0 for every other known phase."""
+        for known in PHASES:
+            self.phase.labels(namespace=namespace, run=run, phase=known).set(
+                1 if known == phase else 0)
+
     def forget(self, namespace: str, run: str) -> None:
         """Remove every series of a deleted run."""
         for metric in (self.members, self.waiting, self.round, self.rounds,
@@ -93,3 +105,6 @@ class Metrics:
             for reason in (*REASONS, OTHER):
                 with contextlib.suppress(KeyError):
                     by_reason.remove(namespace, run, reason)
+        for phase in PHASES:
+            with contextlib.suppress(KeyError):
+                self.phase.remove(namespace, run, phase)

@@ -105,6 +105,7 @@ class Observer:
         self.metrics.members.labels(**labels).set(len(status.participants))
         self.metrics.waiting.labels(**labels).set(len(status.waiting))
         self.metrics.round.labels(**labels).set(status.round)
+        self.metrics.run_phase(*key, status.phase)
         if old is None:
             return  # first sight (e.g. after a restart): nothing to report twice
         if status.round > old.round and status.participants:
