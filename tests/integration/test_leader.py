@@ -9,7 +9,6 @@ carries its Lease holder name.
 from __future__ import annotations
 
 import base64
-import json
 import os
 import signal
 import time
@@ -21,7 +20,7 @@ import pytest
 
 from elasticrun.api import crd
 from elasticrun.api.gateway import RunGateway
-from elasticrun.api.kube import OPERATOR_USER_AGENT, ApiError, KubeClient, lease_path
+from elasticrun.api.kube import OPERATOR_USER_AGENT, ApiError, lease_path
 from elasticrun.api.leases import ASSIGNMENT_ANNOTATION
 from elasticrun.api.model import format_time, now, parse_run
 from elasticrun.operator import webhook
@@ -40,6 +39,16 @@ from chartkit import (
 )
 from conftest import Cluster, wait_for
 from controlplane.operatorproc import OperatorProcess, free_port
+from leaderkit import (
+    WRITES,
+    agent_of,
+    by_agent,
+    events,
+    holder,
+    mutated_on_dry_run,
+    only_written_by,
+    run_writes,
+)
 from rdzv import AuditLog, metric, read_run, rendezvous_all
 
 pytest_plugins = ("chartfixtures",)
@@ -47,7 +56,6 @@ pytest_plugins = ("chartfixtures",)
 LEASE = 4.0
 DEADLINE = 3.0
 RETRY = 0.5
-WRITES = {"create", "update", "patch", "delete"}
 
 
 def election_args(namespace: str) -> list[str]:
@@ -98,48 +106,6 @@ def the_leader(replicas: list[OperatorProcess], timeout: float = 20) -> Operator
         return replicas[flags.index(1.0)] if sorted(flags) == [0.0, 1.0] else None
     found: OperatorProcess = wait_for(one, timeout, "exactly one replica to lead")
     return found
-
-
-def holder(client: KubeClient, namespace: str) -> str | None:
-    try:
-        got = client.request("GET", lease_path(namespace, LEASE_NAME))
-    except ApiError:
-        return None
-    value = (got.get("spec") or {}).get("holderIdentity")
-    return value if isinstance(value, str) else None
-
-
-def by_agent(audit: AuditLog, namespace: str, since: int) -> dict[str, list[Any]]:
-    """The operators' requests by user agent (one per replica)."""
-    found: dict[str, list[Any]] = {}
-    for entry in audit.entries(namespace, since=since):
-        if entry.user_agent.startswith(OPERATOR_USER_AGENT):
-            found.setdefault(entry.user_agent, []).append(entry)
-    return found
-
-
-def agent_of(holder_name: str) -> str:
-    return f"{OPERATOR_USER_AGENT} ({holder_name})"
-
-
-def run_writes(entries: list[Any]) -> list[str]:
-    return [e.kind for e in entries if e.verb in WRITES and e.resource in {"elasticruns",
-                                                                           "events"}]
-
-
-def events(cluster: Cluster, namespace: str, reason: str) -> list[str]:
-    got = cluster.client.request("GET", f"/api/v1/namespaces/{namespace}/events",
-                                 query={"fieldSelector": f"reason={reason}"})
-    return [e["message"] for e in got.get("items") or []]
-
-
-def only_written_by(audit: AuditLog, namespace: str, since: int, holder_name: str) -> None:
-    """The runs and Events of ``namespace`` were written since ``since``, by that holder only."""
-    writes = {agent: run_writes(entries) for agent, entries in
-              by_agent(audit, namespace, since).items()}
-    assert writes.get(agent_of(holder_name)), writes
-    assert [w for agent, w in writes.items() if agent != agent_of(holder_name) and w] == [], \
-        writes
 
 
 def silence(cluster: Cluster, namespace: str, node: Any, name: str) -> None:
@@ -347,19 +313,6 @@ def test_a_lease_writer_cannot_crash_or_spin_the_elector_and_it_recovers(
 WEBHOOKS = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations"
 
 
-def mutated_on_dry_run(cluster: Cluster, namespace: str) -> tuple[bool, str]:
-    """Create an opted-in pod with --dry-run=server: every webhook of the configuration
-    must answer (failurePolicy Fail) and the pod comes back mutated."""
-    probe = {"apiVersion": "v1", "kind": "Pod",
-             "metadata": {"name": "probe", "namespace": namespace,
-                          "labels": {crd.RUN_LABEL: "probe"}},
-             "spec": {"containers": [{"name": "trainer", "image": "trainer:1",
-                                      "command": ["torchrun", "train.py"]}]}}
-    result = cluster.kubectl("create", "-f", "-", "-o", "json", "--dry-run=server",
-                             input=json.dumps(probe), check=False)
-    return result.returncode == 0 and "PET_RDZV_ID" in result.stdout, result.stderr
-
-
 def test_both_replicas_serve_the_webhook_with_certificates_of_one_shared_ca(
         cluster: Cluster, helm: Helm, namespace: str, tmp_path: Path,
         request: pytest.FixtureRequest) -> None:
@@ -434,3 +387,46 @@ def test_both_replicas_serve_the_webhook_with_certificates_of_one_shared_ca(
         text = op.log_path.read_text(errors="replace")
         assert refusals(text) == [], refusals(text)[:5]
         assert "repaired the caBundle" not in text
+
+
+def test_replicas_in_one_network_namespace_share_the_health_and_metrics_ports(
+        cluster: Cluster, namespace: str, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    """--reuse-port (the chart's with hostNetwork, as on the local node): two replicas
+    bind the same /healthz and /metrics ports; each connection reaches one of them, and
+    the ports outlive the replica that stops."""
+    replicas: list[OperatorProcess] = []
+    for i in range(2):
+        directory = tmp_path / f"shared-{i}"
+        directory.mkdir()
+        op = OperatorProcess(cluster.kubeconfig, [namespace], directory,
+                             extra_args=[*election_args(namespace), "--reuse-port"])
+        if replicas:
+            op.metrics_port, op.health_port = replicas[0].metrics_port, replicas[0].health_port
+        request.addfinalizer(op.stop)
+        replicas.append(op.start())
+
+    def answers() -> list[float | None]:
+        """The leader flag of whichever replica took each of 30 new connections."""
+        return [leading(replicas[0]) for _ in range(30)]
+
+    def both() -> list[float | None] | None:
+        got = answers()
+        return got if set(got) == {0.0, 1.0} else None
+
+    # Both replicas answer on the one port: the leader's 1 and the follower's 0.
+    seen = wait_for(both, 20, "both replicas to answer on the shared metrics port",
+                    interval=0.5)
+    print(f"\nshared port: {seen.count(1.0)} of {len(seen)} connections reached the leader")
+    for op in replicas:
+        assert op.proc is not None and op.proc.poll() is None, op.log_tail()
+        assert op.healthz() == "{}"
+    # The leader stops: the same port keeps answering, now only the new leader.
+    name = holder(cluster.client, namespace)
+    (leader,) = [op for op in replicas
+                 if f"leader election: {name} holds Lease" in op.log_tail(400)]
+    leader.stop()
+    wait_for(lambda: set(answers()) == {1.0}, LEASE + 2 * RETRY + 4,
+             "the follower alone to answer, leading, on the shared port", interval=0.5)
+    assert all(replicas[0].healthz() == "{}" for _ in range(10))
+

@@ -26,6 +26,7 @@ from elasticrun.api.kube import OPERATOR_USER_AGENT, KubeClient
 from elasticrun.operator import (  # noqa: F401 - handlers: importing registers them
     elector,
     handlers,
+    listen,
     webhook,
     webhookcert,
 )
@@ -58,6 +59,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         default=int(os.environ.get("ELASTICRUN_HEALTH_PORT", "8081")),
                         help="liveness/readiness endpoint port, /healthz (0 disables)")
     parser.add_argument("--health-addr", default="0.0.0.0")
+    parser.add_argument("--reuse-port", action="store_true",
+                        help="bind the health and metrics ports with SO_REUSEPORT, as the "
+                             "webhook's always is: replicas sharing one network namespace "
+                             "(hostNetwork pods on one node) share the ports, and each "
+                             "connection reaches one of them")
     parser.add_argument("--per-run-rbac", action="store_true",
                         help="give each ElasticRun annotated elasticrun.dev/service-account=SA "
                              "a Role limited to that run and its Leases, bound to SA (the "
@@ -135,7 +141,7 @@ def operator_identity() -> str:
     return os.environ.get("POD_NAME") or socket.gethostname()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - the wiring, in one place
     args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -173,6 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings.watching.connect_timeout = 10
         settings.networking.request_timeout = 30
         settings.persistence.finalizer = "elasticrun.dev/operator"
+        if args.health_port and args.reuse_port:
+            # kopf binds its liveness endpoint without SO_REUSEPORT: a shared one is served here.
+            controller.keep(await listen.serve_health(args.health_addr, args.health_port))
         if args.webhook_port:
             # Making the certificate and patching the webhook configuration block.
             # Every replica serves the webhook: its set-up is not fenced.
@@ -182,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     client, args.webhook_configuration, ca,
                     args.webhook_ca_check_seconds))
         if args.metrics_port:
-            metrics.serve(args.metrics_port, args.metrics_addr)
+            metrics.serve(args.metrics_port, args.metrics_addr, reuse_port=args.reuse_port)
             log.info("metrics on %s:%d/metrics", args.metrics_addr, args.metrics_port)
         controller.start(decide=candidate is None)
         if candidate is not None:
@@ -196,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             await asyncio.to_thread(candidate.release)
 
     liveness = (f"http://{args.health_addr}:{args.health_port}/healthz"
-                if args.health_port else None)
+                if args.health_port and not args.reuse_port else None)
     clusterwide = args.all_namespaces or not args.namespace
     try:
         kopf.run(standalone=True, clusterwide=clusterwide,

@@ -11,6 +11,7 @@ import contextlib
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from elasticrun.api.model import PHASES
+from elasticrun.operator import listen
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 #: The ``reason`` label's values: the reasons elasticrun itself records.  The
@@ -77,8 +78,12 @@ class Metrics:
     def leading(self, leading: bool) -> None:
         self.leader.set(1 if leading else 0)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
-        start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int, addr: str = "0.0.0.0", *, reuse_port: bool = False) -> None:
+        """Serve the registry; ``reuse_port``: share the port (see ``listen``)."""
+        if reuse_port:
+            listen.serve_metrics(self.registry, addr, port)
+        else:
+            start_http_server(port, addr=addr, registry=self.registry)
 
     def lost_member(self, namespace: str, run: str, reason: str,
                     detection_seconds: float | None) -> None:
