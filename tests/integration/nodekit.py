@@ -16,13 +16,12 @@ RELEASE, RELEASE_NAMESPACE = "elasticrun", "elasticrun-system"
 OPERATOR_DEPLOYMENT = "elasticrun-operator"
 
 
-def operator_pod(cluster: Cluster) -> dict[str, Any]:
-    pods = cluster.client.request(
+def operator_pods(cluster: Cluster) -> list[dict[str, Any]]:
+    """The chart's operator pods (two replicas with deploy/local/values.yaml), by name."""
+    pods: list[dict[str, Any]] = cluster.client.request(
         "GET", f"/api/v1/namespaces/{RELEASE_NAMESPACE}/pods",
         query={"labelSelector": "app.kubernetes.io/component=operator"})["items"]
-    assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
-    pod: dict[str, Any] = pods[0]
-    return pod
+    return sorted(pods, key=lambda p: str(p["metadata"]["name"]))
 
 
 def apply_example(cluster: Cluster, namespace: str, path: Path,

@@ -172,6 +172,7 @@ def test_default_render_is_secure_and_complete(helm: Helm) -> None:
     assert ports == {"health": 8081, "metrics": 8080, "webhook": 9443}
     args = container["args"]
     assert "--all-namespaces" in args and "--health-port=8081" in args
+    assert "--reuse-port" not in args  # a pod network: every replica has its own ports
     # Default certificate: made by the operator, CA written into its own configuration.
     config = one(docs, "MutatingWebhookConfiguration")
     assert f"--webhook-configuration={config['metadata']['name']}" in args
@@ -415,6 +416,19 @@ def test_one_replica_runs_without_election_pdb_or_lease_rights(helm: Helm) -> No
     assert not [a for a in args if a.startswith(("--leader-elect", "--webhook-ca-secret"))]
     # With one replica a PDB of minAvailable 1 would block every drain: none.
     assert by_kind(docs, "PodDisruptionBudget") == [] and by_kind(docs, "Role") == []
+
+
+def test_the_local_values_run_two_replicas_sharing_the_nodes_ports(helm: Helm) -> None:
+    """deploy/local/values.yaml: the chart's two replicas under election in the node's
+    network namespace, where both bind the same ports (SO_REUSEPORT, --reuse-port)."""
+    local = yaml.safe_load((ROOT / "deploy" / "local" / "values.yaml").read_text())
+    deployment = one(helm.template("r", "er-system", local), "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True
+    args = pod["containers"][0]["args"]
+    assert {"--reuse-port", "--leader-elect", "--health-port=18081", "--metrics-port=18080",
+            "--webhook-port=19443"} <= set(args)
 
 
 def test_webhook_availability_and_operator_network_policy_options(helm: Helm) -> None:

@@ -28,7 +28,7 @@ from nodekit import (
     OPERATOR_DEPLOYMENT,
     RELEASE_NAMESPACE,
     apply_example,
-    operator_pod,
+    operator_pods,
     wait_pod_phase,
 )
 from rdzv import read_run
@@ -101,10 +101,12 @@ def test_the_chart_operator_runs_as_a_pod(node_cluster: Cluster) -> None:
         "GET", f"/apis/apps/v1/namespaces/{RELEASE_NAMESPACE}/deployments/{OPERATOR_DEPLOYMENT}")
     available = {c["type"]: c["status"] for c in deployment["status"]["conditions"]}
     assert available["Available"] == "True"
-    pod = operator_pod(node_cluster)
-    assert pod["spec"]["nodeName"] == NODE_NAME
-    assert pod["spec"]["securityContext"]["runAsUser"] == 65532
-    assert [c["restartCount"] for c in pod["status"]["containerStatuses"]] == [0]
+    pods = operator_pods(node_cluster)
+    assert len(pods) == deployment["spec"]["replicas"] == 2  # deploy/local/values.yaml
+    for pod in pods:
+        assert pod["spec"]["nodeName"] == NODE_NAME
+        assert pod["spec"]["securityContext"]["runAsUser"] == 65532
+        assert [c["restartCount"] for c in pod["status"]["containerStatuses"]] == [0]
     webhooks = node_cluster.client.request(
         "GET", "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations",
         query={"labelSelector": "app.kubernetes.io/name=elasticrun,"
