@@ -151,4 +151,7 @@ def test_the_leaders_pod_deleted_mid_run_the_other_replica_takes_over(
     sealed = messages(cluster, ns, "RoundSealed")
     assert len(sealed) == len(set(sealed)), sealed
     assert any(m.startswith(f"round {reformed.status.round}:") for m in sealed), sealed
+    # The deleted pod is gone (its grace period over): the session's other tests see two.
+    wait_for(lambda: len(operator_pods(cluster)) == 2, 60, f"{leader_pod} to be gone",
+             interval=1)
 
