@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,7 @@ from elasticrun.api.kube import ApiError
 
 from conftest import Cluster, wait_for
 from controlplane import localize
+from rdzv import read_run
 
 RELEASE, RELEASE_NAMESPACE = "elasticrun", "elasticrun-system"
 OPERATOR_DEPLOYMENT = "elasticrun-operator"
@@ -52,3 +54,21 @@ def wait_pod_phase(cluster: Cluster, namespace: str, name: str, phases: set[str]
 
     pod: dict[str, Any] = wait_for(phase, timeout, f"pod {name} to reach {phases}", interval=0.5)
     return pod
+
+
+def lost_reasons(cluster: Cluster, namespace: str, run: str, member: str) -> list[str]:
+    """The reasons ``member`` was removed from ``run`` for, oldest first."""
+    lost = read_run(cluster.client, namespace, run).status.lost_members
+    return [m.reason for m in lost if m.name == member]
+
+
+def delete_member(cluster: Cluster, namespace: str, run: str, member: str) -> float:
+    """Delete a member's pod and wait until the operator removes it (PodDeleted, once).
+
+    Returns the seconds from the delete to the removal."""
+    deleted = time.monotonic()
+    cluster.kubectl("delete", "pod", "-n", namespace, member, "--wait=false")
+    reasons = wait_for(lambda: lost_reasons(cluster, namespace, run, member), 60,
+                       f"the operator to remove {member}")
+    assert reasons == ["PodDeleted"], reasons
+    return time.monotonic() - deleted

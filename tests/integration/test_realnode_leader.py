@@ -21,8 +21,8 @@ from elasticrun.api.model import ElasticRun
 
 from conftest import Cluster, wait_for
 from leaderkit import agent_of, by_agent, holder, mutated_on_dry_run, run_writes
-from nodekit import RELEASE_NAMESPACE, apply_example, operator_pods
-from rdzv import AuditLog, read_run
+from nodekit import RELEASE_NAMESPACE, apply_example, delete_member, lost_reasons, operator_pods
+from rdzv import AuditLog
 
 pytest_plugins = ("nodefixtures",)
 pytestmark = [pytest.mark.node, pytest.mark.slow]
@@ -125,15 +125,8 @@ def test_the_leaders_pod_deleted_mid_run_the_other_replica_takes_over(
 
     # A member lost after the switch is still removed, by the new leader alone.
     switched = audit.mark()
-    removed_at = time.monotonic()
-    cluster.kubectl("delete", "pod", "-n", ns, victim, "--wait=false")
-
-    def removed() -> list[str]:
-        lost = read_run(cluster.client, ns, run).status.lost_members
-        return [m.reason for m in lost if m.name == victim]
-
-    assert wait_for(removed, 60, f"the new leader to remove {victim}") == ["PodDeleted"]
-    print(f"member {victim} deleted -> removed after {time.monotonic() - removed_at:.2f}s")
+    print(f"member {victim} deleted -> removed after "
+          f"{delete_member(cluster, ns, run, victim):.2f}s")
     # minNodes 2: the survivor and the Job's replacement pod (mutated by the webhook) re-form.
     reformed: ElasticRun = wait_for(
         lambda: round_with(cluster, ns, run, 2, after=first.status.round, without=victim,
@@ -142,7 +135,7 @@ def test_the_leaders_pod_deleted_mid_run_the_other_replica_takes_over(
     assert sorted(p.rank for p in reformed.status.participants) == [0, 1]
     assert len(reformed.status.participants) == 2  # the world size torchrun gets
     time.sleep(3)  # anything a second writer would still have posted
-    assert removed() == ["PodDeleted"]
+    assert lost_reasons(cluster, ns, run, victim) == ["PodDeleted"]  # removed once
     writes = writers(audit, ns, switched)
     assert set(writes) == {agent_of(new_holder)}, writes
     # Each removal and each seal reported once, by whichever replica led at the time.
