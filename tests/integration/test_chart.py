@@ -426,9 +426,18 @@ def test_the_local_values_run_two_replicas_sharing_the_nodes_ports(helm: Helm) -
     assert deployment["spec"]["replicas"] == 2
     pod = deployment["spec"]["template"]["spec"]
     assert pod["hostNetwork"] is True
-    args = pod["containers"][0]["args"]
+    (container,) = pod["containers"]
     assert {"--reuse-port", "--leader-elect", "--health-port=18081", "--metrics-port=18080",
-            "--webhook-port=19443"} <= set(args)
+            "--webhook-port=19443"} <= set(container["args"])
+    # No declared ports: the scheduler would take them for host ports and never place
+    # the second replica on the node; probes and Services name the ports by number.
+    assert "ports" not in container
+    assert container["livenessProbe"]["httpGet"]["port"] == 18081
+    assert container["readinessProbe"]["tcpSocket"]["port"] == 19443
+    local["metrics"] = {"service": {"enabled": True}}
+    services = {d["metadata"]["name"]: d["spec"]["ports"][0]["targetPort"]
+                for d in helm.template("r", "er-system", local) if d["kind"] == "Service"}
+    assert services == {"r-elasticrun-webhook": 19443, "r-elasticrun-metrics": 18080}
 
 
 def test_webhook_availability_and_operator_network_policy_options(helm: Helm) -> None:

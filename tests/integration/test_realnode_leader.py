@@ -13,6 +13,7 @@ shared CA) are in ``test_leader.py``.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 from test_realnode import EXAMPLES, LONG_TRAINING, create_run, elastic_run, logs, round_with
@@ -29,6 +30,19 @@ pytestmark = [pytest.mark.node, pytest.mark.slow]
 
 #: The chart's operator.leaderElection.leaseDuration (seconds).
 LEASE_DURATION = 15.0
+
+
+@pytest.fixture
+def operator_logs_on_failure(node_cluster: Cluster,
+                             request: pytest.FixtureRequest) -> Iterator[None]:
+    """The operator pods' states and log tails when the test failed."""
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        for pod in operator_pods(node_cluster):
+            name = pod["metadata"]["name"]
+            print(f"\n--- {name}: {(pod.get('status') or {}).get('conditions')}\n"
+                  f"{logs(node_cluster, RELEASE_NAMESPACE, name)[-4000:]}")
 
 
 def ready_operators(cluster: Cluster, without: str = "") -> list[str] | None:
@@ -84,8 +98,9 @@ def delete_the_leader(cluster: Cluster, namespace: str, run: str, leader_pod: st
         time.sleep(0.2)
 
 
+@pytest.mark.timeout(600)  # the node's start, a run forming twice, the switch
 def test_the_leaders_pod_deleted_mid_run_the_other_replica_takes_over(
-        node_cluster: Cluster, node_namespace: str) -> None:
+        node_cluster: Cluster, node_namespace: str, operator_logs_on_failure: None) -> None:
     ns, run = node_namespace, "llama-job"
     cluster = node_cluster
     local = cluster.require_local()

@@ -130,3 +130,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "elasticrun.webhookCASecret" -}}
 {{ include "elasticrun.fullname" . }}-webhook-ca
 {{- end }}
+{{- /*
+A port of the operator pod as its probes and Services name it: (list $ NAME
+NUMBER). By name when the pod declares its ports; by number with hostNetwork,
+where it declares none: the scheduler takes a hostNetwork pod's declared ports
+for host ports and would never place a second replica on the node, while the
+replicas there share the ports with SO_REUSEPORT (--reuse-port).
+*/}}
+{{- define "elasticrun.operatorPort" -}}
+{{- if (index . 0).Values.operator.hostNetwork }}{{ index . 2 }}{{ else }}{{ index . 1 }}{{ end }}
+{{- end }}

@@ -46,7 +46,7 @@ async def serve_health(addr: str, port: int) -> Coroutine[Any, Any, None]:
     """
     app = web.Application()
     app.add_routes([web.get(HEALTH_PATH, _healthy)])
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0, access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, addr, port, reuse_port=True).start()
