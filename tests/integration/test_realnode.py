@@ -339,7 +339,7 @@ def test_leases_are_garbage_collected_without_the_operator(
         wait_for(collected, 120, "the garbage collector to delete the run's Leases",
                  interval=0.5)
     finally:
-        scale_operator(node_cluster, 1)
+        scale_operator(node_cluster, 2)  # deploy/local/values.yaml's replicas
 
 
 def scale_operator(cluster: Cluster, replicas: int) -> None:
