@@ -21,6 +21,7 @@ from test_realnode import EXAMPLES, LONG_TRAINING, create_run, elastic_run, logs
 from elasticrun.api.model import ElasticRun
 
 from conftest import Cluster, wait_for
+from controlplane.node import NODE_NAME
 from leaderkit import agent_of, by_agent, holder, mutated_on_dry_run, run_writes
 from nodekit import RELEASE_NAMESPACE, apply_example, delete_member, lost_reasons, operator_pods
 from rdzv import AuditLog
@@ -77,28 +78,38 @@ def delete_the_leader(cluster: Cluster, namespace: str, run: str, leader_pod: st
     """Delete the leader's pod; until another replica holds the Lease, the deleted
     pod is gone and its replacement is Ready, create an opted-in pod (dry run) every
     0.2 s, each of which must come back mutated.  The take-over time, the new holder,
-    and when each probe was sent."""
-    deleted = time.monotonic()
-    cluster.kubectl("delete", "pod", "-n", RELEASE_NAMESPACE, leader_pod, "--wait=false")
-    took: float | None = None
-    new_holder: str | None = None
-    probes: list[float] = []
-    while True:
-        since = time.monotonic() - deleted
-        served, error = mutated_on_dry_run(cluster, namespace, run)
-        assert served, f"{since:.2f}s after the delete: {error}"
-        probes.append(since)
-        if new_holder is None:
-            current = holder(cluster.client, RELEASE_NAMESPACE)
-            if current not in (None, first_holder):
-                took, new_holder = time.monotonic() - deleted, current
-        gone = leader_pod not in {p["metadata"]["name"] for p in operator_pods(cluster)}
-        if took is not None and new_holder is not None and gone and ready_operators(cluster):
-            # The old pod's process has exited (its listeners closed) and the
-            # replacement replica is Ready: both run again.
-            return took, new_holder, probes
-        assert since < LEASE_DURATION + 150, "the switch did not finish"
-        time.sleep(0.2)
+    and when each probe was sent.
+
+    The node is cordoned until the take-over: the Deployment's replacement pod stays
+    Pending meanwhile, so the Lease can only go to the surviving replica (a
+    replacement that starts within a retry period could otherwise win it first)."""
+    cluster.kubectl("cordon", NODE_NAME)
+    try:
+        deleted = time.monotonic()
+        cluster.kubectl("delete", "pod", "-n", RELEASE_NAMESPACE, leader_pod, "--wait=false")
+        took: float | None = None
+        new_holder: str | None = None
+        probes: list[float] = []
+        while True:
+            since = time.monotonic() - deleted
+            served, error = mutated_on_dry_run(cluster, namespace, run)
+            assert served, f"{since:.2f}s after the delete: {error}"
+            probes.append(since)
+            if new_holder is None:
+                current = holder(cluster.client, RELEASE_NAMESPACE)
+                if current not in (None, first_holder):
+                    took, new_holder = time.monotonic() - deleted, current
+                    cluster.kubectl("uncordon", NODE_NAME)  # the replacement may start
+            gone = leader_pod not in {p["metadata"]["name"] for p in operator_pods(cluster)}
+            if took is not None and new_holder is not None and gone and ready_operators(
+                    cluster):
+                # The old pod's process has exited (its listeners closed) and the
+                # replacement replica is Ready: both run again.
+                return took, new_holder, probes
+            assert since < LEASE_DURATION + 150, "the switch did not finish"
+            time.sleep(0.2)
+    finally:
+        cluster.kubectl("uncordon", NODE_NAME)
 
 
 @pytest.mark.timeout(600)  # the node's start, a run forming twice, the switch
@@ -114,6 +125,10 @@ def test_the_leaders_pod_deleted_mid_run_the_other_replica_takes_over(
                             "a replica to hold the leader Lease", interval=0.5)
     leader_pod = pod_of(first_holder)
     (follower_pod,) = [n for n in ready_operators(cluster) or [] if n != leader_pod]
+    # Ready says little here (the readiness port is shared): wait for its elector,
+    # started with its metrics at the end of its start-up.
+    wait_for(lambda: "metrics on " in logs(cluster, RELEASE_NAMESPACE, follower_pod), 120,
+             f"{follower_pod} to finish its start-up", interval=1)
     mark = audit.mark()
 
     # A run of real torchrun pods forms (the Job's two pods, mutated by the webhook).
