@@ -55,6 +55,16 @@ def ready_operators(cluster: Cluster, without: str = "") -> list[str] | None:
     return names if len(names) == 2 else None
 
 
+def started(cluster: Cluster) -> bool:
+    """Two Ready replicas that both finished their start-up (elector and listeners up:
+    the operator logs its metrics address last).  Ready alone says little on this
+    node: the readiness probe's port is shared, so a replica whose own webhook is not
+    up yet passes it on the other's."""
+    names = ready_operators(cluster) or []
+    return len(names) == 2 and all(
+        "metrics on " in logs(cluster, RELEASE_NAMESPACE, name) for name in names)
+
+
 def pod_of(holder_name: str) -> str:
     """The pod a Lease holder name belongs to (``elector.identity``: ``POD_NAME_suffix``)."""
     return holder_name.rsplit("_", 1)[0]
@@ -101,10 +111,9 @@ def delete_the_leader(cluster: Cluster, namespace: str, run: str, leader_pod: st
                     took, new_holder = time.monotonic() - deleted, current
                     cluster.kubectl("uncordon", NODE_NAME)  # the replacement may start
             gone = leader_pod not in {p["metadata"]["name"] for p in operator_pods(cluster)}
-            if took is not None and new_holder is not None and gone and ready_operators(
-                    cluster):
+            if took is not None and new_holder is not None and gone and started(cluster):
                 # The old pod's process has exited (its listeners closed) and the
-                # replacement replica is Ready: both run again.
+                # replacement replica has joined the shared ports: both run again.
                 return took, new_holder, probes
             assert since < LEASE_DURATION + 150, "the switch did not finish"
             time.sleep(0.2)
@@ -125,10 +134,8 @@ def test_the_leaders_pod_deleted_mid_run_the_other_replica_takes_over(
                             "a replica to hold the leader Lease", interval=0.5)
     leader_pod = pod_of(first_holder)
     (follower_pod,) = [n for n in ready_operators(cluster) or [] if n != leader_pod]
-    # Ready says little here (the readiness port is shared): wait for its elector,
-    # started with its metrics at the end of its start-up.
-    wait_for(lambda: "metrics on " in logs(cluster, RELEASE_NAMESPACE, follower_pod), 120,
-             f"{follower_pod} to finish its start-up", interval=1)
+    wait_for(lambda: started(cluster), 120, "both replicas to finish their start-up",
+             interval=1)
     mark = audit.mark()
 
     # A run of real torchrun pods forms (the Job's two pods, mutated by the webhook).
