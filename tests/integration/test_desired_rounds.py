@@ -1,10 +1,13 @@
 """Rounds that follow the owner's desired size, with real handlers on the real API server.
 
-The test writes ``status.desired`` itself through the status subresource, as
-the operator does when it reads the owner of the run's pods; the nodes carry
-it through their own status writes.  A member's agent is played by a thread
-that, like torch's, polls ``num_nodes_waiting()`` and calls
-``next_rendezvous()`` again when it is positive.
+Where the operator runs, the owner is real: a Job and the Pod objects it owns
+(``owned``), whose names the handlers use as their ``POD_NAME``, and the
+operator writes ``status.desired`` from the Job's parallelism.  Without an
+operator the test writes ``status.desired`` itself through the status
+subresource, as the operator would; the nodes carry it through their own
+status writes.  A member's agent is played by a thread that, like torch's,
+polls ``num_nodes_waiting()`` and calls ``next_rendezvous()`` again when it
+is positive.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from owned import create_job, create_owned_pod, patch_job
+
 from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import MERGE_PATCH, run_path
 from elasticrun.api.model import RunSpec
 
-from conftest import TEST_NODE_CONF, Cluster, wait_for
+from conftest import TEST_NODE_CONF, Cluster, Kubelet, OperatorProcess, wait_for
 from rdzv import read_run, rendezvous_all, start_rendezvous
 
 #: A last call long enough that a round formed well inside it did not wait for it.
@@ -41,13 +46,26 @@ def make_run(cluster: Cluster, namespace: str, name: str, min_nodes: int, max_no
     assert RunGateway(cluster.client, namespace, name).create(spec) is not None
 
 
+def desired_size(cluster: Cluster, namespace: str, name: str, size: int) -> None:
+    """Wait (bounded) until the run's ``status.desired`` says ``size``."""
+    wait_for(lambda: (d := read_run(cluster.client, namespace, name).status.desired)
+             is not None and d.size == size, 10,
+             f"status.desired {size} "
+             f"(last: {read_run(cluster.client, namespace, name).status.desired})")
+
+
+def job_pods(pods: Kubelet, job: dict[str, Any], run: str, names: list[str]) -> None:
+    """The Running pods of ``job`` that the handlers named ``names`` play."""
+    for name in names:
+        create_owned_pod(pods, name, run, job)
+
+
 def desire(cluster: Cluster, namespace: str, name: str, size: int) -> None:
     """Write ``status.desired`` as the operator does for a Job of ``size`` pods."""
     cluster.client.request("PATCH", run_path(namespace, name, "status"),
                            body={"status": {"desired": size, "desiredFrom": "Job/train"}},
                            content_type=MERGE_PATCH)
-    wait_for(lambda: (d := read_run(cluster.client, namespace, name).status.desired)
-             is not None and d.size == size, 10, f"status.desired {size}")
+    desired_size(cluster, namespace, name, size)
 
 
 @dataclass
@@ -90,23 +108,28 @@ def _agents(handlers: list[Any], outcomes: dict[str, Any], round_: int) -> list[
     return agents
 
 
-def test_first_round_forms_as_soon_as_the_desired_size_has_joined(
-        make_handler: Any, cluster: Cluster, namespace: str) -> None:
+def test_first_round_forms_as_soon_as_the_jobs_pods_have_joined(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
+        pods: Kubelet) -> None:
     make_run(cluster, namespace, "want4", 2, 8, LONG_LAST_CALL)
-    desire(cluster, namespace, "want4", 4)
-    handlers = [make_handler("want4", f"n{i}", min_nodes=2, max_nodes=8,
-                             last_call_timeout=LONG_LAST_CALL) for i in range(4)]
+    job = create_job(cluster.client, namespace, "want4", "want4", parallelism=4)
+    names = [f"want4-{i}" for i in range(4)]
+    job_pods(pods, job, "want4", names)
+    desired_size(cluster, namespace, "want4", 4)  # the operator read the Job
+    handlers = [make_handler("want4", name, min_nodes=2, max_nodes=8, pod=name,
+                             last_call_timeout=LONG_LAST_CALL) for name in names]
     started = time.monotonic()
     outcomes = rendezvous_all(handlers, timeout=60)
     formed = time.monotonic() - started
-    print(f"\nrun 2:8, desired 4, last call {LONG_LAST_CALL}s: round of 4 formed in "
+    print(f"\nrun 2:8, Job of 4, last call {LONG_LAST_CALL}s: round of 4 formed in "
           f"{formed:.2f}s")
     _ok(outcomes)
     assert sorted(o.rank for o in outcomes.values()) == [0, 1, 2, 3]
     assert {o.world_size for o in outcomes.values()} == {4}
     run = read_run(cluster.client, namespace, "want4")
     assert run.status.round == 1 and len(run.status.participants) == 4
-    assert run.status.desired is not None and run.status.desired.size == 4  # carried through
+    assert {p.pod for p in run.status.participants} == set(names)
+    assert run.status.desired is not None and run.status.desired.source == "Job/want4"
     assert formed < LONG_LAST_CALL / 3, formed
 
 
@@ -128,20 +151,26 @@ def test_without_desired_the_first_round_waits_the_last_call(
 
 
 def test_scale_up_restarts_the_members_once_for_all_the_new_nodes(
-        make_handler: Any, cluster: Cluster, namespace: str) -> None:
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
+        pods: Kubelet) -> None:
     make_run(cluster, namespace, "grow", 2, 4, LONG_LAST_CALL)
-    desire(cluster, namespace, "grow", 2)
+    job = create_job(cluster.client, namespace, "grow", "grow", parallelism=2)
+    job_pods(pods, job, "grow", ["grow-0", "grow-1"])
+    desired_size(cluster, namespace, "grow", 2)
     conf = {"min_nodes": 2, "max_nodes": 4, "last_call_timeout": LONG_LAST_CALL}
-    members = [make_handler("grow", name, **conf) for name in ("a", "b")]
+    members = [make_handler("grow", name, pod=name, **conf) for name in ("grow-0", "grow-1")]
     first = rendezvous_all(members)
     _ok(first)
     agents = _agents(members, first, 1)
     try:
-        desire(cluster, namespace, "grow", 4)  # the Job's parallelism patched to 4
-        c_thread, c_box = start_rendezvous(make_handler("grow", "c", **conf))
+        # The Job's parallelism patched to 4 (Kueue admitted the slice): two more pods.
+        patch_job(cluster.client, namespace, "grow", parallelism=4, completions=4)
+        job_pods(pods, job, "grow", ["grow-2", "grow-3"])
+        desired_size(cluster, namespace, "grow", 4)
+        c_thread, c_box = start_rendezvous(make_handler("grow", "grow-2", pod="grow-2", **conf))
         time.sleep(1.0)  # the second new agent starts about a second later
         d_started = time.monotonic()
-        d_thread, d_box = start_rendezvous(make_handler("grow", "d", **conf))
+        d_thread, d_box = start_rendezvous(make_handler("grow", "grow-3", pod="grow-3", **conf))
         c_thread.join(60)
         d_thread.join(60)
         formed = time.monotonic() - d_started
@@ -161,7 +190,7 @@ def test_scale_up_restarts_the_members_once_for_all_the_new_nodes(
     run = read_run(cluster.client, namespace, "grow")
     assert run.status.round == 2
     assert [p.name for p in sorted(run.status.participants, key=lambda p: p.rank)] == [
-        "a", "b", "c", "d"]
+        "grow-0", "grow-1", "grow-2", "grow-3"]
     assert formed < LONG_LAST_CALL / 3, formed
 
 
@@ -192,4 +221,38 @@ def test_scale_down_the_survivors_reform_at_once(
     run = read_run(cluster.client, namespace, "shrink")
     assert run.status.round == 2 and leaver.settings.node_name not in run.status.member_names
     assert run.status.lost_members[-1].reason == "Left"
+    assert reformed < LONG_LAST_CALL / 3, reformed
+
+
+def test_scale_down_by_pod_deletion_the_operator_removes_it_and_the_survivors_reform(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
+        pods: Kubelet) -> None:
+    make_run(cluster, namespace, "cut", 2, 4, LONG_LAST_CALL)
+    job = create_job(cluster.client, namespace, "cut", "cut", parallelism=4)
+    names = [f"cut-{i}" for i in range(4)]
+    job_pods(pods, job, "cut", names)
+    desired_size(cluster, namespace, "cut", 4)
+    nodes = [make_handler("cut", name, min_nodes=2, max_nodes=4, pod=name,
+                          last_call_timeout=LONG_LAST_CALL) for name in names]
+    first = rendezvous_all(nodes)
+    _ok(first)
+    # parallelism 4 -> 3: the Job controller deletes a pod; its agent never says goodbye.
+    patch_job(cluster.client, namespace, "cut", parallelism=3, completions=3)
+    desired_size(cluster, namespace, "cut", 3)
+    gone = next(h for h in nodes if first[h.settings.node_name].rank == 2)
+    survivors = [h for h in nodes if h is not gone]
+    started = time.monotonic()
+    pods.delete(gone.settings.node_name)
+    wait_for(lambda: all(h.num_nodes_waiting() >= 1 for h in survivors), 10,
+             "survivors to see the operator remove the deleted pod's member")
+    second = rendezvous_all(survivors, timeout=60)
+    reformed = time.monotonic() - started
+    print(f"\nscale-down 4 -> 3 by pod deletion: round of 3 formed {reformed:.2f}s after "
+          "the deletion")
+    _ok(second)
+    assert sorted(o.rank for o in second.values()) == [0, 1, 2]
+    assert {o.world_size for o in second.values()} == {3}
+    run = read_run(cluster.client, namespace, "cut")
+    assert run.status.round == 2 and gone.settings.node_name not in run.status.member_names
+    assert run.status.lost_members[-1].reason == "PodDeleted"
     assert reformed < LONG_LAST_CALL / 3, reformed
