@@ -15,14 +15,18 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from owned import create_job, create_owned_pod, patch_job
 
+from elasticrun.api import crd
 from elasticrun.api.gateway import RunGateway
-from elasticrun.api.kube import MERGE_PATCH, run_path
-from elasticrun.api.model import RunSpec
+from elasticrun.api.kube import MERGE_PATCH, ApiError, KubeClient, load_credentials, run_path
+from elasticrun.api.model import RunSpec, new_run_manifest
+from elasticrun.operator import runrbac
 
+from chartkit import request_token, token_kubeconfig
 from conftest import TEST_NODE_CONF, Cluster, Kubelet, OperatorProcess, wait_for
 from rdzv import read_run, rendezvous_all, start_rendezvous
 
@@ -256,3 +260,65 @@ def test_scale_down_by_pod_deletion_the_operator_removes_it_and_the_survivors_re
     assert run.status.round == 2 and gone.settings.node_name not in run.status.member_names
     assert run.status.lost_members[-1].reason == "PodDeleted"
     assert reformed < LONG_LAST_CALL / 3, reformed
+
+
+def _bound(cluster: Cluster, namespace: str, run: str) -> bool:
+    try:
+        cluster.client.request("GET", runrbac.path("RoleBinding", namespace, run))
+    except ApiError as exc:
+        if exc.not_found:
+            return False
+        raise
+    return True
+
+
+def test_a_pods_forged_desired_size_restarts_nobody_and_the_operator_restores_the_owners(
+        make_handler: Any, cluster: Cluster, namespace: str, pods: Kubelet,
+        tmp_path: Path) -> None:
+    """Rows 85-86: a pod of the run (W) writes ``status.desired`` with its own token."""
+    cluster.client.request("POST", f"/api/v1/namespaces/{namespace}/serviceaccounts", body={
+        "apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "trainer"}})
+    spec = RunSpec(min_nodes=2, max_nodes=4, last_call_timeout=LONG_LAST_CALL,
+                   heartbeat_timeout=15, lease_renew_interval=5)
+    manifest = new_run_manifest("forge", namespace, spec)
+    manifest["metadata"]["annotations"] = {runrbac.SERVICE_ACCOUNT_ANNOTATION: "trainer"}
+    cluster.client.request("POST", f"/apis/{crd.API_VERSION}/namespaces/{namespace}/"
+                           f"{crd.PLURAL}", body=manifest)
+    op = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path,
+                         extra_args=["--per-run-rbac"]).start()
+    try:
+        wait_for(lambda: _bound(cluster, namespace, "forge"), 20, "the per-run Role")
+        kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, "trainer"),
+                                      tmp_path / "trainer.kubeconfig", namespace)
+        job = create_job(cluster.client, namespace, "forge", "forge", parallelism=2)
+        names = ["forge-0", "forge-1"]
+        job_pods(pods, job, "forge", names)
+        desired_size(cluster, namespace, "forge", 2)
+        members = [make_handler("forge", name, min_nodes=2, max_nodes=4, pod=name,
+                                kubeconfig=kubeconfig, last_call_timeout=LONG_LAST_CALL)
+                   for name in names]
+        _ok(rendezvous_all(members))
+        attacker = KubeClient(load_credentials(str(kubeconfig)), timeout=10)
+        try:
+            for forged in (2**31 - 1, 1, 0):
+                # The run's own pods may write its status: the write is accepted...
+                written = attacker.request(
+                    "PATCH", run_path(namespace, "forge", "status"),
+                    body={"status": {"desired": forged, "desiredFrom": "Job/x"}},
+                    content_type=MERGE_PATCH)
+                assert written["status"]["desired"] == forged
+                started = time.monotonic()
+                # ... the operator puts the owner's count back on its next pass ...
+                desired_size(cluster, namespace, "forge", 2)
+                restored = time.monotonic() - started
+                print(f"\nforged status.desired {forged}: the Job's 2 back in {restored:.2f}s")
+                # ... and the running round of two never restarted for it.
+                assert all(h.num_nodes_waiting() == 0 for h in members)
+                run = read_run(cluster.client, namespace, "forge")
+                assert run.status.round == 1 and run.status.member_names == set(names)
+                assert run.status.desired is not None
+                assert run.status.desired.source == "Job/forge"
+        finally:
+            attacker.close()
+    finally:
+        op.stop()
