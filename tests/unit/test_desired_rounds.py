@@ -271,3 +271,28 @@ def test_without_a_target_the_decisions_are_todays(status: RunStatus, now: dt.da
                                                    today: tuple[object, ...],
                                                    size: int | None) -> None:
     assert _decisions(status, now, size) == today
+
+
+# --------------------------------------------------------------------------- forged sizes
+
+
+def test_a_forged_huge_desired_size_costs_at_most_todays_last_call() -> None:
+    """Row 85: the target is maxNodes; nothing waits longer than one last call."""
+    huge = 2**31 - 1
+    first = spec_run(RunStatus(waiting=waiting("a", "b", "c", "d")), huge)
+    decision = rounds.decide_seal(first, at(3))
+    assert not decision.seal_now and decision.deadline == at(1 + LAST_CALL)  # as today
+    beside = spec_run(sealed("a", "b").replace(waiting=newcomers("c", start=100)), huge,
+                      max_nodes=4)
+    assert rounds.announce_due(beside, at(100)) == at(100 + LAST_CALL)
+    assert rounds.nodes_waiting(beside, 1, now=at(100 + LAST_CALL)) == 1
+
+
+def test_a_forged_small_desired_size_seals_no_round_the_writer_could_not() -> None:
+    """Row 86: below minNodes it is ignored; at minNodes a round of minNodes seals at once,
+    as the writer could seal it itself (row 53)."""
+    for forged in (0, 1):
+        low = spec_run(RunStatus(waiting=waiting("a", "b")), forged)
+        assert rounds.decide_seal(low, at(2)).deadline == at(1 + LAST_CALL)
+    at_min = spec_run(RunStatus(waiting=waiting("a", "b")), 2)
+    assert rounds.decide_seal(at_min, at(2)).seal_now

@@ -7,7 +7,7 @@ One round, as a node sees it:
    joins never contend (see :mod:`elasticrun.api.leases` for the measurement
    that chose this over entries in the ElasticRun).  One consistent LIST of
    the run's Leases then tells it who else is waiting.
-2. **Seal** — when the rules in :mod:`elasticrun.api.rounds` say so (max
+2. **Seal** — when the rules in :mod:`elasticrun.api.rounds` say so (max or desired size
    reached, all survivors back, last call passed), one compare-and-set replaces
    the ElasticRun's status: waiting nodes become participants with ranks,
    ``round`` and ``signal`` move.  Whoever's request made the rule true tries;
