@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from owned import create_job, create_owned_pod, patch_job
+from test_security import _status_ok
 
 from elasticrun.api import crd
 from elasticrun.api.gateway import RunGateway
-from elasticrun.api.kube import MERGE_PATCH, ApiError, KubeClient, load_credentials, run_path
+from elasticrun.api.kube import MERGE_PATCH, KubeClient, load_credentials, run_path
 from elasticrun.api.model import RunSpec, new_run_manifest
 from elasticrun.operator import runrbac
 
@@ -62,6 +64,20 @@ def job_pods(pods: Kubelet, job: dict[str, Any], run: str, names: list[str]) -> 
     """The Running pods of ``job`` that the handlers named ``names`` play."""
     for name in names:
         create_owned_pod(pods, name, run, job)
+
+
+def job_run(cluster: Cluster, namespace: str, pods: Kubelet, make_handler: Any, run: str,
+            min_nodes: int, max_nodes: int, parallelism: int
+            ) -> tuple[dict[str, Any], list[Any]]:
+    """A run with a long last call, its Job, the Job's Running pods and a handler playing
+    each (``POD_NAME``), once the operator has read the Job into ``status.desired``."""
+    make_run(cluster, namespace, run, min_nodes, max_nodes, LONG_LAST_CALL)
+    job = create_job(cluster.client, namespace, run, run, parallelism=parallelism)
+    names = [f"{run}-{i}" for i in range(parallelism)]
+    job_pods(pods, job, run, names)
+    desired_size(cluster, namespace, run, parallelism)
+    return job, [make_handler(run, name, min_nodes=min_nodes, max_nodes=max_nodes, pod=name,
+                              last_call_timeout=LONG_LAST_CALL) for name in names]
 
 
 def desire(cluster: Cluster, namespace: str, name: str, size: int) -> None:
@@ -115,13 +131,9 @@ def _agents(handlers: list[Any], outcomes: dict[str, Any], round_: int) -> list[
 def test_first_round_forms_as_soon_as_the_jobs_pods_have_joined(
         operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
         pods: Kubelet) -> None:
-    make_run(cluster, namespace, "want4", 2, 8, LONG_LAST_CALL)
-    job = create_job(cluster.client, namespace, "want4", "want4", parallelism=4)
-    names = [f"want4-{i}" for i in range(4)]
-    job_pods(pods, job, "want4", names)
-    desired_size(cluster, namespace, "want4", 4)  # the operator read the Job
-    handlers = [make_handler("want4", name, min_nodes=2, max_nodes=8, pod=name,
-                             last_call_timeout=LONG_LAST_CALL) for name in names]
+    _job, handlers = job_run(cluster, namespace, pods, make_handler, "want4", 2, 8,
+                             parallelism=4)
+    names = {h.settings.node_name for h in handlers}
     started = time.monotonic()
     outcomes = rendezvous_all(handlers, timeout=60)
     formed = time.monotonic() - started
@@ -132,7 +144,7 @@ def test_first_round_forms_as_soon_as_the_jobs_pods_have_joined(
     assert {o.world_size for o in outcomes.values()} == {4}
     run = read_run(cluster.client, namespace, "want4")
     assert run.status.round == 1 and len(run.status.participants) == 4
-    assert {p.pod for p in run.status.participants} == set(names)
+    assert {p.pod for p in run.status.participants} == names
     assert run.status.desired is not None and run.status.desired.source == "Job/want4"
     assert formed < LONG_LAST_CALL / 3, formed
 
@@ -157,12 +169,9 @@ def test_without_desired_the_first_round_waits_the_last_call(
 def test_scale_up_restarts_the_members_once_for_all_the_new_nodes(
         operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
         pods: Kubelet) -> None:
-    make_run(cluster, namespace, "grow", 2, 4, LONG_LAST_CALL)
-    job = create_job(cluster.client, namespace, "grow", "grow", parallelism=2)
-    job_pods(pods, job, "grow", ["grow-0", "grow-1"])
-    desired_size(cluster, namespace, "grow", 2)
+    job, members = job_run(cluster, namespace, pods, make_handler, "grow", 2, 4,
+                           parallelism=2)
     conf = {"min_nodes": 2, "max_nodes": 4, "last_call_timeout": LONG_LAST_CALL}
-    members = [make_handler("grow", name, pod=name, **conf) for name in ("grow-0", "grow-1")]
     first = rendezvous_all(members)
     _ok(first)
     agents = _agents(members, first, 1)
@@ -198,6 +207,28 @@ def test_scale_up_restarts_the_members_once_for_all_the_new_nodes(
     assert formed < LONG_LAST_CALL / 3, formed
 
 
+def _reform_without(cluster: Cluster, namespace: str, run_name: str, nodes: list[Any],
+                    first: dict[str, Any], rank: int, leave: Callable[[Any], None],
+                    reason: str, how: str) -> None:
+    """The member of ``rank`` leaves by ``leave``; the survivors form the next round at once."""
+    leaver = next(h for h in nodes if first[h.settings.node_name].rank == rank)
+    survivors = [h for h in nodes if h is not leaver]
+    started = time.monotonic()
+    leave(leaver)
+    wait_for(lambda: all(h.num_nodes_waiting() >= 1 for h in survivors), 10,
+             f"survivors to see the departure ({how})")
+    second = rendezvous_all(survivors, timeout=60)
+    reformed = time.monotonic() - started
+    print(f"\nscale-down 4 -> 3 ({how}): round of 3 formed {reformed:.2f}s after the pod left")
+    _ok(second)
+    assert sorted(o.rank for o in second.values()) == [0, 1, 2]
+    assert {o.world_size for o in second.values()} == {3}
+    run = read_run(cluster.client, namespace, run_name)
+    assert run.status.round == 2 and leaver.settings.node_name not in run.status.member_names
+    assert run.status.lost_members[-1].reason == reason
+    assert reformed < LONG_LAST_CALL / 3, reformed
+
+
 def test_scale_down_the_survivors_reform_at_once(
         make_handler: Any, cluster: Cluster, namespace: str) -> None:
     make_run(cluster, namespace, "shrink", 2, 4, LONG_LAST_CALL)
@@ -210,66 +241,22 @@ def test_scale_down_the_survivors_reform_at_once(
     # The Job's parallelism lowered to 3: the owner's count drops, then its pod is
     # deleted and the agent's shutdown on SIGTERM leaves the membership.
     desire(cluster, namespace, "shrink", 3)
-    leaver = next(h for h in nodes if first[h.settings.node_name].rank == 3)
-    survivors = [h for h in nodes if h is not leaver]
-    started = time.monotonic()
-    assert leaver.shutdown() is True
-    wait_for(lambda: all(h.num_nodes_waiting() >= 1 for h in survivors), 10,
-             "survivors to see the departure")
-    second = rendezvous_all(survivors, timeout=60)
-    reformed = time.monotonic() - started
-    print(f"\nscale-down 4 -> 3: round of 3 formed {reformed:.2f}s after the pod left")
-    _ok(second)
-    assert sorted(o.rank for o in second.values()) == [0, 1, 2]
-    assert {o.world_size for o in second.values()} == {3}
-    run = read_run(cluster.client, namespace, "shrink")
-    assert run.status.round == 2 and leaver.settings.node_name not in run.status.member_names
-    assert run.status.lost_members[-1].reason == "Left"
-    assert reformed < LONG_LAST_CALL / 3, reformed
+    _reform_without(cluster, namespace, "shrink", nodes, first, 3,
+                    lambda h: h.shutdown(), "Left", "the agent's shutdown")
 
 
 def test_scale_down_by_pod_deletion_the_operator_removes_it_and_the_survivors_reform(
         operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
         pods: Kubelet) -> None:
-    make_run(cluster, namespace, "cut", 2, 4, LONG_LAST_CALL)
-    job = create_job(cluster.client, namespace, "cut", "cut", parallelism=4)
-    names = [f"cut-{i}" for i in range(4)]
-    job_pods(pods, job, "cut", names)
-    desired_size(cluster, namespace, "cut", 4)
-    nodes = [make_handler("cut", name, min_nodes=2, max_nodes=4, pod=name,
-                          last_call_timeout=LONG_LAST_CALL) for name in names]
+    _job, nodes = job_run(cluster, namespace, pods, make_handler, "cut", 2, 4, parallelism=4)
     first = rendezvous_all(nodes)
     _ok(first)
     # parallelism 4 -> 3: the Job controller deletes a pod; its agent never says goodbye.
     patch_job(cluster.client, namespace, "cut", parallelism=3, completions=3)
     desired_size(cluster, namespace, "cut", 3)
-    gone = next(h for h in nodes if first[h.settings.node_name].rank == 2)
-    survivors = [h for h in nodes if h is not gone]
-    started = time.monotonic()
-    pods.delete(gone.settings.node_name)
-    wait_for(lambda: all(h.num_nodes_waiting() >= 1 for h in survivors), 10,
-             "survivors to see the operator remove the deleted pod's member")
-    second = rendezvous_all(survivors, timeout=60)
-    reformed = time.monotonic() - started
-    print(f"\nscale-down 4 -> 3 by pod deletion: round of 3 formed {reformed:.2f}s after "
-          "the deletion")
-    _ok(second)
-    assert sorted(o.rank for o in second.values()) == [0, 1, 2]
-    assert {o.world_size for o in second.values()} == {3}
-    run = read_run(cluster.client, namespace, "cut")
-    assert run.status.round == 2 and gone.settings.node_name not in run.status.member_names
-    assert run.status.lost_members[-1].reason == "PodDeleted"
-    assert reformed < LONG_LAST_CALL / 3, reformed
-
-
-def _bound(cluster: Cluster, namespace: str, run: str) -> bool:
-    try:
-        cluster.client.request("GET", runrbac.path("RoleBinding", namespace, run))
-    except ApiError as exc:
-        if exc.not_found:
-            return False
-        raise
-    return True
+    _reform_without(cluster, namespace, "cut", nodes, first, 2,
+                    lambda h: pods.delete(h.settings.node_name), "PodDeleted",
+                    "the pod deleted, seen by the operator")
 
 
 def test_a_pods_forged_desired_size_restarts_nobody_and_the_operator_restores_the_owners(
@@ -287,7 +274,7 @@ def test_a_pods_forged_desired_size_restarts_nobody_and_the_operator_restores_th
     op = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path,
                          extra_args=["--per-run-rbac"]).start()
     try:
-        wait_for(lambda: _bound(cluster, namespace, "forge"), 20, "the per-run Role")
+        wait_for(lambda: _status_ok(cluster, namespace, "forge"), 20, "the per-run Role")
         kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, "trainer"),
                                       tmp_path / "trainer.kubeconfig", namespace)
         job = create_job(cluster.client, namespace, "forge", "forge", parallelism=2)
