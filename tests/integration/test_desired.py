@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from owned import create_job, create_owned_pod, create_statefulset, patch_job
 
+from elasticrun.api import crd
 from elasticrun.api.model import RunSpec, new_run_manifest
 from elasticrun.operator.reconcile import (
     DESIRED_ABOVE_MAX,
@@ -24,7 +25,9 @@ from elasticrun.operator.reconcile import (
     SEVERAL_OWNERS,
 )
 
+from chartkit import account_client
 from conftest import Cluster, Kubelet, OperatorProcess, wait_for
+from controlplane.kubelet import UNSCHEDULED
 from rdzv import read_run, rendezvous_all
 
 
@@ -232,3 +235,45 @@ def test_a_trainjob_over_a_jobset_over_jobs_gives_the_outermost_size(
     # Without numNodes the runtime's count is what Trainer put in the JobSet: the JobSet says.
     _trainjob_chain(cluster, namespace, pods, "rt", {})
     _until_desired(cluster, namespace, "rt", (2, "JobSet/rt", 2))
+
+
+# --------------------------------------------------------------------------- forged owners
+
+
+def test_a_pod_with_forged_owner_references_does_not_resize_another_run(
+        operator: OperatorProcess, cluster: Cluster, namespace: str, pods: Kubelet,
+        tmp_path: Path) -> None:
+    """A user who may create pods and read Jobs (a real token) adds a pod to run "victim"
+    naming another run's Job, by its real uid, as its controller: the victim's size stays."""
+    _create_run(cluster, namespace, "victim", 2, 4)
+    victim = create_job(cluster.client, namespace, "victim", "victim", parallelism=2)
+    for name in ("victim-0", "victim-1"):
+        create_owned_pod(pods, name, "victim", victim)
+    other = create_job(cluster.client, namespace, "big", "other-run", parallelism=7)
+    _until_desired(cluster, namespace, "victim", (2, "Job/victim", 2))
+    attacker = account_client(cluster, namespace, "pod-maker", [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get"]},
+        {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get"]}], tmp_path)
+    try:
+        read = attacker.request("GET", f"/apis/batch/v1/namespaces/{namespace}/jobs/big")
+        assert read["metadata"]["uid"] == other["metadata"]["uid"]
+        forged = {"apiVersion": "batch/v1", "kind": "Job", "name": "big",
+                  "uid": read["metadata"]["uid"], "controller": True}
+        attacker.request("POST", f"/api/v1/namespaces/{namespace}/pods", body={
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "forged-0", "labels": {crd.RUN_LABEL: "victim"},
+                         "ownerReferences": [forged]},
+            "spec": {"schedulerName": UNSCHEDULED,
+                     "containers": [{"name": "trainer", "image": "trainer:latest"}]}})
+    finally:
+        attacker.close()
+    # A genuine pod of the victim's Job after the forged one (one watch, in order): once
+    # the status moves, the operator has looked at both.
+    create_owned_pod(pods, "victim-2", "victim", victim, gated=True)
+    wait_for(lambda: _desired(cluster, namespace, "victim") != (2, "Job/victim", 2), 10,
+             "the operator to see the pods")
+    assert _desired(cluster, namespace, "victim") == (2, "Job/victim", 3)
+    assert "names Job/big as its controller" in operator.log_tail(200)
+    assert _condition(cluster, namespace, "victim") is None
+    assert _events(cluster, namespace, SEVERAL_OWNERS) == []
+

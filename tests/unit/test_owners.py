@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from elasticrun.api.crd import RUN_LABEL
 from elasticrun.api.kube import ApiError
 from elasticrun.api.leases import LeaseState
 from elasticrun.api.model import (
@@ -20,6 +21,7 @@ from elasticrun.api.model import (
     StoreAddress,
     WaitingNode,
 )
+from elasticrun.api.naming import label_value
 from elasticrun.operator import ownerreader
 from elasticrun.operator.ownerreader import OwnerReader, workload_path
 from elasticrun.operator.owners import (
@@ -33,6 +35,7 @@ from elasticrun.operator.owners import (
     controller_ref,
     job_size,
     jobset_size,
+    makes_pods_of,
     outermost,
     ownership,
     pod_view,
@@ -44,6 +47,7 @@ from elasticrun.operator.reconcile import (
     DESIRED_ABOVE_MAX,
     DESIRED_BELOW_MIN,
     DESIRED_CONDITION,
+    NO_DESIRED_SIZE,
     SEVERAL_OWNERS,
     Members,
     reconcile,
@@ -63,10 +67,13 @@ def ref_dict(ref: OwnerRef, version: str = "v1", controller: Any = True) -> dict
 
 
 def obj(ref: OwnerRef, spec: dict[str, Any], owner: OwnerRef | None = None,
-        uid: str | None = None) -> dict[str, Any]:
+        uid: str | None = None, template_run: str | None = "r") -> dict[str, Any]:
+    """A workload as read; a Job's or StatefulSet's pod template labelled for run ``r``."""
     meta: dict[str, Any] = {"name": ref.name, "uid": uid or ref.uid, "resourceVersion": "5"}
     if owner is not None:
         meta["ownerReferences"] = [ref_dict(owner)]
+    if template_run is not None and ref.kind in ("Job", "StatefulSet"):
+        spec = {**spec, "template": {"metadata": {"labels": {RUN_LABEL: template_run}}}}
     return {"metadata": meta, "spec": spec}
 
 
@@ -151,6 +158,26 @@ def test_a_workload_read_under_the_name_with_another_uid_is_not_the_owner() -> N
     unknown = OwnerRef("apps", "ReplicaSet", "rs", "u")
     other = workload(unknown, obj(unknown, {"replicas": 3}))
     assert other is not None and other.size is None
+
+
+def test_a_workload_gives_a_size_only_to_the_run_its_pod_template_is_labelled_for() -> None:
+    job = workload(JOB, obj(JOB, {"parallelism": 2}, template_run="r"))
+    assert job is not None and job.template_run == "r"
+    assert makes_pods_of([job], "r")
+    assert not makes_pods_of([job], "another-run")
+    unlabelled = workload(JOB, obj(JOB, {"parallelism": 2}, template_run=None))
+    assert unlabelled is not None and not makes_pods_of([unlabelled], "r")
+    # An empty label: the webhook names the run after the outermost workload of the chain.
+    empty = workload(JOB, obj(JOB, {"parallelism": 1}, JOBSET, template_run=""))
+    jobset = workload(JOBSET, obj(JOBSET, {"replicatedJobs": [_replicated("n", 2, 1)]}))
+    assert empty is not None and jobset is not None
+    assert makes_pods_of([empty, jobset], "js") and makes_pods_of([empty, jobset], "train")
+    assert not makes_pods_of([empty, jobset], "r")
+    # A long run name is in the label as its label value.
+    long_name = "x" * 100
+    hashed = workload(JOB, obj(JOB, {}, template_run=label_value(long_name)))
+    assert hashed is not None and makes_pods_of([hashed], long_name)
+    assert not makes_pods_of([], "r")
 
 
 def test_only_one_controller_reference_counts() -> None:
@@ -315,6 +342,11 @@ def test_pods_of_two_owners_are_a_condition_and_no_desired_size() -> None:
     assert condition is not None and condition.reason == SEVERAL_OWNERS
     assert "Job/train, StatefulSet/other" in (condition.message or "")
     assert _event_reasons(plan) == [SEVERAL_OWNERS]
+    # The pods of both go away: the condition clears, saying no workload gives a size.
+    gone = reconcile(_run().replace_status(plan.status), Members(), T0)
+    assert gone.status is not None and gone.events == []
+    cleared = gone.status.condition(DESIRED_CONDITION)
+    assert cleared is not None and (cleared.status, cleared.reason) == ("False", NO_DESIRED_SIZE)
 
 
 def test_a_postponed_write_posts_no_event() -> None:
@@ -387,6 +419,14 @@ def test_a_forged_reference_to_a_workload_with_another_uid_says_nothing() -> Non
     assert reader.resolve(KEY, {forged}) == {forged: None}
 
 
+def test_a_pod_naming_a_workload_not_made_for_its_run_gets_no_size() -> None:
+    # A real Job of the namespace (right name, right uid), but its pods are another run's.
+    reader, _ = _reader({JOB: obj(JOB, {"parallelism": 7}, template_run="other-run")})
+    assert reader.resolve(KEY, {JOB}) == {JOB: None}
+    reader, _ = _reader({JOB: obj(JOB, {"parallelism": 7}, template_run=None)})
+    assert reader.resolve(KEY, {JOB}) == {JOB: None}
+
+
 def test_a_chain_of_owners_is_followed_a_bounded_depth() -> None:
     # A Job owned by a Job owned by ... (each hop a GET): at most MAX_OWNER_DEPTH reads.
     refs = [OwnerRef("batch", "Job", f"j{i}", f"u{i}") for i in range(10)]
@@ -421,3 +461,17 @@ def test_no_reading_failure_escapes() -> None:
     assert reader.resolve(KEY, {JOB}) == {JOB: None}
     unsupported = OwnerRef("apps", "ReplicaSet", "rs", "u")
     assert reader.resolve(KEY, {unsupported}) == {}
+
+
+def test_the_operators_seal_carries_the_owners_size_read_in_the_same_pass() -> None:
+    names = ["n0", "n1"]
+    joined = {n: WaitingNode(name=n, address="10.0.0.1", store_port=29400, since=T0, pod=n)
+              for n in names}
+    leases = {n: LeaseState(node=n, holder=n, renewed=T0, duration=10, join=joined[n],
+                            owner_uid="uid", seen=T0) for n in names}
+    run = ElasticRun("r", "ns", RunSpec(min_nodes=2, max_nodes=2), RunStatus(), "7", uid="uid")
+    members = Members(leases=leases, ownership=_job(2, "n0", "n1"))
+    plan = reconcile(run, members, T0 + dt.timedelta(seconds=5))
+    assert plan.sealed and plan.status is not None and plan.status.round == 1
+    # Both pods are members of the round it sealed: none is coming.
+    assert plan.status.desired == Desired(2, "Job/train", 0)

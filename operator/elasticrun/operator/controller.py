@@ -20,7 +20,6 @@ import time
 from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any
 
-from elasticrun.api import crd
 from elasticrun.api.kube import KubeClient
 from elasticrun.api.leases import LeaseState, RenewalClock, lease_run, lease_state, owned_by
 from elasticrun.api.model import ElasticRun, InvalidRunError, now, parse_run
@@ -31,7 +30,14 @@ from elasticrun.operator.liveness import Loss, pod_loss, restart_count
 from elasticrun.operator.metrics import Metrics
 from elasticrun.operator.observer import COMPONENT, Observer
 from elasticrun.operator.ownerreader import OwnerReader
-from elasticrun.operator.owners import NO_OWNER, Ownership, PodView, ownership, pod_view
+from elasticrun.operator.owners import (
+    NO_OWNER,
+    Ownership,
+    PodView,
+    ownership,
+    pod_run,
+    pod_view,
+)
 from elasticrun.operator.reconcile import Members, missing_leases, reconcile
 from elasticrun.operator.workqueue import Key, WorkQueue
 
@@ -68,8 +74,12 @@ class Controller:
         self.pod_losses: dict[Key, dict[tuple[str, str | None], Loss]] = {}
         #: The restart count first seen per Pod, by (namespace, uid or name).
         self.pod_restarts: dict[tuple[str, str], int] = {}
-        #: The run's pods as counted for its desired size, by uid (or name).
+        #: The run's owned pods as last seen, by uid (or name): what tells a pod set
+        #: change (the owners are read again) from a status update.
         self.run_pods: dict[Key, dict[str, PodView]] = {}
+        #: kopf's index of the runs' owned pods (``handlers.owned_pods_by_run``), listed
+        #: before any run is reconciled: the pods a reconcile counts.
+        self.pod_index: Mapping[Key, Iterable[PodView]] | None = None
         #: The workloads that own the run's pods, read by name (the source of status.desired).
         self.owners = OwnerReader(client)
         self.lease_index: Mapping[Key, Iterable[tuple[str, LeaseState]]] | None = None
@@ -155,8 +165,7 @@ class Controller:
     def pod_event(self, event_type: str, body: Mapping[str, Any]) -> None:
         meta = body.get("metadata") or {}
         namespace, pod = meta.get("namespace", ""), meta.get("name", "")
-        labels = meta.get("labels") or {}
-        run = (meta.get("annotations") or {}).get(crd.RUN_LABEL) or labels.get(crd.RUN_LABEL)
+        run = pod_run(body)
         if not run:
             return
         key = (namespace, run)
@@ -208,7 +217,10 @@ class Controller:
 
     async def _ownership(self, key: Key) -> Ownership:
         """What the owners of the run's live pods say (read by name, cached per run)."""
-        pods = list(self.run_pods.get(key, {}).values())
+        if self.pod_index is not None:
+            pods = list(self.pod_index.get(key, ()))
+        else:
+            pods = list(self.run_pods.get(key, {}).values())
         refs = {p.owner for p in pods if p.owner is not None and p.live}
         if not refs:
             self.owners.forget(key)

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from elasticrun.api import untrusted
+from elasticrun.api import crd, untrusted
 from elasticrun.api.kube import ApiError, KubeClient
 from elasticrun.operator.owners import (
     MAX_OWNER_DEPTH,
@@ -25,20 +25,23 @@ from elasticrun.operator.owners import (
     WORKLOADS,
     OwnerRef,
     Workload,
+    makes_pods_of,
     outermost,
     supported,
     workload,
 )
+from elasticrun.operator.workqueue import Key
 
 log = logging.getLogger(__name__)
-
-Key = tuple[str, str]  # (namespace, run)
 
 #: A run's owners are read again after this long even when no pod changed (a
 #: parallelism patch that creates no pod yet, a scale-down before the deletion).
 OWNER_REFRESH = 3.0
 #: An owner the operator may not read is asked again only after this long.
 FORBIDDEN_RETRY = 60.0
+#: At most this many (run, owner) pairs are remembered as logged (forged references
+#: are anyone's to write: the log says it once each, up to this many).
+MAX_NOTED = 1024
 
 
 def workload_path(namespace: str, ref: OwnerRef) -> str:
@@ -62,6 +65,8 @@ class OwnerReader:
         self._cache: dict[Key, dict[OwnerRef, tuple[Workload | None, float]]] = {}
         #: (namespace, kind) pairs whose 403 was logged already.
         self._forbidden_logged: set[tuple[str, str]] = set()
+        #: (run, owner) pairs logged as not making the run's pods.
+        self._not_the_runs: set[tuple[Key, OwnerRef]] = set()
         #: Monotonic time before which a (namespace, group, kind) forbidden is not asked.
         self._forbidden_until: dict[tuple[str, str, str], float] = {}
 
@@ -71,6 +76,7 @@ class OwnerReader:
 
     def forget(self, key: Key) -> None:
         self._cache.pop(key, None)
+        self._not_the_runs = {k for k in self._not_the_runs if k[0] != key}
 
     def due_in(self, key: Key) -> float | None:
         """Seconds until the run's owners are due to be read again (None: none cached)."""
@@ -81,7 +87,6 @@ class OwnerReader:
 
     def resolve(self, key: Key, refs: Iterable[OwnerRef]) -> dict[OwnerRef, Workload | None]:
         """For each pod owner reference: the outermost workload that says a size."""
-        namespace = key[0]
         cached = self._cache.setdefault(key, {})
         wanted = sorted({r for r in refs if supported(r)}, key=lambda r: (r.kind, r.name))
         wanted = wanted[:MAX_WORKLOADS_PER_RUN]
@@ -92,15 +97,16 @@ class OwnerReader:
         for ref in wanted:
             hit = cached.get(ref)
             if hit is None or clock >= hit[1]:
-                found, retry = self._read_chain(namespace, ref)
+                found, retry = self._read_chain(key, ref)
                 hit = (found, clock + retry)
                 cached[ref] = hit
             result[ref] = hit[0]
         return result
 
-    def _read_chain(self, namespace: str, ref: OwnerRef) -> tuple[Workload | None, float]:
-        """Follow controllers up from ``ref``; the outermost that says a size, and how
-        soon to read again."""
+    def _read_chain(self, key: Key, ref: OwnerRef) -> tuple[Workload | None, float]:
+        """Follow controllers up from ``ref``; the outermost that says a size (if the
+        chain makes the run's pods, :func:`makes_pods_of`), and how soon to read again."""
+        namespace, run = key
         chain: list[Workload] = []
         retry = self.refresh
         current: OwnerRef | None = ref
@@ -115,6 +121,13 @@ class OwnerReader:
                 break
             chain.append(read)
             current = read.parent
+        if chain and not makes_pods_of(chain, run):
+            if (key, ref) not in self._not_the_runs and len(self._not_the_runs) < MAX_NOTED:
+                self._not_the_runs.add((key, ref))
+                log.info("%s/%s: a pod names %s as its controller, whose pod template is not "
+                         "labelled %s=%s: it gives the run no size", namespace, run,
+                         ref.source, crd.RUN_LABEL, run)
+            return None, retry
         return outermost(chain), retry
 
     def _read(self, namespace: str, ref: OwnerRef) -> tuple[Workload | None, bool]:

@@ -15,11 +15,12 @@ what the status then says is :func:`elasticrun.operator.reconcile.reconcile`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from elasticrun.api import crd, untrusted
+from elasticrun.api.naming import label_value
 
 #: The workload kinds whose size the operator reads, by (API group, kind): the
 #: REST version and plural of each.  Any other owner (a ReplicaSet, a custom
@@ -82,6 +83,9 @@ class Workload:
     size: int | None
     #: Its own controller (a JobSet's TrainJob), to be followed up.
     parent: OwnerRef | None
+    #: The run label of the pods it makes (``spec.template``'s, for the kinds that
+    #: make pods: Job, StatefulSet): "" when empty, None when absent.
+    template_run: str | None = None
     #: Why it says nothing, when it does not (for the log).
     note: str | None = None
 
@@ -136,6 +140,16 @@ def controller_ref(obj: Mapping[str, Any]) -> OwnerRef | None:
         return None
     group = api_version.rpartition("/")[0]
     return OwnerRef(group=group, kind=kind, name=name, uid=uid)
+
+
+def pod_run(pod: Mapping[str, Any]) -> str | None:
+    """The run a pod belongs to: its ``elasticrun.dev/run`` annotation (the full name),
+    else its label."""
+    meta = untrusted.mapping(pod.get("metadata"))
+    annotations, labels = untrusted.mapping(meta.get("annotations")), untrusted.mapping(
+        meta.get("labels"))
+    return untrusted.text(annotations.get(crd.RUN_LABEL)) or untrusted.text(
+        labels.get(crd.RUN_LABEL))
 
 
 def pod_view(pod: Mapping[str, Any]) -> PodView | None:
@@ -233,13 +247,37 @@ def workload(ref: OwnerRef, obj: Mapping[str, Any]) -> Workload | None:
     if untrusted.text(meta.get("uid"), 128) != ref.uid or untrusted.text(
             meta.get("name")) != ref.name:
         return None
+    spec = untrusted.mapping(obj.get("spec"))
     rule = _SIZES.get(ref.kind)
-    size, note = rule(untrusted.mapping(obj.get("spec"))) if rule else (None, "unknown kind")
-    return Workload(ref=ref, size=size, note=note, parent=controller_ref(obj))
+    size, note = rule(spec) if rule else (None, "unknown kind")
+    labels = untrusted.mapping(untrusted.mapping(untrusted.mapping(spec.get("template")).get(
+        "metadata")).get("labels"))
+    template_run = labels.get(crd.RUN_LABEL)
+    return Workload(ref=ref, size=size, note=note, parent=controller_ref(obj),
+                    template_run=template_run if isinstance(template_run, str) else None)
 
 
 def supported(ref: OwnerRef) -> bool:
     return (ref.group, ref.kind) in WORKLOADS
+
+
+def makes_pods_of(chain: Sequence[Workload], run: str) -> bool:
+    """Whether the pods' own workload (``chain[0]``) makes pods of ``run``.
+
+    Its pod template must carry the run label: ``run`` itself (or its label
+    value), or empty with ``run`` the name of a workload of the chain (the
+    webhook names such a pod's run after its outermost workload).  A pod's
+    ownerReference is whatever its creator wrote, so a pod of run R naming
+    some other workload of the namespace, one not made for R, gives R no size.
+    """
+    if not chain:
+        return False
+    label = chain[0].template_run
+    if label is None:
+        return False
+    if label:
+        return label in (run, label_value(run))
+    return run in {w.ref.name for w in chain}
 
 
 def outermost(chain: Iterable[Workload]) -> Workload | None:

@@ -50,6 +50,7 @@ DESIRED_ABOVE_MAX = "DesiredAboveMaxNodes"
 DESIRED_BELOW_MIN = "DesiredBelowMinNodes"
 SEVERAL_OWNERS = "SeveralOwners"
 DESIRED_FITS = "DesiredFits"
+NO_DESIRED_SIZE = "NoDesiredSize"
 
 
 @dataclass(frozen=True)
@@ -235,10 +236,10 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
     new = _forced_round(run, new, plan)
     if _all_members_finished(new):
         return _succeed(run, new, now, plan)
+    new = _desired(new, members)  # before the seal: its rules read the owner's size
     new = _seal_backstop(run, new, now, plan)
     _lease_wakeups(run, new, members, now, plan)
     plan.assignments = _assignments_due(run, new, members)
-    new = _desired(new, members)
     material = new
     new = _desired_condition(run, _coming(new, members), members, now)
     new = _finish(_conditions(run, new.replace(phase=_phase(new)), now), run.generation)
@@ -522,8 +523,9 @@ def _desired_condition(run: ElasticRun, new: RunStatus, members: Members,
     problem = desired_problem(run, new, members)
     if problem is None and new.condition(DESIRED_CONDITION) is None:
         return new
-    reason, message = problem or (DESIRED_FITS, "the owner's desired size fits minNodes..maxNodes"
-                                  if new.desired is not None else "no owner gives a size")
+    fits = (DESIRED_FITS, "the owner's desired size fits minNodes..maxNodes")
+    reason, message = problem or (fits if new.desired is not None else (
+        NO_DESIRED_SIZE, "no workload owning the run's pods gives a size"))
     return new.replace(conditions=set_condition(new.conditions, DESIRED_CONDITION,
                                                 problem is not None, reason, message, now,
                                                 run.generation))
