@@ -21,6 +21,7 @@ from elasticrun.api.leases import LeaseState
 from elasticrun.api.model import Desired, ElasticRun, RunStatus, WaitingNode
 from elasticrun.handler import step
 from elasticrun.handler.step import next_action
+from elasticrun.operator.owners import NO_OWNER, Ownership
 from elasticrun.operator.reconcile import SEAL_GRACE, Members, reconcile
 
 from test_rounds import at, run, sealed, waiting
@@ -117,7 +118,10 @@ def on_leases(r: ElasticRun, joined: dict[str, dt.datetime], members: tuple[str,
     for name in members:
         leases[name] = LeaseState(node=name, holder=name, renewed=at(99), duration=10,
                                   owner_uid="uid", seen=at(99))
-    return dataclasses.replace(r, uid="uid"), Members(leases=leases)
+    # The owner the operator reads the size from (it does so before its seal).
+    desired = r.status.desired
+    ownership = Ownership(size=desired.size, source=desired.source) if desired else NO_OWNER
+    return dataclasses.replace(r, uid="uid"), Members(leases=leases, ownership=ownership)
 
 
 def test_the_operator_backstop_seals_at_the_target_after_its_grace() -> None:
