@@ -151,7 +151,9 @@ def test_first_round_forms_as_soon_as_the_jobs_pods_have_joined(
 
 def test_without_desired_the_first_round_waits_the_last_call(
         make_handler: Any, cluster: Cluster, namespace: str) -> None:
-    last_call = 2
+    # Short, but long enough that four joins land inside it on a loaded machine
+    # (at 2 s, under a load of 10 on two cores, the last two once came after it).
+    last_call = 6
     make_run(cluster, namespace, "nowant", 2, 8, last_call)
     handlers = [make_handler("nowant", f"n{i}", min_nodes=2, max_nodes=8,
                              last_call_timeout=last_call) for i in range(4)]
@@ -236,7 +238,7 @@ def test_a_scale_up_short_of_the_desired_size_is_announced_when_the_last_call_en
     for agent in agents:
         assert agent.rounds == [(1, 2), (2, 3)], agent.rounds
     # Held for the window (the node's own timer ends it), then one restart at once.
-    assert last_call - 0.5 <= formed < last_call + 5, formed
+    assert last_call - 0.5 <= formed < last_call + 10, formed
 
 
 def _reform_without(cluster: Cluster, namespace: str, run_name: str, nodes: list[Any],
