@@ -185,12 +185,16 @@ class Pods:
         """An Indexed Job of ``parallelism`` = ``completions``, as Kueue's elastic Jobs are."""
         if not self.owned:
             return
+        from elasticrun.api import crd  # noqa: PLC0415
+
         from controlplane.kubelet import UNSCHEDULED  # noqa: PLC0415
 
         body = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": JOB},
                 "spec": {"parallelism": parallelism, "completions": parallelism,
                          "completionMode": "Indexed",
-                         "template": {"spec": {
+                         # The run label on the template: the Job makes this run's pods.
+                         "template": {"metadata": {"labels": {crd.RUN_LABEL: self.run.name}},
+                                      "spec": {
                              "restartPolicy": "Never", "schedulerName": UNSCHEDULED,
                              "containers": [{"name": "trainer", "image": "trainer:latest"}]}}}}
         made = self.backend.control_plane.api.request("POST", self._jobs(), body=body)
