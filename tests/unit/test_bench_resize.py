@@ -1,12 +1,17 @@
 """The resize benchmark's counting: restarts and the time to the round, from agents' records."""
 
+# The rendered page uses en dashes and times signs.
+# ruff: noqa: RUF001
+
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
 from bench.resize import outcome, starts
+from bench.worker import Node, Worker
 
 
 def _entry(cause: str, t_start: float, t_done: float, world: int) -> dict[str, Any]:
@@ -93,3 +98,75 @@ def test_first_formation_has_no_members_to_restart() -> None:
 def test_starts_are_spaced_from_the_first() -> None:
     assert starts(["a", "b", "c"], 5.0, 0.5) == {"a": 5.0, "b": 5.5, "c": 6.0}
     assert starts([], 5.0, 1.0) == {}
+
+
+class _Info:
+    def __init__(self, world: int) -> None:
+        self.rank, self.world_size = 0, world
+
+
+class _Handler:
+    """A handler whose ``num_nodes_waiting()`` answers from a script, then 0."""
+
+    def __init__(self, waiting: list[int], worlds: list[int]) -> None:
+        self.waiting, self.worlds = waiting, worlds
+        self.entries = 0
+
+    def num_nodes_waiting(self) -> int:
+        return self.waiting.pop(0) if self.waiting else 0
+
+    def next_rendezvous(self) -> _Info:
+        self.entries += 1
+        return _Info(self.worlds.pop(0))
+
+
+def _run_agent(handler: _Handler, **fields: Any) -> dict[str, Any]:
+    worker = Worker()
+    worker.nodes["m0"] = Node("m0", handler, None)
+    now = time.monotonic()
+    worker.agent({"nodes": ["m0"], "until": now + 5, "interval": 0.01, "settle": 0.2,
+                  **{k: (now + v if k == "fallback_at" else v) for k, v in fields.items()}})
+    [result] = worker.collect({"timeout": 10})["results"]
+    return result
+
+
+def test_the_agent_loop_restarts_on_each_signal_until_the_target_holds() -> None:
+    handler = _Handler([0, 1, 0, 0, 2], [3, 4])
+    result = _run_agent(handler, target=4)
+    assert [e["cause"] for e in result["rounds"]] == ["signal", "signal"]
+    assert [e["world"] for e in result["rounds"]] == [3, 4]
+    assert handler.entries == 2
+
+
+def test_a_newcomer_enters_first_and_a_silent_member_falls_back() -> None:
+    newcomer = _run_agent(_Handler([], [4]), target=4,
+                          start_at={"m0": time.monotonic() + 0.05})
+    assert [e["cause"] for e in newcomer["rounds"]] == ["start"]
+    silent = _run_agent(_Handler([], [3]), target=3, fallback_at=0.1)
+    assert [(e["cause"], e["world"]) for e in silent["rounds"]] == [("fallback", 3)]
+
+
+def _row(case: str, variant: str, round_s: float, restarts: int, **extra: Any) -> dict[str, Any]:
+    return {"case": case, "variant": variant, "formed": True, "round_s": round_s,
+            "restarts": restarts, "members": 2, "newcomers": 2, "signalled": 2, "load": 1.0,
+            **extra}
+
+
+def test_the_resize_section_shows_each_column_and_the_ratio_to_c10d() -> None:
+    from bench import resize_report
+
+    assert resize_report.section({"backends": {}}) == []
+    k8s = [_row("up-2-4", "owner", 0.4, 1, desired_in_status=4, target=4),
+           _row("up-2-4", "owner", 0.6, 1, desired_in_status=None, target=4),
+           _row("up-2-4", "no owner", 0.3, 2)]
+    c10d = [_row("up-2-4", "c10d", 2.0, 1),
+            _row("down-4-3", "c10d", 36.0, 1, signalled=0, reentry_to_round_s=31.0)]
+    column = {"commit": "abc", "reps": 2, "backends": {"k8s": {"rows": k8s, "errors": []},
+                                                       "c10d": {"rows": c10d, "errors": []}}}
+    text = "\n".join(resize_report.section({"resize": {"after": column}}))
+    assert ("| scale-up 2 → 4, run `2:4` | 0.50 s (0.40 s–0.60 s), 1 restart | 0.30 s, "
+            "2 restarts | 2.00 s, 1 restart | 0.25× |") in text
+    assert ("| scale-down 4 → 3, run `2:4` | – | – | 36.0 s, 1 restart (not signalled; "
+            "re-entry → round 31.0 s) | – |") in text
+    assert "equal to the Job's parallelism after the resize in 1 of 2 repetitions" in text
+    assert "What the owner buys: `before` → `after`" not in text  # one column only
