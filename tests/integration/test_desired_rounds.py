@@ -207,6 +207,38 @@ def test_scale_up_restarts_the_members_once_for_all_the_new_nodes(
     assert formed < LONG_LAST_CALL / 3, formed
 
 
+def test_a_scale_up_short_of_the_desired_size_is_announced_when_the_last_call_ends(
+        make_handler: Any, cluster: Cluster, namespace: str) -> None:
+    """Desired 4, but only one new pod comes: the members hear of it one last call later."""
+    last_call = 3
+    make_run(cluster, namespace, "short", 2, 4, last_call)
+    desire(cluster, namespace, "short", 2)
+    conf = {"min_nodes": 2, "max_nodes": 4, "last_call_timeout": last_call}
+    members = [make_handler("short", name, **conf) for name in ("a", "b")]
+    first = rendezvous_all(members)
+    _ok(first)
+    agents = _agents(members, first, 1)
+    try:
+        desire(cluster, namespace, "short", 4)
+        started = time.monotonic()
+        thread, box = start_rendezvous(make_handler("short", "c", **conf))
+        thread.join(30)
+        formed = time.monotonic() - started
+        wait_for(lambda: all(len(a.rounds) >= 2 for a in agents) or any(
+            a.error for a in agents), 30, "the members to re-join")
+    finally:
+        for agent in agents:
+            agent.halt()
+    print(f"\nscale-up 2 -> 3 of a desired 4, last call {last_call}s: round of 3 formed "
+          f"{formed:.2f}s after the new agent started")
+    assert all(a.error is None for a in agents), [a.error for a in agents]
+    assert "info" in box and box["info"].world_size == 3, box
+    for agent in agents:
+        assert agent.rounds == [(1, 2), (2, 3)], agent.rounds
+    # Held for the window (the node's own timer ends it), then one restart at once.
+    assert last_call - 0.5 <= formed < last_call + 5, formed
+
+
 def _reform_without(cluster: Cluster, namespace: str, run_name: str, nodes: list[Any],
                     first: dict[str, Any], rank: int, leave: Callable[[Any], None],
                     reason: str, how: str) -> None:

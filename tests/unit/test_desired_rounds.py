@@ -13,14 +13,17 @@ import dataclasses
 import datetime as dt
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from test_operator_pure import _joined
 from test_step import CLOCK, defers, knows
 
-from elasticrun.api import rounds
+from elasticrun.api import rounds, untrusted
 from elasticrun.api.leases import LeaseState
 from elasticrun.api.model import Desired, ElasticRun, RunStatus, WaitingNode
 from elasticrun.handler import step
 from elasticrun.handler.step import next_action
+from elasticrun.operator.owners import NO_OWNER, Ownership
 from elasticrun.operator.reconcile import SEAL_GRACE, Members, reconcile
 
 from test_rounds import at, run, sealed, waiting
@@ -117,7 +120,10 @@ def on_leases(r: ElasticRun, joined: dict[str, dt.datetime], members: tuple[str,
     for name in members:
         leases[name] = LeaseState(node=name, holder=name, renewed=at(99), duration=10,
                                   owner_uid="uid", seen=at(99))
-    return dataclasses.replace(r, uid="uid"), Members(leases=leases)
+    # The owner the operator reads the size from (it does so before its seal).
+    desired = r.status.desired
+    ownership = Ownership(size=desired.size, source=desired.source) if desired else NO_OWNER
+    return dataclasses.replace(r, uid="uid"), Members(leases=leases, ownership=ownership)
 
 
 def test_the_operator_backstop_seals_at_the_target_after_its_grace() -> None:
@@ -296,3 +302,33 @@ def test_a_forged_small_desired_size_seals_no_round_the_writer_could_not() -> No
         assert rounds.decide_seal(low, at(2)).deadline == at(1 + LAST_CALL)
     at_min = spec_run(RunStatus(waiting=waiting("a", "b")), 2)
     assert rounds.decide_seal(at_min, at(2)).seal_now
+
+
+# --------------------------------------------------------------------------- any input
+
+
+TIMES = st.sampled_from([untrusted.EARLIEST, at(0), at(99), at(100), at(130), at(10**6),
+                         untrusted.LATEST])
+
+
+@given(size=st.one_of(st.none(), st.integers(0, 2**31 - 1)), members=st.integers(0, 4),
+       asked=st.lists(TIMES, max_size=5), now=TIMES, degraded=st.booleans(),
+       notice=st.booleans())
+def test_any_desired_size_and_times_decide_without_error_or_a_wake_in_the_past(
+        size: int | None, members: int, asked: list[dt.datetime], now: dt.datetime,
+        degraded: bool, notice: bool) -> None:
+    """Whatever a writer put in ``status.desired`` and whatever times requests claim, the
+    rules answer, and a deadline they give is ahead of ``now`` (a wake that is never a loop)."""
+    status = sealed(*"abcd"[:members]) if members else RunStatus()
+    if members and degraded:
+        status = status.replace(restart_round=1)
+    if members and notice:
+        status = status.replace(join_notice=1)
+    pending = tuple(WaitingNode(name=f"n{i}", since=when) for i, when in enumerate(asked))
+    r = spec_run(status.replace(waiting=pending), size, max_nodes=4)
+    decision = rounds.decide_seal(r, now)
+    assert decision.seal_now or decision.deadline is None or decision.deadline > now
+    due = rounds.announce_due(r, now)
+    assert due is None or due >= min(now, *(w.since for w in pending if w.since))
+    assert rounds.nodes_waiting(r, 1, now=now) >= 0
+    rounds.announce_needed(r, now)

@@ -194,9 +194,9 @@ def decide_seal(  # noqa: PLR0911 - one return per rule, in their order
     deadline = _arrivals(eligible, now)[spec.min_nodes - 1] \
         + dt.timedelta(seconds=spec.last_call_timeout)
     if members and announced is not None:
-            if now < announced:
-                return SealDecision(False, "newcomers held for the desired size", announced)
-            deadline = max(deadline, announced + dt.timedelta(seconds=spec.last_call_timeout))
+        if now < announced:
+            return SealDecision(False, "newcomers held for the desired size", announced)
+        deadline = max(deadline, announced + dt.timedelta(seconds=spec.last_call_timeout))
     if now >= deadline:
         return SealDecision(True, f"last call ({spec.last_call_timeout}s) passed with {count} "
                                   "nodes")

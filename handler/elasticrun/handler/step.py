@@ -173,13 +173,16 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
 def _deferring(known: Knowledge, defer_until: float, now: dt.datetime, clock: float) -> Action:
     """A node that leaves the seal to the operator: it only announces itself, or waits.
 
-    It lists nothing, so it counts its own request beside the operator's
-    summary of the others (``status.waiting``); it wakes when the newcomers
-    held for the owner's target are due (:func:`~elasticrun.api.rounds.announce_due`).
+    It lists nothing: it goes by its own request, and where the owner gives a
+    target (:func:`~elasticrun.api.rounds.target_size`) also by the
+    operator's summary of the others (``status.waiting``), since the newcomers
+    together decide when the members are told; it wakes when they are due
+    (:func:`~elasticrun.api.rounds.announce_due`).
     """
     run = known.run
     own = (known.own,) if known.own is not None else ()
-    seen = (*own, *(w for w in run.status.waiting if w.name != known.node))
+    seen = own if rounds.target_size(run) is None else (
+        *own, *(w for w in run.status.waiting if w.name != known.node))
     if rounds.announce_needed(run, now, seen):
         return Announce()
     if clock >= known.join_deadline:
