@@ -25,7 +25,7 @@ PYTEST_ARGS ?=
 CLUSTER_ADDONS ?=
 export CLUSTER_ADDONS
 
-.PHONY: help setup controlplane node helm addons test test-fast lint chart-files dist demo bench bench-quick bench-scale cluster cluster-down clean
+.PHONY: help setup controlplane node helm addons test test-fast lint chart-files dist actionlint demo bench bench-quick bench-scale cluster cluster-down clean
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -51,11 +51,15 @@ node: controlplane
 helm:
 	@bash tests/helmtool/build.sh >/dev/null
 
+# The workflow linter tests/unit/test_release_workflow.py runs (its own Go module).
+actionlint:
+	@bash tests/actionlint/build.sh >/dev/null
+
 # JobSet and Kubeflow Trainer controllers (tests/controlplane/addons), for CLUSTER_ADDONS.
 addons:
 	@bash tests/controlplane/build-addons.sh >/dev/null
 
-test: setup node helm addons
+test: setup node helm addons actionlint
 	CONTROLPLANE_BIN="$(CONTROLPLANE_BIN)" RUNTIME_BIN="$(RUNTIME_BIN)" $(PY) -m pytest $(PYTEST_ARGS)
 
 test-fast: setup controlplane
