@@ -23,6 +23,7 @@ import base64
 import csv
 import hashlib
 import io
+import json
 import os
 import re
 import shutil
@@ -33,6 +34,7 @@ import zipfile
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
@@ -186,3 +188,37 @@ def fresh_venv(root: Path, wheel: Path, wheelhouse: Path, with_torch: bool = Tru
                     (overlay / rel).symlink_to(site / rel)
         (venv.site_packages / "zz-torch-overlay.pth").write_text(f"{overlay}\n")
     return venv
+
+
+#: The agent: torchrun itself, reporting at exit which elasticrun it ran.
+AGENT = """
+import atexit, json, runpy, sys
+def report():
+    mods = {n: getattr(sys.modules.get(n), "__file__", None)
+            for n in ("elasticrun.handler.handler", "elasticrun.api.model")}
+    print("AGENT " + json.dumps(mods), flush=True)
+atexit.register(report)
+sys.argv[0] = "torchrun"
+runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+"""
+
+#: A worker: one all_reduce over gloo, then what it is and where it came from.
+WORKER = """
+import json, sys
+import torch, torch.distributed as dist
+import elasticrun, elasticrun.handler
+dist.init_process_group("gloo")
+total = torch.tensor([dist.get_rank() + 1])
+dist.all_reduce(total)
+print("WORKER " + json.dumps({
+    "rank": dist.get_rank(), "world_size": dist.get_world_size(), "sum": int(total),
+    "files": [elasticrun.handler.__file__, *elasticrun.__path__],
+    "path": sys.path}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def reports(text: str, tag: str) -> list[dict[str, Any]]:
+    """The JSON reports AGENT and WORKER print, from a log."""
+    return [json.loads(line.split(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith(tag + " ")]

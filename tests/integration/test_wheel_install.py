@@ -12,7 +12,6 @@ import json
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,36 +20,9 @@ from elasticrun.api.model import parse_run
 
 from conftest import ROOT, Cluster, ProcessGroup
 from controlplane.procs import clean_env
-from wheelkit import FreshVenv, build_dists, fresh_venv
+from wheelkit import AGENT, WORKER, FreshVenv, build_dists, fresh_venv, reports
 
 pytestmark = pytest.mark.torchrun
-
-#: The agent: torchrun itself, reporting at exit which elasticrun it ran.
-AGENT = """
-import atexit, json, runpy, sys
-def report():
-    mods = {n: getattr(sys.modules.get(n), "__file__", None)
-            for n in ("elasticrun.handler.handler", "elasticrun.api.model")}
-    print("AGENT " + json.dumps(mods), flush=True)
-atexit.register(report)
-sys.argv[0] = "torchrun"
-runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
-"""
-
-#: A worker: one all_reduce over gloo, then what it is and where it came from.
-WORKER = """
-import json, sys
-import torch, torch.distributed as dist
-import elasticrun, elasticrun.handler
-dist.init_process_group("gloo")
-total = torch.tensor([dist.get_rank() + 1])
-dist.all_reduce(total)
-print("WORKER " + json.dumps({
-    "rank": dist.get_rank(), "world_size": dist.get_world_size(), "sum": int(total),
-    "files": [elasticrun.handler.__file__, *elasticrun.__path__],
-    "path": sys.path}), flush=True)
-dist.destroy_process_group()
-"""
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +30,6 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FreshVenv]:
     work = tmp_path_factory.mktemp("installed")
     dists = build_dists(work / "build")
     yield fresh_venv(work / "venv", dists.wheel, work / "wheelhouse")
-
-
-def reports(text: str, tag: str) -> list[dict[str, Any]]:
-    return [json.loads(line.split(" ", 1)[1]) for line in text.splitlines()
-            if line.startswith(tag + " ")]
 
 
 def test_the_fresh_venv_holds_the_wheel_and_none_of_the_checkout(installed: FreshVenv) -> None:
