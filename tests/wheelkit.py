@@ -160,19 +160,20 @@ class FreshVenv:
         return env
 
 
-def fresh_venv(root: Path, wheel: Path, wheelhouse: Path, with_torch: bool = True) -> FreshVenv:
-    """A new venv (no system site-packages) with ``wheel`` installed by pip, offline."""
+def fresh_venv(root: Path, wheel: Path, wheelhouse: Path, extras: tuple[str, ...] = (),
+               with_torch: bool = True) -> FreshVenv:
+    """A new venv (no system site-packages) with ``wheel[extras]`` installed by pip, offline."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True,
                    timeout=120)
     venv = FreshVenv(root)
-    needed = requirement_closure(wheel_requirements(wheel))
+    needed = requirement_closure(wheel_requirements(wheel, extras))
     wheelhouse.mkdir(parents=True, exist_ok=True)
     for name in sorted(needed):
         repack(name, wheelhouse)
     # This venv's pip installs into the new one (--python), from the wheelhouse only.
     done = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv.python), "install",
                            "--no-index", "--find-links", str(wheelhouse), "--no-cache-dir",
-                           "--quiet", str(wheel)],
+                           "--quiet", f"{wheel}[{','.join(extras)}]" if extras else str(wheel)],
                           capture_output=True, text=True, timeout=300, check=False,
                           env={k: v for k, v in venv.env().items() if k != "PIP_FIND_LINKS"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

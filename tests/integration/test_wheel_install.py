@@ -20,16 +20,38 @@ from elasticrun.api.model import parse_run
 
 from conftest import ROOT, Cluster, ProcessGroup
 from controlplane.procs import clean_env
-from wheelkit import AGENT, WORKER, FreshVenv, build_dists, fresh_venv, reports
+from wheelkit import AGENT, WORKER, Dists, FreshVenv, build_dists, fresh_venv, reports
 
 pytestmark = pytest.mark.torchrun
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FreshVenv]:
+def dists(tmp_path_factory: pytest.TempPathFactory) -> Dists:
+    return build_dists(tmp_path_factory.mktemp("dists"))
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory, dists: Dists) -> Iterator[FreshVenv]:
     work = tmp_path_factory.mktemp("installed")
-    dists = build_dists(work / "build")
     yield fresh_venv(work / "venv", dists.wheel, work / "wheelhouse")
+
+
+def test_the_operator_extra_installs_what_the_operator_image_checks(
+        dists: Dists, tmp_path: Path) -> None:
+    """operator/Dockerfile's build stage: `pip install .[operator]`, then its import check."""
+    venv = fresh_venv(tmp_path / "venv", dists.wheel, tmp_path / "wheelhouse",
+                      extras=("operator",), with_torch=False)
+    check = ("import elasticrun.operator.webhook, elasticrun.api.crd as c; c.crd_manifest(); "
+             "import elasticrun.operator.__main__ as m; print(m.__file__)")
+    done = subprocess.run([str(venv.python), "-c", check], capture_output=True, text=True,
+                          timeout=120, env=venv.env(), cwd=tmp_path, check=False)
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()).is_relative_to(venv.site_packages)
+    entry = subprocess.run([str(venv.root / "bin" / "elasticrun-operator"), "--help"],
+                           capture_output=True, text=True, timeout=120, env=venv.env(),
+                           check=False)
+    assert entry.returncode == 0, entry.stderr
+    assert entry.stdout.startswith("usage: elasticrun-operator")
 
 
 def test_the_fresh_venv_holds_the_wheel_and_none_of_the_checkout(installed: FreshVenv) -> None:
