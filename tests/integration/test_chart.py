@@ -344,6 +344,7 @@ def test_the_training_runtime_is_optional_and_opts_its_pods_in(helm: Helm) -> No
     ({"trainingNamespaces": ["Team_A"]}, "- at '/trainingNamespaces/0': 'Team_A' does not match"),
     ({"webhook": {"failurePolicy": "Maybe"}},
      "- at '/webhook/failurePolicy': value must be one of 'Fail', 'Ignore'"),
+    ({"operator": {"leaderElection": {"enabled": False}}},
      "operator.replicas > 1 needs operator.leaderElection.enabled=true"),
     ({"operator": {"leaderElection": {"renewDeadline": 15}}},
      "operator.leaderElection needs retryPeriod x 1.2 < renewDeadline < leaseDuration"),
