@@ -491,6 +491,10 @@ class RunStatus:
     observed_generation: int | None = None
     #: The owner's desired size (see :class:`Desired`); None when no owner says.
     desired: Desired | None = None
+    #: Nodes the operator holds back from the next rounds because their Node shows
+    #: an ``exclude`` or ``drain`` signal (``--node-signal``); only the operator
+    #: writes it, nodes carry it through their replace of the status.
+    excluded_nodes: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ derived views
 
@@ -581,6 +585,10 @@ class RunStatus:
             waiting_count=_opt_count(obj, "waitingCount", "status"),
             observed_generation=_opt_count(obj, "observedGeneration", "status"),
             desired=Desired.from_status(obj),
+            excluded_nodes=tuple(
+                _str({"name": item}, "name", f"status.excludedNodes[{i}]")
+                for i, item in enumerate(_list(obj.get("excludedNodes"),
+                                               "status.excludedNodes"))),
         )
         parsed._check_consistent()
         return parsed
@@ -644,6 +652,7 @@ class RunStatus:
             "observedGeneration": (capped(self.observed_generation)
                                    if self.observed_generation is not None else None),
             **(self.desired.to_status() if self.desired else {}),
+            "excludedNodes": list(self.excluded_nodes[:WAITING_KEPT]) or None,
         })
 
     def replace(self, **changes: Any) -> RunStatus:
@@ -677,6 +686,12 @@ class ElasticRun:
     def drained(self) -> frozenset[str]:
         raw = self.annotations.get(crd.DRAIN_ANNOTATION, "")
         return frozenset(n.strip() for n in raw.split(",") if n.strip())
+
+    @property
+    def held_back(self) -> frozenset[str]:
+        """Nodes that stay waiting, unadmitted: drained by the user's annotation, or
+        excluded by the operator for what their Node shows (``status.excludedNodes``)."""
+        return self.drained | frozenset(self.status.excluded_nodes)
 
 
 def parse_run(obj: Mapping[str, Any]) -> ElasticRun:
