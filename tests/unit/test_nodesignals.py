@@ -147,10 +147,11 @@ def test_drain_removes_the_member_at_once_and_holds_it_back_with_the_exclusion()
     lost = plan.status.lost_members[-1]
     assert (lost.name, lost.reason) == ("b", "NodeDraining")
     assert "node-b" in (lost.message or "") and "example.com/spot-itn" in (lost.message or "")
-    assert plan.status.excluded_nodes == ("b",)
+    assert plan.status.excluded_pods == ("b",)
     condition = plan.status.condition(NODE_SIGNALS_CONDITION)
     assert condition is not None and condition.status == "True"
     assert "b: Node node-b shows" in (condition.message or "")
+    assert "pod b: Node node-b" in (lost.message or "")
     # b comes back as waiting: the survivors' round is sealed without it.
     back = run.replace_status(plan.status.replace(waiting=(
         WaitingNode("a", "10.0.0.1", 1, since=T0, pod="a"),
@@ -168,15 +169,31 @@ def test_exclude_keeps_a_spare_waiting_while_another_is_admitted() -> None:
                  for p in members)
     run = _run_with_spares(participants=members, restart_round=1)
     run = run.replace_status(run.status.replace(waiting=back + run.status.waiting,
-                                                excluded_nodes=("d",)))
+                                                excluded_pods=("d",)))
     assert rounds.decide_seal(run, T0).seal_now
     sealed = rounds.seal_round(run, T0)
     assert [p.name for p in sorted(sealed.participants, key=lambda p: p.rank)] == ["a", "b", "e"]
     assert sealed.waiting_names == {"d"}
     assert [w.name for w in rounds.eligible_waiting(run)] == ["a", "b", "e"]
     # Without the exclusion d, the earlier arrival by name, takes the place.
-    free = rounds.seal_round(run.replace_status(run.status.replace(excluded_nodes=())), T0)
+    free = rounds.seal_round(run.replace_status(run.status.replace(excluded_pods=())), T0)
     assert sealed.waiting_names != free.waiting_names == {"e"}
+
+
+def test_a_node_on_an_excluded_pod_is_held_back_whatever_its_name() -> None:
+    run = _run_with_spares(participants=running_run().status.participants[:2],
+                           restart_round=1)
+    renamed = (WaitingNode("a", "10.0.0.1", 1, since=T0, pod="a"),
+               WaitingNode("b", "10.0.0.2", 2, since=T0, pod="b"),
+               WaitingNode("node-x", "10.0.0.4", 4, since=T0, pod="d"))
+    run = run.replace_status(run.status.replace(waiting=renamed, excluded_pods=("d",)))
+    assert [w.name for w in rounds.eligible_waiting(run)] == ["a", "b"]
+    # A member on an excluded pod is not waited for when the round re-forms.
+    held = run.replace_status(run.status.replace(excluded_pods=("b",),
+                                                 waiting=renamed[:1]))
+    assert not rounds.decide_seal(held, T0).seal_now  # one of minNodes 2 eligible
+    assert run.held_back(run.status.participants) == frozenset()
+    assert held.held_back(held.status.participants) == {"b"}
 
 
 def test_exclude_is_written_for_waiting_nodes_and_members_but_nobody_leaves() -> None:
@@ -188,28 +205,29 @@ def test_exclude_is_written_for_waiting_nodes_and_members_but_nobody_leaves() ->
              "c": ns.Shown("node-c", (MAINTENANCE,)), "gone": ns.Shown("x", (SPOT,))}
     plan = reconcile(run, Members(leases=leases, node_signals=shown), T0)
     assert plan.status is not None
-    assert plan.status.excluded_nodes == ("a", "d")  # observe and unknown entries: not held
+    # Observe is not held; a pod of the run whose node has not joined yet is.
+    assert plan.status.excluded_pods == ("a", "d", "gone")
     assert plan.status.member_names == {"a", "b", "c"} and not plan.status.degraded
 
 
 def test_the_exclusion_and_condition_clear_when_the_node_shows_nothing() -> None:
     run = running_run()
     held = reconcile(run, Members(node_signals={"a": ns.Shown("n", (CORDON,))}), T0).status
-    assert held is not None and held.excluded_nodes == ("a",)
+    assert held is not None and held.excluded_pods == ("a",)
     cleared = reconcile(run.replace_status(held), Members(node_signals={}), T0).status
-    assert cleared is not None and cleared.excluded_nodes == ()
+    assert cleared is not None and cleared.excluded_pods == ()
     condition = cleared.condition(NODE_SIGNALS_CONDITION)
     assert condition is not None and condition.status == "False"
     # Off: the operator leaves the field alone and adds no condition.
-    off = reconcile(running_run(excluded_nodes=("a",)), Members(), T0)
-    assert off.status is None or off.status.excluded_nodes == ("a",)
+    off = reconcile(running_run(excluded_pods=("a",)), Members(), T0)
+    assert off.status is None or off.status.excluded_pods == ("a",)
     untouched = reconcile(running_run(), Members(), T0).status
     assert untouched is None or untouched.condition(NODE_SIGNALS_CONDITION) is None
 
 
-def test_the_excluded_nodes_round_trip_through_the_status() -> None:
-    status = RunStatus(excluded_nodes=("a", "b"))
-    assert RunStatus.from_dict(status.to_dict()).excluded_nodes == ("a", "b")
+def test_the_excluded_pods_round_trip_through_the_status() -> None:
+    status = RunStatus(excluded_pods=("a", "b"))
+    assert RunStatus.from_dict(status.to_dict()).excluded_pods == ("a", "b")
     assert "excludedNodes" not in RunStatus().to_dict()
 
 

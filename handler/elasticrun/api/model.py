@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -491,10 +491,12 @@ class RunStatus:
     observed_generation: int | None = None
     #: The owner's desired size (see :class:`Desired`); None when no owner says.
     desired: Desired | None = None
-    #: Nodes the operator holds back from the next rounds because their Node shows
-    #: an ``exclude`` or ``drain`` signal (``--node-signal``); only the operator
-    #: writes it, nodes carry it through their replace of the status.
-    excluded_nodes: tuple[str, ...] = ()
+    #: The run's pods on a Node showing an ``exclude`` or ``drain`` signal
+    #: (``--node-signal``): a member or waiting node whose ``pod`` is one of them is
+    #: held back from the next rounds.  By pod, because the operator knows a pod's
+    #: Node before its node joins.  Only the operator writes it; nodes carry it
+    #: through their replace of the status.
+    excluded_pods: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ derived views
 
@@ -585,10 +587,10 @@ class RunStatus:
             waiting_count=_opt_count(obj, "waitingCount", "status"),
             observed_generation=_opt_count(obj, "observedGeneration", "status"),
             desired=Desired.from_status(obj),
-            excluded_nodes=tuple(
-                _str({"name": item}, "name", f"status.excludedNodes[{i}]")
-                for i, item in enumerate(_list(obj.get("excludedNodes"),
-                                               "status.excludedNodes"))),
+            excluded_pods=tuple(
+                _str({"pod": item}, "pod", f"status.excludedPods[{i}]")
+                for i, item in enumerate(_list(obj.get("excludedPods"),
+                                               "status.excludedPods"))),
         )
         parsed._check_consistent()
         return parsed
@@ -652,7 +654,7 @@ class RunStatus:
             "observedGeneration": (capped(self.observed_generation)
                                    if self.observed_generation is not None else None),
             **(self.desired.to_status() if self.desired else {}),
-            "excludedNodes": list(self.excluded_nodes[:WAITING_KEPT]) or None,
+            "excludedPods": list(self.excluded_pods[:WAITING_KEPT]) or None,
         })
 
     def replace(self, **changes: Any) -> RunStatus:
@@ -687,11 +689,12 @@ class ElasticRun:
         raw = self.annotations.get(crd.DRAIN_ANNOTATION, "")
         return frozenset(n.strip() for n in raw.split(",") if n.strip())
 
-    @property
-    def held_back(self) -> frozenset[str]:
-        """Nodes that stay waiting, unadmitted: drained by the user's annotation, or
-        excluded by the operator for what their Node shows (``status.excludedNodes``)."""
-        return self.drained | frozenset(self.status.excluded_nodes)
+    def held_back(self, entries: Iterable[Participant | WaitingNode]) -> frozenset[str]:
+        """The names of ``entries`` that stay waiting, unadmitted: drained by the user's
+        annotation, or on a pod the operator excluded (``status.excludedPods``)."""
+        drained, excluded = self.drained, frozenset(self.status.excluded_pods)
+        return frozenset(e.name for e in entries
+                         if e.name in drained or (e.pod or e.name) in excluded)
 
 
 def parse_run(obj: Mapping[str, Any]) -> ElasticRun:

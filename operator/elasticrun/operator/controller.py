@@ -286,36 +286,38 @@ class Controller:
             if name in nodes.values():
                 self.enqueue(key)
 
-    def _shown(self, key: Key, run: ElasticRun, leases: Mapping[str, LeaseState]
-               ) -> dict[str, Shown] | None:
-        """What the Node of each member and waiting node (the status's, and the join
-        requests on the run's Leases) shows, by entry name."""
+    def _shown(self, key: Key) -> dict[str, Shown] | None:
+        """What the Node of each of the run's pods shows, by pod (pods on a Node that
+        shows nothing are left out)."""
         if self.node_signals is None:
             return None
         at = now()
-        nodes = self.pod_nodes.get(key, {})
         found: dict[str, Shown] = {}
-        entries = [(p.name, p.pod) for p in run.status.participants]
-        entries += [(w.name, w.pod) for w in run.status.waiting]
-        entries += [(s.join.name, s.join.pod) for s in leases.values() if s.join is not None]
-        for name, pod in entries:
-            node = nodes.get(pod or name)
-            if node is not None:
-                found[name] = Shown(node, self.signal_memory.showing(node, at))
+        for pod, node in self.pod_nodes.get(key, {}).items():
+            signals = self.signal_memory.showing(node, at)
+            if signals:
+                found[pod] = Shown(node, signals)
         return found
 
-    async def _report_signals(self, run: ElasticRun, found: Mapping[str, Shown]) -> None:
-        """One Warning Event per (member or waiting node, signal) while it shows, and the
-        run's signal gauge."""
+    async def _report_signals(self, run: ElasticRun, found: Mapping[str, Shown],
+                              leases: Mapping[str, LeaseState]) -> None:
+        """One Warning Event per (pod, signal) while it shows, naming the member or
+        waiting node on that pod, and the run's signal gauge."""
         key = (run.namespace, run.name)
+        entries = {p.pod or p.name: f"member {p.name}" for p in run.status.participants}
+        for joining in [w for w in run.status.waiting] + [
+                s.join for s in leases.values() if s.join is not None]:
+            entries.setdefault(joining.pod or joining.name, f"waiting node {joining.name}")
         subjects: set[str] = set()
-        for name, entry in sorted(found.items()):
+        for pod, entry in sorted(found.items()):
+            who = entries.get(pod, "no node yet")
             for signal in entry.signals:
-                subject = f"{name} {signal.name}"
+                subject = f"{pod} {signal.name}"
                 subjects.add(subject)
                 await self.observer.report_once(
                     run, subject, "NodeSignal",
-                    f"{name} (pod on Node {entry.node}): {signal.name} ({signal.policy})")
+                    f"pod {pod} ({who}) on Node {entry.node} shows {signal.name} "
+                    f"({signal.policy})")
         self.observer.retain_problems(key, "NodeSignal", subjects)
         self.metrics.node_signals(run.namespace, run.name, counts(found))
 
@@ -444,9 +446,9 @@ class Controller:
             await self.observer.report_once(run, node, "UnreadableJoin", state.problem)
         self.observer.retain_problems(key, "UnreadableJoin", set(indexed))
         owned = await self._ownership(key)
-        found = self._shown(key, run, indexed)
+        found = self._shown(key)
         if found is not None:
-            await self._report_signals(run, found)
+            await self._report_signals(run, found, indexed)
         members = self._members(key, run, indexed, owned, found)
         plan = reconcile(run, members, now())
         if plan.sealed or plan.delete_leases:

@@ -251,22 +251,24 @@ class Shown:
         return f"Node {self.node} shows {shown_}"
 
 
-def held_back(shown_by_entry: Mapping[str, Shown]) -> tuple[str, ...]:
-    """The entries whose Node's strongest signal is ``exclude`` or ``drain``, by name."""
-    return tuple(sorted(name for name, s in shown_by_entry.items()
+def excluded_pods(shown_by_pod: Mapping[str, Shown]) -> tuple[str, ...]:
+    """The pods whose Node's strongest signal is ``exclude`` or ``drain``, sorted."""
+    return tuple(sorted(pod for pod, s in shown_by_pod.items()
                         if s.policy in ("exclude", "drain")))
 
 
-def draining(shown_by_entry: Mapping[str, Shown], members: Iterable[str]) -> list[str]:
-    """The members whose Node's strongest signal is ``drain``: they leave their round."""
-    return sorted(name for name in members
-                  if (s := shown_by_entry.get(name)) is not None and s.policy == "drain")
+def draining(shown_by_pod: Mapping[str, Shown], members: Iterable[tuple[str, str]]
+             ) -> list[str]:
+    """The members, given as (name, pod), whose Node's strongest signal is ``drain``:
+    they leave their round."""
+    return sorted(name for name, pod in members
+                  if (s := shown_by_pod.get(pod)) is not None and s.policy == "drain")
 
 
-def counts(shown_by_entry: Mapping[str, Shown]) -> dict[str, int]:
-    """How many entries show each signal (the ``elasticrun_node_signals`` gauge)."""
+def counts(shown_by_pod: Mapping[str, Shown]) -> dict[str, int]:
+    """How many of the run's pods show each signal (the ``elasticrun_node_signals`` gauge)."""
     found: dict[str, int] = {}
-    for s in shown_by_entry.values():
+    for s in shown_by_pod.values():
         for signal in s.signals:
             found[signal.name] = found.get(signal.name, 0) + 1
     return found

@@ -77,8 +77,9 @@ class Members:
     #: What the owners of the run's pods say (:mod:`elasticrun.operator.owners`):
     #: the source of ``status.desired``.
     ownership: Ownership = NO_OWNER
-    #: What the Node of each member or waiting node shows, by entry name; None when
-    #: node signals are off (``status.excludedNodes`` is then left as it is).
+    #: What the Node of each of the run's pods shows, by pod name (only pods whose
+    #: Node shows a signal); None when node signals are off (``status.excludedPods``
+    #: is then left as it is).
     node_signals: Mapping[str, nodesignals.Shown] | None = None
 
 
@@ -356,21 +357,29 @@ NODE_SIGNALS_NAMED = 8
 
 def _node_signals(run: ElasticRun, new: RunStatus, members: Members,
                   now: dt.datetime) -> RunStatus:
-    """What the nodes' Nodes show: ``excludedNodes`` (exclude and drain), members on a
-    draining Node leave (``NodeDraining``), and the ``NodeSignals`` condition.
+    """What the Nodes of the run's pods show: ``excludedPods`` (exclude and drain),
+    members on a draining Node leave (``NodeDraining``), and the ``NodeSignals``
+    condition naming the members and waiting nodes concerned.
 
-    The exclusion is written with the removal, in one status write, so a node
-    sealing the survivors' round already holds the drained member back.
+    The exclusion is by pod, so a pod on an excluded Node is held back from the
+    moment the operator sees it there, before its node joins; and it is written
+    with the removal, in one status write, so a node sealing the survivors'
+    round already holds the drained member back.
     """
     shown = members.node_signals
     if shown is None:
         return new
-    entries = new.member_names | new.waiting_names
-    relevant = {name: s for name, s in shown.items() if name in entries and s.signals}
-    new = new.replace(excluded_nodes=nodesignals.held_back(relevant))
-    for name in nodesignals.draining(relevant, new.member_names):
+    pods = {pod: s for pod, s in shown.items() if s.signals}
+    entries = [(p.name, p.pod or p.name) for p in new.participants]
+    entries += [(w.name, w.pod or w.name) for w in new.waiting]
+    relevant = {name: pods[pod] for name, pod in entries if pod in pods}
+    new = new.replace(excluded_pods=nodesignals.excluded_pods(pods))
+    for name in nodesignals.draining(pods, ((p.name, p.pod or p.name)
+                                            for p in new.participants)):
+        member = new.participant(name)
+        pod = (member.pod if member else None) or name
         removed = rounds.remove_member(new, name, nodesignals.NODE_DRAINING, now,
-                                       message=relevant[name].describe())
+                                       message=f"pod {pod}: {pods[pod].describe()}")
         if removed is not None:
             new = removed
     if not relevant and new.condition(NODE_SIGNALS_CONDITION) is None:
