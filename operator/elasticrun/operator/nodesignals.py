@@ -84,9 +84,10 @@ DEFAULT_SIGNALS: tuple[Signal, ...] = (
     Signal("taint", "kubernetes.azure.com/scalesetpriority", value="spot", policy="observe"),
     # Karpenter's disruption taint (a node being consolidated or expired).
     Signal("taint", "karpenter.sh/disrupted", policy="drain"),
-    # Node Problem Detector custom plugin / DCGM health checks as node conditions.
+    # A Node Problem Detector custom plugin or DCGM health check writing a GPU fault as
+    # a node condition (names depend on that configuration: both common forms).
+    Signal("condition", "GPUUnhealthy", value="True", policy="exclude"),
     Signal("condition", "GPUHealthy", value="False", policy="exclude"),
-    Signal("condition", "GpuUnhealthy", value="True", policy="exclude"),
 )
 
 
