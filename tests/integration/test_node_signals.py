@@ -26,7 +26,7 @@ from test_desired_rounds import Agent, make_run
 from elasticrun.api.kube import MERGE_PATCH, ApiError
 from elasticrun.api.model import now
 
-from conftest import Cluster, Kubelet, OperatorProcess, wait_for
+from conftest import Cluster, Kubelet, OperatorProcess, running_operator, wait_for
 from rdzv import is_waiting, read_run, rendezvous_all, start_rendezvous
 
 #: The signals of these tests, one per policy (keys nobody else sets on these Nodes).
@@ -42,14 +42,8 @@ HEARTBEAT = 15
 @pytest.fixture
 def signal_operator(cluster: Cluster, namespace: str, tmp_path: Path,
                     request: pytest.FixtureRequest) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path, SIGNAL_ARGS).start()
-    try:
+    with running_operator(cluster, namespace, tmp_path, request, SIGNAL_ARGS) as op:
         yield op
-    finally:
-        op.stop()
-        report = getattr(request.node, "rep_call", None)
-        if report is not None and report.failed:
-            print(f"\n--- operator log ---\n{op.log_tail(80)}")
 
 
 @pytest.fixture
