@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from chartkit import (
     by_kind,
     can_i,
     delete_cluster_scoped,
+    one,
     refusals,
     request_token,
     service_account,
@@ -318,7 +319,7 @@ def test_an_operator_that_may_not_read_owners_keeps_todays_rules_and_logs_it_onc
 
 
 def _chart_operator(cluster: Cluster, namespace: str, processes: ProcessGroup,
-                    tmp_path: Path, scope: str) -> Path:
+                    tmp_path: Path, scope: str, extra: Sequence[str] = ()) -> Path:
     """The real operator on its chart ServiceAccount's token alone, healthy; its log."""
     token = request_token(cluster, namespace, namespace)  # fullnameOverride = namespace
     kubeconfig = token_kubeconfig(cluster, token, tmp_path / "operator.kubeconfig", namespace)
@@ -332,7 +333,7 @@ def _chart_operator(cluster: Cluster, namespace: str, processes: ProcessGroup,
              "--kubeconfig", str(kubeconfig), "--verbose",
              # The chart's default: leader election on its Lease in its namespace.
              "--leader-elect", "--leader-elect-resource-namespace", namespace,
-             "--leader-elect-resource-name", f"{namespace}-operator-leader"],
+             "--leader-elect-resource-name", f"{namespace}-operator-leader", *extra],
             stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
             env={**clean_env(), "KUBECONFIG": str(kubeconfig),
                  "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("handler", "operator"))})
@@ -390,3 +391,65 @@ def _closed_run_is_reported_and_deleted(cluster: Cluster, namespace: str) -> Non
         "GET", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases")
     assert [lease["metadata"]["name"] for lease in leases["items"]] == [
         f"{namespace}-operator-leader"]
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["nodeSignals", "without"])
+def test_node_signals_read_nodes_through_the_charts_cluster_role_only_when_enabled(
+        cluster: Cluster, helm: Helm, namespace: str, processes: ProcessGroup,
+        tmp_path: Path, request: pytest.FixtureRequest, enabled: bool) -> None:
+    """scope=namespaces: with nodeSignals the chart adds a ClusterRole to get, list and
+    watch Nodes (and nothing else cluster-wide), the operator on its token alone watches
+    them without a refusal and reports a tainted Node; without it there is no right on
+    Nodes, and the operator (no --node-signals) asks for none."""
+    values: dict[str, Any] = {
+        "trainingNamespaces": [namespace], "operator": {"scope": "namespaces"},
+        "webhook": {"enabled": False}}
+    if enabled:
+        values["nodeSignals"] = {"enabled": True, "defaults": False, "signals": [
+            {"kind": "taint", "key": "example.com/notice", "policy": "observe"}]}
+    docs = install_rbac(cluster, helm, namespace, values, request)
+    operator = service_account(namespace, namespace)
+    node_roles = [d for d in by_kind(docs, "ClusterRole")
+                  if any("nodes" in r.get("resources", []) for r in d["rules"])]
+    for verb in ("get", "list", "watch"):
+        assert can_i(cluster, operator, verb, "nodes") is enabled, verb
+    for verb in ("update", "patch", "delete"):
+        assert not can_i(cluster, operator, verb, "nodes"), verb
+    if not enabled:
+        assert node_roles == []
+        log_path = _chart_operator(cluster, namespace, processes, tmp_path, "namespaces")
+        _closed_run_is_reported_and_deleted(cluster, namespace)
+        text = log_path.read_text(errors="replace")
+        assert refusals(text) == [] and "node signals:" not in text
+        return
+    assert [r["rules"] for r in node_roles] == [[{
+        "apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]]
+    args = one(helm.template("rb", namespace, {**values, "fullnameOverride": namespace}),
+               "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    signal_args = [a for a in args if "node-signal" in a]
+    assert signal_args == ["--node-signals", "--no-default-node-signals",
+                           "--node-signal=taint:example.com/notice:observe"], args
+    log_path = _chart_operator(cluster, namespace, processes, tmp_path, "namespaces",
+                               signal_args)
+    node = f"rbac-{namespace}"
+    cluster.client.request("POST", "/api/v1/nodes", body={
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": node},
+        "spec": {"taints": [{"key": "example.com/notice", "effect": "NoSchedule"}]}})
+    request.addfinalizer(lambda: cluster.client.request("DELETE", f"/api/v1/nodes/{node}"))
+    cluster.apply({"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                   "metadata": {"name": "watched", "namespace": namespace},
+                   "spec": {"minNodes": 1, "maxNodes": 2}})
+    cluster.apply({"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": "watched-0", "namespace": namespace,
+                                "labels": {crd.RUN_LABEL: "watched"}},
+                   "spec": {"nodeName": node, "containers": [{"name": "c", "image": "x"}]}})
+
+    def reported() -> bool:
+        events = cluster.client.request("GET", f"/api/v1/namespaces/{namespace}/events",
+                                        query={"fieldSelector": "reason=NodeSignal"})
+        return any("watched-0" in e.get("message", "") for e in events["items"])
+
+    wait_for(reported, 30, "the NodeSignal Event of the pod on the tainted Node")
+    text = log_path.read_text(errors="replace")
+    assert refusals(text) == [], refusals(text)[:5]
+    assert "node signals: taint:example.com/notice (observe)" in text

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -491,6 +491,12 @@ class RunStatus:
     observed_generation: int | None = None
     #: The owner's desired size (see :class:`Desired`); None when no owner says.
     desired: Desired | None = None
+    #: The run's pods on a Node showing an ``exclude`` or ``drain`` signal
+    #: (``--node-signal``): a member or waiting node whose ``pod`` is one of them is
+    #: held back from the next rounds.  By pod, because the operator knows a pod's
+    #: Node before its node joins.  Only the operator writes it; nodes carry it
+    #: through their replace of the status.
+    excluded_pods: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ derived views
 
@@ -581,6 +587,10 @@ class RunStatus:
             waiting_count=_opt_count(obj, "waitingCount", "status"),
             observed_generation=_opt_count(obj, "observedGeneration", "status"),
             desired=Desired.from_status(obj),
+            excluded_pods=tuple(
+                _str({"pod": item}, "pod", f"status.excludedPods[{i}]")
+                for i, item in enumerate(_list(obj.get("excludedPods"),
+                                               "status.excludedPods"))),
         )
         parsed._check_consistent()
         return parsed
@@ -644,6 +654,7 @@ class RunStatus:
             "observedGeneration": (capped(self.observed_generation)
                                    if self.observed_generation is not None else None),
             **(self.desired.to_status() if self.desired else {}),
+            "excludedPods": list(self.excluded_pods[:WAITING_KEPT]) or None,
         })
 
     def replace(self, **changes: Any) -> RunStatus:
@@ -677,6 +688,13 @@ class ElasticRun:
     def drained(self) -> frozenset[str]:
         raw = self.annotations.get(crd.DRAIN_ANNOTATION, "")
         return frozenset(n.strip() for n in raw.split(",") if n.strip())
+
+    def held_back(self, entries: Iterable[Participant | WaitingNode]) -> frozenset[str]:
+        """The names of ``entries`` that stay waiting, unadmitted: drained by the user's
+        annotation, or on a pod the operator excluded (``status.excludedPods``)."""
+        drained, excluded = self.drained, frozenset(self.status.excluded_pods)
+        return frozenset(e.name for e in entries
+                         if e.name in drained or (e.pod or e.name) in excluded)
 
 
 def parse_run(obj: Mapping[str, Any]) -> ElasticRun:

@@ -100,9 +100,11 @@ def _waiting(run: ElasticRun, waiting: Waiting) -> Sequence[WaitingNode]:
 
 
 def eligible_waiting(run: ElasticRun, waiting: Waiting = None) -> list[WaitingNode]:
-    """Waiting nodes that may be admitted (drained nodes stay waiting, unadmitted)."""
-    drained = run.drained
-    return [w for w in _waiting(run, waiting) if w.name not in drained]
+    """Waiting nodes that may be admitted (drained nodes and nodes on an excluded pod stay
+    waiting, unadmitted: :meth:`ElasticRun.held_back`)."""
+    entries = _waiting(run, waiting)
+    held = run.held_back(entries)
+    return [w for w in entries if w.name not in held]
 
 
 def target_size(run: ElasticRun) -> int | None:
@@ -181,7 +183,8 @@ def decide_seal(  # noqa: PLR0911 - one return per rule, in their order
         # Not enough for a round, but the members may have to hear of the newcomers.
         return SealDecision(False, f"{count} of at least {spec.min_nodes} nodes waiting",
                             announced if announced is not None and now < announced else None)
-    members = status.member_names - run.drained if status.round > 0 else frozenset()
+    members = status.member_names - run.held_back(status.participants) if status.round > 0 \
+        else frozenset()
     names = {w.name for w in eligible}
     if members and members <= names:
         return SealDecision(True, f"all {len(members)} remaining members of round "

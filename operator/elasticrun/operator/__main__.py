@@ -23,9 +23,10 @@ from typing import Any, cast
 import kopf
 
 from elasticrun.api.kube import OPERATOR_USER_AGENT, KubeClient
-from elasticrun.operator import (  # noqa: F401 - handlers: importing registers them
+from elasticrun.operator import (  # handlers: importing registers them with kopf
     elector,
     handlers,
+    nodesignals,
     webhook,
     webhookcert,
 )
@@ -68,6 +69,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "pods to the TCPStore port PORT (0: the store port is not "
                              "pinned, so to every port); the operator needs create/patch/"
                              "delete on networkpolicies")
+    parser.add_argument("--node-signals", action="store_true",
+                        help="read the Nodes of the runs' pods (a cluster-wide watch of Nodes) "
+                             "and act on the default node signals (docs/integrations.md)")
+    parser.add_argument("--node-signal", action="append", default=[],
+                        metavar="KIND:KEY[=VALUE]:POLICY",
+                        help="a node signal to act on (kind taint, label or condition; policy "
+                             "observe, exclude or drain); repeatable, replaces a default of "
+                             "the same kind and key; implies --node-signals")
+    parser.add_argument("--no-default-node-signals", action="store_true",
+                        help="only the --node-signal ones, not the defaults")
     parser.add_argument("--workers", type=int, default=2,
                         help="runs reconciled in parallel (default 2)")
     parser.add_argument("--kubeconfig", default=None,
@@ -85,6 +96,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error("--leader-elect needs --leader-elect-resource-namespace "
                          "(or POD_NAMESPACE): the namespace of the operator's Lease")
     return args
+
+
+def node_signals(args: argparse.Namespace) -> tuple[nodesignals.Signal, ...] | None:
+    """The configured node signals; None when Nodes are not read (exits 2 on a bad one)."""
+    if not (args.node_signals or args.node_signal):
+        return None
+    try:
+        return nodesignals.configured(args.node_signal, not args.no_default_node_signals)
+    except nodesignals.SignalError as exc:
+        raise SystemExit(f"elasticrun-operator: --node-signal {exc}") from exc
+
+
+def watch_nodes(signals: tuple[nodesignals.Signal, ...] | None) -> None:
+    """Register the Node watch only when node signals are on: without them the operator
+    neither needs nor uses any right on Nodes."""
+    if signals is None:
+        return
+    kopf.on.event("", "v1", "nodes")(handlers.node_changed)
+    log.info("node signals: %s", ", ".join(f"{s.name} ({s.policy})" for s in signals))
 
 
 def _seconds(text: str) -> float:
@@ -161,7 +191,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics.leading(False)
     controller = Controller(decider, metrics,
                             workers=args.workers, per_run_rbac=args.per_run_rbac,
-                            store_policy_port=args.per_run_network_policy)
+                            store_policy_port=args.per_run_network_policy,
+                            node_signals=node_signals(args))
+    watch_nodes(controller.node_signals)
     if candidate is not None:
         candidate.on_lead, candidate.on_follow = controller.lead, controller.follow
 

@@ -20,6 +20,7 @@ import time
 from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any
 
+from elasticrun.api import untrusted
 from elasticrun.api.kube import KubeClient
 from elasticrun.api.leases import LeaseState, RenewalClock, lease_run, lease_state, owned_by
 from elasticrun.api.model import ElasticRun, InvalidRunError, now, parse_run
@@ -28,6 +29,14 @@ from elasticrun.operator.apihealth import ApiAvailability
 from elasticrun.operator.executor import PlanExecutor
 from elasticrun.operator.liveness import Loss, pod_loss, restart_count
 from elasticrun.operator.metrics import Metrics
+from elasticrun.operator.nodesignals import (
+    Shown,
+    Signal,
+    SignalMemory,
+    counts,
+    read_node,
+    shown,
+)
 from elasticrun.operator.observer import COMPONENT, Observer
 from elasticrun.operator.ownerreader import OwnerReader
 from elasticrun.operator.owners import (
@@ -65,7 +74,8 @@ def release_freed_memory() -> None:
 
 class Controller:
     def __init__(self, client: KubeClient, metrics: Metrics, workers: int = 2,
-                 per_run_rbac: bool = False, store_policy_port: int | None = None) -> None:
+                 per_run_rbac: bool = False, store_policy_port: int | None = None,
+                 node_signals: tuple[Signal, ...] | None = None) -> None:
         self.client = client
         self.metrics = metrics
         self.runs: dict[Key, dict[str, Any]] = {}
@@ -98,6 +108,13 @@ class Controller:
         self.executor = PlanExecutor(client, self.observer, self._accept_written, self.enqueue,
                                      per_run_rbac, store_policy_port)
         self.api = ApiAvailability(client, on_change=metrics.api_changed)
+        #: The configured node signals; None when the operator does not read Nodes.
+        self.node_signals = node_signals
+        #: What each Node shows, held against flapping (only Nodes showing something).
+        self.signal_memory = SignalMemory()
+        #: The Node of each of the run's pods (``spec.nodeName``), by pod name: what
+        #: ties a member (its ``pod``) to a Node.  Kept only with node signals on.
+        self.pod_nodes: dict[Key, dict[str, str]] = {}
         #: Side tasks that live as long as the controller: the API probe, the caBundle check.
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -164,6 +181,7 @@ class Controller:
             self._round_marks.pop(key, None)
             self.pod_losses.pop(key, None)
             self.renewals.pop(key, None)
+            self.pod_nodes.pop(key, None)
             self._missing = {k: v for k, v in self._missing.items() if k[0] != key}
             self.observer.forget(key)
             self.executor.forget(key)
@@ -188,6 +206,7 @@ class Controller:
         uid = meta.get("uid") if isinstance(meta.get("uid"), str) and meta.get("uid") else None
         pod_key = (pod, uid)
         self._track_pod(key, event_type, uid or pod, body)
+        self._track_node(key, event_type, pod, body)
         first = self.pod_restarts.setdefault((namespace, uid or pod), restart_count(body))
         loss = pod_loss(body, event_type, first)
         if event_type == "DELETED":
@@ -230,6 +249,83 @@ class Controller:
         if old is None or view is None or old.owner != view.owner or old.live != view.live:
             self.owners.invalidate(key)
         self.enqueue(key)
+
+    def _track_node(self, key: Key, event_type: str, pod: str,
+                    body: Mapping[str, Any]) -> None:
+        """Keep the pod's Node (``spec.nodeName``) when node signals are on; a pod that
+        moved to another Node has its run looked at again."""
+        if self.node_signals is None or not pod:
+            return
+        nodes = self.pod_nodes.setdefault(key, {})
+        spec = untrusted.mapping(body.get("spec"))
+        node = None if event_type == "DELETED" else untrusted.text(spec.get("nodeName"))
+        if nodes.get(pod) == node:
+            if not nodes:
+                del self.pod_nodes[key]
+            return
+        if node is None:
+            nodes.pop(pod, None)
+        else:
+            nodes[pod] = node
+        if not nodes:
+            del self.pod_nodes[key]
+        self.enqueue(key)
+
+    def node_event(self, event_type: str, body: Mapping[str, Any]) -> None:
+        """A Node changed: what it shows is held (:class:`SignalMemory`), and the runs with
+        a pod on it are looked at again when that changed."""
+        if self.node_signals is None:
+            return
+        name = untrusted.text(untrusted.mapping(body.get("metadata")).get("name"))
+        if name is None:
+            return
+        signals = () if event_type == "DELETED" else shown(self.node_signals, read_node(body))
+        if not self.signal_memory.observe(name, signals, now()):
+            return
+        for key, nodes in self.pod_nodes.items():
+            if name in nodes.values():
+                self.enqueue(key)
+
+    def _shown(self, key: Key) -> dict[str, Shown] | None:
+        """What the Node of each of the run's pods shows, by pod (pods on a Node that
+        shows nothing are left out)."""
+        if self.node_signals is None:
+            return None
+        at = now()
+        found: dict[str, Shown] = {}
+        for pod, node in self.pod_nodes.get(key, {}).items():
+            signals = self.signal_memory.showing(node, at)
+            if signals:
+                found[pod] = Shown(node, signals)
+        return found
+
+    async def _report_signals(self, run: ElasticRun, found: Mapping[str, Shown],
+                              leases: Mapping[str, LeaseState]) -> None:
+        """One Warning Event per (pod, signal) while it shows, naming the member or
+        waiting node on that pod, and the run's signal gauge."""
+        key = (run.namespace, run.name)
+        entries = {p.pod or p.name: f"member {p.name}" for p in run.status.participants}
+        for joining in [w for w in run.status.waiting] + [
+                s.join for s in leases.values() if s.join is not None]:
+            entries.setdefault(joining.pod or joining.name, f"waiting node {joining.name}")
+        subjects: set[str] = set()
+        for pod, entry in sorted(found.items()):
+            who = entries.get(pod, "no node yet")
+            for signal in entry.signals:
+                subject = f"{pod} {signal.name}"
+                subjects.add(subject)
+                await self.observer.report_once(
+                    run, subject, "NodeSignal",
+                    f"pod {pod} ({who}) on Node {entry.node} shows {signal.name} "
+                    f"({signal.policy})")
+        self.observer.retain_problems(key, "NodeSignal", subjects)
+        self.metrics.node_signals(run.namespace, run.name, counts(found))
+
+    def _signal_wake(self, found: Mapping[str, Shown]) -> dt.datetime | None:
+        """When a held signal of the run's Nodes stops counting (the run is looked at then)."""
+        at = now()
+        ends = [e for s in found.values() if (e := self.signal_memory.expires(s.node, at))]
+        return min(ends) if ends else None
 
     async def _ownership(self, key: Key) -> Ownership:
         """What the owners of the run's live pods say (read by name, cached per run)."""
@@ -301,7 +397,8 @@ class Controller:
         return leases
 
     def _members(self, key: Key, run: ElasticRun, leases: dict[str, LeaseState],
-                 owned: Ownership = NO_OWNER) -> Members:
+                 owned: Ownership = NO_OWNER,
+                 node_signals: Mapping[str, Shown] | None = None) -> Members:
         """What the operator knows of the run's members, timed by its own clock.
 
         Every Lease goes through :attr:`renewals` (one not seen before counts
@@ -326,7 +423,8 @@ class Controller:
                                           if uid is not None},
                        missing_since={name: self._missing.get((key, name), at)
                                       for name in missing},
-                       lease_clock_start=self.api.lease_clock_start(at), ownership=owned)
+                       lease_clock_start=self.api.lease_clock_start(at), ownership=owned,
+                       node_signals=node_signals)
 
     async def reconcile(self, key: Key) -> None:
         raw = self.runs.get(key)
@@ -348,7 +446,10 @@ class Controller:
             await self.observer.report_once(run, node, "UnreadableJoin", state.problem)
         self.observer.retain_problems(key, "UnreadableJoin", set(indexed))
         owned = await self._ownership(key)
-        members = self._members(key, run, indexed, owned)
+        found = self._shown(key)
+        if found is not None:
+            await self._report_signals(run, found, indexed)
+        members = self._members(key, run, indexed, owned, found)
         plan = reconcile(run, members, now())
         if plan.sealed or plan.delete_leases:
             # The Lease index comes from another watch than the run and may lag
@@ -356,7 +457,7 @@ class Controller:
             # removing a member acts on Lease data, so decide again from a
             # consistent LIST, which is at least as new as the run we hold.
             listed = await self._listed_leases(key, run)
-            members = self._members(key, run, listed, owned)
+            members = self._members(key, run, listed, owned, found)
             plan = reconcile(run, members, now())
             indexed.update(listed)
         if key in self.renewals:
@@ -370,6 +471,9 @@ class Controller:
         if refresh is not None:
             owners_at = now() + dt.timedelta(seconds=refresh)
             wake = owners_at if wake is None else min(wake, owners_at)
+        signals_at = self._signal_wake(found) if found else None
+        if signals_at is not None:
+            wake = signals_at if wake is None else min(wake, signals_at)
         if wake is not None:
             self.schedule(key, wake)
 
