@@ -89,8 +89,10 @@ CASES = [
                               Node("i0", 0), Node("i7", 7)), 5,
                  ["i0", "i1", "i7", "u1", "u2"],
                  id="mixed: indexes at their ranks, an index beyond the size next, then unindexed"),
-    pytest.param((), arriving(Node("u1"), Node("i2", 2), Node("u2")), 3,
-                 ["u1", "u2", "i2"], id="mixed: an index at its rank, unindexed around it"),
+    pytest.param(members("s0"), arriving(Node("u1"), Node("i2", 2), Node("u2"), Node("s0")), 4,
+                 ["s0", "u1", "i2", "u2"], id="mixed: an index at its rank, unindexed around it"),
+    pytest.param((), arriving(Node("i2", 2), Node("i1", 1)), 2, ["i1", "i2"],
+                 id="no survivor: ranks in index order, compact, whatever index is missing"),
     pytest.param((), arriving(Node("first-1", 1), Node("i0", 0), Node("second-1", 1)), 3,
                  ["i0", "first-1", "second-1"],
                  id="duplicate index: the first to arrive takes it, the other the next free rank"),
@@ -182,3 +184,17 @@ def test_ranks_are_always_0_to_size_and_survivors_keep_ranks_that_exist(
         old = int(name[1:])
         if name in rank and old < slots:
             assert rank[name] == old
+
+
+def test_a_join_request_carries_no_topology_and_a_sealer_takes_the_operators_values() -> None:
+    raw = '{"since": "2026-01-01T00:00:00Z", "podUID": "u-b", "topology": ["zone-z"]}'
+    join, _ = read_join("b", raw, "lease b")
+    assert join is not None and join.topology == ()  # a Pod cannot know its Node's labels
+    listed = [*arriving(Node("a")), join]
+    stored = (WaitingNode(name="b", pod_uid="u-b", topology=A1),
+              WaitingNode(name="a", pod_uid="another-pod", topology=B3))
+    run = ElasticRun("r", "ns", RunSpec(min_nodes=2, max_nodes=2), RunStatus(waiting=stored), "1")
+    merged = {w.name: w.topology for w in rounds.eligible_waiting(run, listed)}
+    assert merged == {"a": (), "b": A1}  # a's stored entry is of another Pod: nothing taken
+    status = rounds.seal_round(run, T0, listed)
+    assert [p.name for p in status.participants] == ["b", "a"]  # b's known domain first

@@ -7,6 +7,7 @@ exactly what the operator would have, and so it can be unit tested.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -96,7 +97,25 @@ are newer than the stored summary."""
 
 
 def _waiting(run: ElasticRun, waiting: Waiting) -> Sequence[WaitingNode]:
-    return run.status.waiting if waiting is None else waiting
+    return run.status.waiting if waiting is None else with_topology(waiting, run.status.waiting)
+
+
+def with_topology(listed: Sequence[WaitingNode], stored: Sequence[WaitingNode]
+                  ) -> Sequence[WaitingNode]:
+    """The listed join requests, each with the topology values of the run's stored
+    waiting entry for the same node and Pod (name and podUID).
+
+    ``status.waiting[].topology`` is the one home of a waiting node's topology:
+    only the operator can read Nodes, so it fills the values into the entry it
+    summarises, and a node sealing from the join requests it listed (which
+    never carry topology) takes them from there.  An entry of another Pod of
+    the same name gives nothing.
+    """
+    known = {(w.name, w.pod_uid): w.topology for w in stored if w.topology}
+    if not known:
+        return listed
+    return [w if w.topology or (w.name, w.pod_uid) not in known
+            else dataclasses.replace(w, topology=known[(w.name, w.pod_uid)]) for w in listed]
 
 
 def eligible_waiting(run: ElasticRun, waiting: Waiting = None) -> list[WaitingNode]:
@@ -232,8 +251,11 @@ def order_for_ranks(previous: Iterable[Participant], waiting: Iterable[WaitingNo
     round's ranks 0..size-1, the rest, in order, are spares.
 
     Who is admitted: survivors (members of ``previous``) first, by old rank,
-    then newcomers by :func:`newcomer_key`, up to ``size``.  Which rank each
-    admitted node gets, in three passes over the round's slots 0..size-1:
+    then newcomers by :func:`newcomer_key`, up to ``size``.  Without a
+    survivor (a first round, or every member gone) the ranks are that order:
+    consecutive indexes stay consecutive even when some index is missing.
+    With survivors, each admitted node's rank comes from three passes over
+    the round's slots 0..size-1:
 
     1. every survivor takes its old rank, where that rank is a slot of the new
        round (so the old rank 0 stays rank 0 whenever it is alive, and keeps
@@ -255,6 +277,8 @@ def order_for_ranks(previous: Iterable[Participant], waiting: Iterable[WaitingNo
                        key=lambda w: (old_rank[w.name], w.name))
     newcomers = sorted((w for w in waiting if w.name not in old_rank), key=newcomer_key)
     queue = survivors + newcomers
+    if not survivors:
+        return queue
     slots = len(queue) if size is None else max(0, min(size, len(queue)))
     ranked: list[WaitingNode | None] = [None] * slots
     unplaced: list[WaitingNode] = []
