@@ -2,7 +2,9 @@
 #
 #   make demo     set up, start a local control plane + operator, run the elastic demo job
 #   make test     set up (venv, torch, local cluster) and run the whole test suite
-#   make bench    benchmarks against torch's c10d and etcd-v2 backends (docs/benchmarks.md)
+#   make bench    benchmarks against torch's c10d and etcd-v2 backends (docs/benchmarks.md);
+#                 ARGS='--only resize --column after' measures the Resize section alone
+#                 (k8s beside c10d, a few minutes) and merges it into docs/benchmarks.json
 #   make bench-scale  rounds of 64 to 2,048 nodes, simulated and real (docs/benchmarks-scale.md)
 #   make lint     ruff + mypy
 #   make cluster / cluster-down   a local single-node Kubernetes (kubelet, containerd) for
@@ -19,6 +21,7 @@ CLUSTER_MODE ?= node
 CONTROLPLANE_BIN = $$(bash tests/controlplane/build.sh --node)
 RUNTIME_BIN = $$(bash tests/controlplane/build-runtime.sh)
 PYTEST_ARGS ?=
+ARGS ?=
 
 CLUSTER_ADDONS ?=
 export CLUSTER_ADDONS
@@ -74,7 +77,7 @@ demo: setup controlplane
 	$(PY) demo/run_demo.py
 
 bench: setup controlplane
-	$(PY) bench/run.py
+	$(PY) bench/run.py $(ARGS)
 
 bench-quick: setup controlplane
 	$(PY) bench/run.py --quick
