@@ -85,10 +85,10 @@ def test_closed_and_drained_nodes_are_not_sealed() -> None:
 # --------------------------------------------------------------------------- ranks
 
 
-def test_order_for_ranks_keeps_survivors_then_newcomers_by_arrival() -> None:
-    previous = sealed("b", "a", "c").participants  # b was rank 0
+def test_order_for_ranks_keeps_survivors_at_their_ranks_newcomers_fill_by_arrival() -> None:
+    previous = sealed("b", "a", "c").participants  # b was rank 0, c rank 2; a is gone
     order = rounds.order_for_ranks(previous, (*waiting("z", "y", since=10), *waiting("c", "b")))
-    assert [w.name for w in order] == ["b", "c", "z", "y"]
+    assert [w.name for w in order] == ["b", "z", "c", "y"]
 
 
 def test_order_for_ranks_breaks_arrival_ties_by_name() -> None:

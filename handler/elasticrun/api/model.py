@@ -154,6 +154,35 @@ def _pod_uid(obj: Mapping[str, Any], path: str) -> str | None:
     return value
 
 
+#: The largest pod index a waiting entry keeps (the CRD's int32 maximum); any
+#: other value of ``index`` reads as no index.
+MAX_POD_INDEX = 2**31 - 1
+#: At most this many topology values per entry, each cut to a label value's 63 characters.
+MAX_TOPOLOGY_VALUES = 4
+MAX_TOPOLOGY_CHARS = 63
+
+
+def _pod_index(obj: Mapping[str, Any]) -> int | None:
+    """A waiting entry's pod index, tolerantly: anything but a whole number in
+    0..:data:`MAX_POD_INDEX` is no index, never an error (the entry still joins,
+    ranked by what else it says)."""
+    value = obj.get("index")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_POD_INDEX:
+        return None
+    return value
+
+
+def _topology(obj: Mapping[str, Any]) -> tuple[str, ...]:
+    """A waiting entry's topology values, tolerantly: a list of at most
+    :data:`MAX_TOPOLOGY_VALUES` strings, each cut to :data:`MAX_TOPOLOGY_CHARS`;
+    a value that is not a string reads as "" (its domain is unknown)."""
+    value = obj.get("topology")
+    if not isinstance(value, list):
+        return ()
+    return tuple(item[:MAX_TOPOLOGY_CHARS] if isinstance(item, str) else ""
+                 for item in value[:MAX_TOPOLOGY_VALUES])
+
+
 def _bool(obj: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
     value = obj.get(key, default)
     if not isinstance(value, bool):
@@ -338,6 +367,17 @@ class WaitingNode:
     #: (:class:`elasticrun.api.leases.RenewalClock`): how old the request is,
     #: because ``since`` is the node's clock.  Never stored, not part of equality.
     noticed: dt.datetime | None = field(default=None, compare=False)
+    #: The Pod's index in its workload (an Indexed Job's completion index, a
+    #: StatefulSet's ordinal), as the node says in its join request: orders
+    #: newcomers, and is the rank an indexed newcomer takes where it is free
+    #: (:func:`elasticrun.api.rounds.order_for_ranks`).  Untrusted and bounded
+    #: (:func:`_pod_index`); only ever reorders ranks within the run.
+    index: int | None = None
+    #: The values of the configured topology keys of the node's Node, in the
+    #: keys' order ("" for a key the Node lacks): orders newcomers without an
+    #: index, so that a domain's nodes get consecutive ranks.  Bounded
+    #: (:func:`_topology`).
+    topology: tuple[str, ...] = ()
 
     @property
     def asked_at(self) -> dt.datetime | None:
@@ -354,13 +394,16 @@ class WaitingNode:
             since=_time(item, "since", path),
             pod=_opt_str(item, "pod", path),
             pod_uid=_pod_uid(item, path),
+            index=_pod_index(item),
+            topology=_topology(item),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return _drop_none({
             "name": self.name, "address": self.address, "storePort": self.store_port,
             "since": format_time(self.since) if self.since else None, "pod": self.pod,
-            "podUID": self.pod_uid,
+            "podUID": self.pod_uid, "index": self.index,
+            "topology": list(self.topology) if self.topology else None,
         })
 
 

@@ -7,6 +7,7 @@ exactly what the operator would have, and so it can be unit tested.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -96,7 +97,25 @@ are newer than the stored summary."""
 
 
 def _waiting(run: ElasticRun, waiting: Waiting) -> Sequence[WaitingNode]:
-    return run.status.waiting if waiting is None else waiting
+    return run.status.waiting if waiting is None else with_topology(waiting, run.status.waiting)
+
+
+def with_topology(listed: Sequence[WaitingNode], stored: Sequence[WaitingNode]
+                  ) -> Sequence[WaitingNode]:
+    """The listed join requests, each with the topology values of the run's stored
+    waiting entry for the same node and Pod (name and podUID).
+
+    ``status.waiting[].topology`` is the one home of a waiting node's topology:
+    only the operator can read Nodes, so it fills the values into the entry it
+    summarises, and a node sealing from the join requests it listed (which
+    never carry topology) takes them from there.  An entry of another Pod of
+    the same name gives nothing.
+    """
+    known = {(w.name, w.pod_uid): w.topology for w in stored if w.topology}
+    if not known:
+        return listed
+    return [w if w.topology or (w.name, w.pod_uid) not in known
+            else dataclasses.replace(w, topology=known[(w.name, w.pod_uid)]) for w in listed]
 
 
 def eligible_waiting(run: ElasticRun, waiting: Waiting = None) -> list[WaitingNode]:
@@ -215,19 +234,66 @@ def arrival_key(node: WaitingNode) -> tuple[dt.datetime, str]:
     return (node.arrived or node.since or untrusted.LATEST, node.name)
 
 
-def order_for_ranks(previous: Iterable[Participant],
-                    waiting: Iterable[WaitingNode]) -> list[WaitingNode]:
-    """Survivors first in their old rank order, then newcomers by arrival (:func:`arrival_key`).
+def newcomer_key(node: WaitingNode) -> tuple[bool, int, bool, tuple[str, ...],
+                                             tuple[dt.datetime, str]]:
+    """Newcomers' order: by pod index, then by topology, then by arrival (:func:`arrival_key`).
 
-    Keeping the old order means the old rank 0 stays rank 0 (and keeps hosting
-    the store) whenever it is alive, which torch's lexicographic order does not
-    promise (pytorch/pytorch#67615).
+    Indexed nodes come first, lowest index first (a workload numbers its pods
+    the way its scheduler placed them: Kueue's topology-aware scheduling gives
+    consecutive indexes to one domain); then nodes without an index, grouped
+    by their topology values (nodes whose domain is unknown last); ties by
+    arrival, then name, so the order is total and every reader computes it.
+    """
+    return (node.index is None, node.index or 0, not node.topology, node.topology,
+            arrival_key(node))
+
+
+def order_for_ranks(previous: Iterable[Participant], waiting: Iterable[WaitingNode],
+                    size: int | None = None) -> list[WaitingNode]:
+    """The waiting nodes in rank order: the first ``size`` (all by default) are the
+    round's ranks 0..size-1, the rest, in order, are spares.
+
+    Who is admitted: survivors (members of ``previous``) first, by old rank,
+    then newcomers by :func:`newcomer_key`, up to ``size``.  Without a
+    survivor (a first round, or every member gone) the ranks are that order:
+    consecutive indexes stay consecutive even when some index is missing.
+    With survivors, each admitted node's rank comes from three passes over
+    the round's slots 0..size-1:
+
+    1. every survivor takes its old rank, where that rank is a slot of the new
+       round (so the old rank 0 stays rank 0 whenever it is alive, and keeps
+       hosting the store; torch's lexicographic order does not promise that,
+       pytorch/pytorch#67615);
+    2. every indexed newcomer, in key order, takes the slot of its index where
+       that slot is still free: a replacement for a lost member of the same
+       index gets the lost member's rank back, when ranks were given by index;
+    3. the rest (survivors whose old rank is beyond the new size, then
+       newcomers whose slot was taken or out of range, or who have no index),
+       in the order above, fill the free slots from the lowest up.
+
+    A duplicate index or a rank claimed twice goes to the first claimant in
+    this order; the others are placed in pass 3, so ranks are always 0..size-1.
     """
     old_rank = {p.name: p.rank for p in previous}
     waiting = list(waiting)
-    survivors = sorted((w for w in waiting if w.name in old_rank), key=lambda w: old_rank[w.name])
-    newcomers = sorted((w for w in waiting if w.name not in old_rank), key=arrival_key)
-    return survivors + newcomers
+    survivors = sorted((w for w in waiting if w.name in old_rank),
+                       key=lambda w: (old_rank[w.name], w.name))
+    newcomers = sorted((w for w in waiting if w.name not in old_rank), key=newcomer_key)
+    queue = survivors + newcomers
+    if not survivors:
+        return queue
+    slots = len(queue) if size is None else max(0, min(size, len(queue)))
+    ranked: list[WaitingNode | None] = [None] * slots
+    unplaced: list[WaitingNode] = []
+    for node in queue[:slots]:
+        wanted = old_rank.get(node.name, node.index)
+        if wanted is not None and 0 <= wanted < slots and ranked[wanted] is None:
+            ranked[wanted] = node
+        else:
+            unplaced.append(node)
+    fill = iter(unplaced)
+    ordered = [node if node is not None else next(fill) for node in ranked]
+    return ordered + queue[slots:]
 
 
 def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None,
@@ -242,7 +308,8 @@ def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None,
     receives the whole status with the seal.
     """
     status = run.status
-    ordered = order_for_ranks(status.participants, eligible_waiting(run, waiting))
+    ordered = order_for_ranks(status.participants, eligible_waiting(run, waiting),
+                              run.spec.max_nodes)
     admitted = ordered[: run.spec.max_nodes]
     admitted_names = {w.name for w in admitted}
     new_round = status.round + 1

@@ -336,7 +336,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         assert lease is not None and session is not None
         entry = WaitingNode(name=self.settings.node_name, address=self.settings.address,
                             store_port=self.stores.port, since=now(), pod=self.settings.pod,
-                            pod_uid=self.settings.pod_uid)
+                            pod_uid=self.settings.pod_uid, index=self.settings.pod_index)
         try:
             if lease.acquired:
                 session.call("join the run", lambda: lease.set_join(entry))
