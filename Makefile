@@ -7,7 +7,8 @@
 #   make lint     ruff + mypy
 #   make cluster / cluster-down   a local single-node Kubernetes (kubelet, containerd) for
 #                 kubectl, helm and the examples; CLUSTER_MODE=apiserver for etcd + API server only;
-#                 CLUSTER_ADDONS=kubeflow adds the JobSet and Kubeflow Trainer controllers
+#                 CLUSTER_ADDONS=kubeflow adds the JobSet and Kubeflow Trainer controllers,
+#                 CLUSTER_ADDONS=kueue Kueue's (kubeflow,kueue for all three)
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -49,9 +50,11 @@ node: controlplane
 helm:
 	@bash tests/helmtool/build.sh >/dev/null
 
-# JobSet and Kubeflow Trainer controllers (tests/controlplane/addons), for CLUSTER_ADDONS.
+# JobSet and Kubeflow Trainer controllers (tests/controlplane/addons) and Kueue's
+# (tests/controlplane/kueue, a module of its own), for CLUSTER_ADDONS.
 addons:
 	@bash tests/controlplane/build-addons.sh >/dev/null
+	@bash tests/controlplane/build-addons.sh kueue >/dev/null
 
 test: setup node helm addons
 	CONTROLPLANE_BIN="$(CONTROLPLANE_BIN)" RUNTIME_BIN="$(RUNTIME_BIN)" $(PY) -m pytest $(PYTEST_ARGS)
