@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from owned import create_job, create_owned_pod
 
 from elasticrun.api import crd
+from elasticrun.api.model import Desired
 from elasticrun.api.naming import lease_name
 from elasticrun.handler.handler import ElasticRunForbiddenError
 
@@ -33,13 +35,30 @@ from chartkit import (
     service_account,
     token_kubeconfig,
 )
-from conftest import ROOT, Cluster, ProcessGroup, wait_for
+from conftest import ROOT, Cluster, Kubelet, ProcessGroup, wait_for
 from controlplane.localcluster import clean_env, free_port
-from rdzv import rendezvous_all, run_deleted
+from rdzv import read_run, rendezvous_all, run_deleted
 
 pytest_plugins = ("chartfixtures",)
 
 TRAINER = "elasticrun-trainer"
+#: The workloads whose size the operator reads by name (status.desired): get only.
+OWNER_KINDS = ("jobs.batch", "statefulsets.apps", "jobsets.jobset.x-k8s.io",
+               "trainjobs.trainer.kubeflow.org")
+
+
+def may(cluster: Cluster, user: str, verb: str, kind: str, namespace: str | None = None
+        ) -> bool:
+    """A SubjectAccessReview for ``kind`` (``plural.group``), asked of the API server
+    directly: kubectl's can-i cannot name a resource whose CRD is not installed."""
+    plural, group = kind.split(".", 1)
+    attributes = {"verb": verb, "resource": plural, "group": group,
+                  **({"namespace": namespace} if namespace else {})}
+    review = cluster.client.request(
+        "POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+        body={"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+              "spec": {"user": user, "resourceAttributes": attributes}})
+    return bool(review["status"].get("allowed"))
 
 
 def install_rbac(cluster: Cluster, helm: Helm, release_ns: str, values: dict[str, Any],
@@ -169,6 +188,11 @@ def test_operator_cluster_role_reads_no_secrets_and_writes_only_its_webhook(
         assert can_i(cluster, operator, verb, "pods")
     for verb in ("create", "delete", "patch"):
         assert not can_i(cluster, operator, verb, "pods"), verb
+    for kind in OWNER_KINDS:
+        assert may(cluster, operator, "get", kind, namespace), kind
+        for verb in ("list", "watch", "patch", "update", "delete", "create"):
+            assert not may(cluster, operator, verb, kind, namespace), (verb, kind)
+            assert not may(cluster, operator, verb, kind), (verb, kind)
     for verb in ("get", "list", "watch", "patch", "update", "delete"):
         assert can_i(cluster, operator, verb, "elasticruns.elasticrun.dev"), verb
     # The webhook writes nothing, so the operator never creates runs.
@@ -203,6 +227,10 @@ def test_namespaced_operator_sees_only_its_namespaces(
     for resource in ("pods", "elasticruns.elasticrun.dev", "leases.coordination.k8s.io"):
         assert not can_i(cluster, operator, "list", resource, namespace=other), resource
         assert not can_i(cluster, operator, "list", resource), resource
+    for kind in OWNER_KINDS:
+        assert may(cluster, operator, "get", kind, team), kind
+        assert not may(cluster, operator, "get", kind, other), kind
+        assert not may(cluster, operator, "list", kind, team), kind
     assert not can_i(cluster, operator, "get", "secrets", namespace=team)
     assert can_i(cluster, operator, "watch", "namespaces")  # kopf's namespace patterns
 
@@ -221,6 +249,62 @@ def test_operator_does_its_work_on_the_chart_role_alone(
     install_rbac(cluster, helm, namespace, {
         "trainingNamespaces": [namespace], "operator": {"scope": scope},
         "webhook": {"enabled": False}}, request)  # the webhook's rights: test_webhook.py
+    log_path = _chart_operator(cluster, namespace, processes, tmp_path, scope)
+    # A run whose pod a Job owns: its size is read with the chart's rights.
+    job = create_job(cluster.client, namespace, "sized", "sized", parallelism=3)
+    create_owned_pod(Kubelet(cluster.client, namespace), "sized-0", "sized", job)
+    cluster.apply({"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                   "metadata": {"name": "sized", "namespace": namespace},
+                   "spec": {"minNodes": 1, "maxNodes": 4}})
+    wait_for(lambda: read_run(cluster.client, namespace, "sized").status.desired == Desired(
+        3, "Job/sized", 1), 30, "status.desired from the Job, on the chart's role")
+    _closed_run_is_reported_and_deleted(cluster, namespace)
+    text = log_path.read_text(errors="replace")
+    # RBAC's refusals read 'is forbidden: User "..." cannot <verb> ...'. (A cluster-wide
+    # operator also meets earlier tests' runs in namespaces stuck Terminating, where
+    # the API server forbids new Events for another reason.)
+    refused = refusals(text)
+    assert refused == [], "\n".join(refused[:10])
+
+
+def test_an_operator_that_may_not_read_owners_keeps_todays_rules_and_logs_it_once(
+        cluster: Cluster, helm: Helm, namespace: str, processes: ProcessGroup,
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """The chart's Role without the owner rows (an older chart): every get of the Job is
+    a 403, which is logged once, gives no desired size, and stops nothing else."""
+    install_rbac(cluster, helm, namespace, {
+        "trainingNamespaces": [namespace], "operator": {"scope": "namespaces"},
+        "webhook": {"enabled": False}}, request)
+    path = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{namespace}/roles/{namespace}-operator"
+    role = cluster.client.request("GET", path)
+    groups = {kind.split(".", 1)[1] for kind in OWNER_KINDS}
+    role["rules"] = [r for r in role["rules"] if not set(r["apiGroups"]) & groups]
+    cluster.client.request("PUT", path, body=role)
+    operator = service_account(namespace, namespace)
+    assert not may(cluster, operator, "get", "jobs.batch", namespace)
+    log_path = _chart_operator(cluster, namespace, processes, tmp_path, "namespaces")
+    pods = Kubelet(cluster.client, namespace)
+    job = create_job(cluster.client, namespace, "unsized", "unsized", parallelism=2)
+    for i in range(2):
+        create_owned_pod(pods, f"unsized-{i}", "unsized", job)
+    cluster.apply({"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                   "metadata": {"name": "unsized", "namespace": namespace},
+                   "spec": {"minNodes": 1, "maxNodes": 4}})
+    wait_for(lambda: "Job unsized (403)" in log_path.read_text(errors="replace"), 30,
+             "the operator to log the refused read of the Job")
+    # More pods, more reconciles (and the owner's refresh): still one line, no size.
+    for i in range(2, 4):
+        create_owned_pod(pods, f"unsized-{i}", "unsized", job)
+    _closed_run_is_reported_and_deleted(cluster, namespace)
+    assert read_run(cluster.client, namespace, "unsized").status.desired is None
+    text = log_path.read_text(errors="replace")
+    refused = refusals(text)
+    assert len(refused) == 1 and "may not read Job unsized (403)" in refused[0], refused
+
+
+def _chart_operator(cluster: Cluster, namespace: str, processes: ProcessGroup,
+                    tmp_path: Path, scope: str) -> Path:
+    """The real operator on its chart ServiceAccount's token alone, healthy; its log."""
     token = request_token(cluster, namespace, namespace)  # fullnameOverride = namespace
     kubeconfig = token_kubeconfig(cluster, token, tmp_path / "operator.kubeconfig", namespace)
     port = free_port()
@@ -246,6 +330,11 @@ def test_operator_does_its_work_on_the_chart_role_alone(
             return False
 
     wait_for(healthy, 60, "the operator's /healthz", interval=0.2)
+    return log_path
+
+
+def _closed_run_is_reported_and_deleted(cluster: Cluster, namespace: str) -> None:
+    """The operator's ordinary work: a closed run is reported, TTL-deleted with its Lease."""
     # A labelled pod and Lease to watch, and a closed run that must be reported and deleted.
     cluster.apply({"apiVersion": "v1", "kind": "Pod",
                    "metadata": {"name": "done-0", "namespace": namespace,
@@ -278,9 +367,3 @@ def test_operator_does_its_work_on_the_chart_role_alone(
     leases = cluster.client.request(
         "GET", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases")
     assert [lease["metadata"]["name"] for lease in leases["items"]] == []
-    text = log_path.read_text(errors="replace")
-    # RBAC's refusals read 'is forbidden: User "..." cannot <verb> ...'. (A cluster-wide
-    # operator also meets earlier tests' runs in namespaces stuck Terminating, where
-    # the API server forbids new Events for another reason.)
-    refused = refusals(text)
-    assert refused == [], "\n".join(refused[:10])

@@ -105,13 +105,67 @@ def eligible_waiting(run: ElasticRun, waiting: Waiting = None) -> list[WaitingNo
     return [w for w in _waiting(run, waiting) if w.name not in drained]
 
 
-def decide_seal(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> SealDecision:
-    """torch's rules, with survivors first and one fast path.
+def target_size(run: ElasticRun) -> int | None:
+    """How many nodes a round should hold, as the owner of the run's pods says; None: no say.
+
+    ``min(desired, maxNodes)`` when the operator wrote ``status.desired`` and
+    it reaches ``minNodes``; a desired size below ``minNodes`` cannot form a
+    round, so it is ignored and today's rules stand (the operator reports it
+    on the run).  The size is capped at ``maxNodes``: an owner asking for more
+    than the run admits makes spares, never a larger round.
+    """
+    desired = run.status.desired
+    if desired is None or desired.size < run.spec.min_nodes:
+        return None
+    return min(desired.size, run.spec.max_nodes)
+
+
+def _arrivals(nodes: Iterable[WaitingNode], now: dt.datetime) -> list[dt.datetime]:
+    """When each request was made, by the reader's clock where it noticed it, never later
+    than ``now``, earliest first."""
+    return sorted(min(w.asked_at or now, now) for w in nodes)
+
+
+def announce_due(run: ElasticRun, now: dt.datetime, waiting: Waiting = None
+                 ) -> dt.datetime | None:
+    """When the members of the running round are to hear of the newcomers; None: no rule holds them.
+
+    With a target (:func:`target_size`), the members of a healthy round
+    restart once for all the new nodes: the newcomers are held back until
+    members + newcomers reach the target, or until the last call, counted from
+    when the first of them was noticed, has passed, whichever comes first.
+    None when there is no target, no healthy round, no newcomer, or the round
+    is full (spares beyond ``maxNodes`` never restart it): today's rules.
+    """
+    status = run.status
+    target = target_size(run)
+    if target is None or status.round == 0 or status.degraded \
+            or len(status.participants) >= run.spec.max_nodes:
+        return None
+    members = status.member_names
+    arrivals = _arrivals((w for w in eligible_waiting(run, waiting) if w.name not in members),
+                         now)
+    if not arrivals:
+        return None
+    window = arrivals[0] + dt.timedelta(seconds=run.spec.last_call_timeout)
+    needed = max(1, target - len(members))
+    if len(arrivals) >= needed:
+        return min(arrivals[needed - 1], window)
+    return window
+
+
+def decide_seal(  # noqa: PLR0911 - one return per rule, in their order
+        run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> SealDecision:
+    """torch's rules, with survivors first, fast paths, and the owner's target.
 
     * every remaining member of the current round is waiting again, and there are
       at least ``minNodes``: seal at once.  Waiting out the last call here would
       only add the whole window to every recovery and scale-up.
-    * no current round (or none of it left) and ``maxNodes`` waiting: seal at once.
+    * no current round (or none of it left) and ``maxNodes`` waiting, or the
+      owner's target (:func:`target_size`): seal at once.
+    * beside a healthy round whose members are not told of the newcomers yet
+      (:func:`announce_due`): no seal before they are; from then on a last call
+      of its own, so members who restart at the announcement keep their places.
     * otherwise, with ``minNodes`` waiting: seal once the last-call window, counted
       from the moment the ``minNodes``-th node arrived, has passed.  While members
       of the current round are still on their way back, spares do not take their
@@ -122,8 +176,11 @@ def decide_seal(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> S
         return SealDecision(False, "run is closed")
     eligible = eligible_waiting(run, waiting)
     count = len(eligible)
+    announced = announce_due(run, now, waiting)
     if count < spec.min_nodes:
-        return SealDecision(False, f"{count} of at least {spec.min_nodes} nodes waiting")
+        # Not enough for a round, but the members may have to hear of the newcomers.
+        return SealDecision(False, f"{count} of at least {spec.min_nodes} nodes waiting",
+                            announced if announced is not None and now < announced else None)
     members = status.member_names - run.drained if status.round > 0 else frozenset()
     names = {w.name for w in eligible}
     if members and members <= names:
@@ -131,9 +188,15 @@ def decide_seal(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> S
                                   f"{status.round} are back")
     if not members and count >= spec.max_nodes:
         return SealDecision(True, f"maxNodes ({spec.max_nodes}) reached")
-    # How long each has waited, by the reader's clock where it noticed the request.
-    arrivals = sorted(min(w.asked_at or now, now) for w in eligible)
-    deadline = arrivals[spec.min_nodes - 1] + dt.timedelta(seconds=spec.last_call_timeout)
+    target = target_size(run)
+    if not members and target is not None and count >= target:
+        return SealDecision(True, f"the desired size ({target}) has joined")
+    deadline = _arrivals(eligible, now)[spec.min_nodes - 1] \
+        + dt.timedelta(seconds=spec.last_call_timeout)
+    if members and announced is not None:
+            if now < announced:
+                return SealDecision(False, "newcomers held for the desired size", announced)
+            deadline = max(deadline, announced + dt.timedelta(seconds=spec.last_call_timeout))
     if now >= deadline:
         return SealDecision(True, f"last call ({spec.last_call_timeout}s) passed with {count} "
                                   "nodes")
@@ -245,14 +308,17 @@ def request_restart(status: RunStatus) -> RunStatus | None:
                           signal=next_signal(status.signal))
 
 
-def nodes_waiting(run: ElasticRun, my_round: int, waiting: Waiting = None) -> int:
-    """What ``num_nodes_waiting()`` reports to a member of ``my_round``.
+def nodes_waiting(run: ElasticRun, my_round: int, waiting: Waiting = None, *,
+                  now: dt.datetime) -> int:
+    """What ``num_nodes_waiting()`` reports to a member of ``my_round`` at ``now``.
 
     A round that lost a member or was superseded reports at least one waiting
     node: that is the only hook that makes a healthy torch agent restart its
     workers, so survivors re-form at once instead of hanging in a collective
     (pytorch/pytorch#111646).  Spares beyond ``maxNodes`` are not counted while
-    the round is full, or the members would restart forever.
+    the round is full, or the members would restart forever; newcomers held for
+    the owner's target (:func:`announce_due`) are not counted before they are due,
+    so the members restart once for all of them.
     """
     status = run.status
     if my_round > status.round:
@@ -268,7 +334,9 @@ def nodes_waiting(run: ElasticRun, my_round: int, waiting: Waiting = None) -> in
     rejoining = sum(1 for w in eligible if w.name in members)
     newcomers = len(eligible) - rejoining
     has_room = len(status.participants) < run.spec.max_nodes
-    return rejoining + (newcomers if has_room else 0)
+    due = announce_due(run, now, waiting)
+    told = due is None or now >= due
+    return rejoining + (newcomers if has_room and told else 0)
 
 
 def arrival_index(run: ElasticRun, node: str, waiting: Waiting = None) -> int:
@@ -278,14 +346,15 @@ def arrival_index(run: ElasticRun, node: str, waiting: Waiting = None) -> int:
     return names.index(node) if node in names else len(names)
 
 
-def announce_needed(run: ElasticRun, waiting: Waiting = None) -> bool:
+def announce_needed(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> bool:
     """Whether a waiting node should tell the members of the running round about itself.
 
-    Once per round (``joinNotice``), not while the round already re-forms, and
-    not for a spare beside a full round: its members would have nothing to do.
+    Once per round (``joinNotice``), not while the round already re-forms, not
+    for a spare beside a full round (its members would have nothing to do),
+    and not before the newcomers held for the owner's target are due
+    (:func:`announce_due`).
     """
     status = run.status
     if status.round == 0 or status.degraded or status.join_notice >= status.round:
         return False
-    return nodes_waiting(run, status.round, waiting) > 0
-
+    return nodes_waiting(run, status.round, waiting, now=now) > 0

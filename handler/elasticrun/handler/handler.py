@@ -197,7 +197,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         run = self._session.watcher.latest if self._session is not None else None
         if run is None or self._round == 0:
             return 0
-        return rounds.nodes_waiting(run, self._round)
+        return rounds.nodes_waiting(run, self._round, now=now())
 
     def shutdown(self) -> bool:
         """Leave the membership; never close the run for the others.

@@ -30,6 +30,8 @@ from elasticrun.operator.executor import PlanExecutor
 from elasticrun.operator.liveness import Loss, pod_loss, restart_count
 from elasticrun.operator.metrics import Metrics
 from elasticrun.operator.observer import COMPONENT, Observer
+from elasticrun.operator.ownerreader import OwnerReader
+from elasticrun.operator.owners import NO_OWNER, Ownership, PodView, ownership, pod_view
 from elasticrun.operator.reconcile import Members, missing_leases, reconcile
 from elasticrun.operator.workqueue import Key, WorkQueue
 
@@ -66,6 +68,10 @@ class Controller:
         self.pod_losses: dict[Key, dict[tuple[str, str | None], Loss]] = {}
         #: The restart count first seen per Pod, by (namespace, uid or name).
         self.pod_restarts: dict[tuple[str, str], int] = {}
+        #: The run's pods as counted for its desired size, by uid (or name).
+        self.run_pods: dict[Key, dict[str, PodView]] = {}
+        #: The workloads that own the run's pods, read by name (the source of status.desired).
+        self.owners = OwnerReader(client)
         self.lease_index: Mapping[Key, Iterable[tuple[str, LeaseState]]] | None = None
         #: When the operator saw each Lease of a run renewed, by node: liveness is what
         #: the operator observed, never the time a node wrote.
@@ -135,6 +141,7 @@ class Controller:
             self._missing = {k: v for k, v in self._missing.items() if k[0] != key}
             self.observer.forget(key)
             self.executor.forget(key)
+            self.owners.forget(key)
             self.observer.in_background(
                 self.executor.delete_orphaned_leases(key, meta.get("uid")))
             return
@@ -155,6 +162,7 @@ class Controller:
         key = (namespace, run)
         uid = meta.get("uid") if isinstance(meta.get("uid"), str) and meta.get("uid") else None
         pod_key = (pod, uid)
+        self._track_pod(key, event_type, uid or pod, body)
         first = self.pod_restarts.setdefault((namespace, uid or pod), restart_count(body))
         loss = pod_loss(body, event_type, first)
         if event_type == "DELETED":
@@ -171,6 +179,41 @@ class Controller:
             log.info("%s/%s: %s", namespace, run, loss.message)
         losses[pod_key] = loss
         self.enqueue(key)
+
+    def _track_pod(self, key: Key, event_type: str, pod_key: str,
+                   body: Mapping[str, Any]) -> None:
+        """Keep the pod for the run's desired size; a pod added or gone, or its owner
+        changed, has the run's owners read again.
+
+        Only pods with a controller are kept: a pod nobody owns gives no size
+        and is never counted as coming.
+        """
+        pods = self.run_pods.get(key, {})
+        old = pods.get(pod_key)
+        view = None if event_type == "DELETED" else pod_view(body)
+        if view is not None and view.owner is None:
+            view = None
+        if old == view:
+            return
+        if view is None:
+            pods.pop(pod_key, None)
+            if not pods:
+                self.run_pods.pop(key, None)
+        else:
+            self.run_pods[key] = pods
+            pods[pod_key] = view
+        if old is None or view is None or old.owner != view.owner or old.live != view.live:
+            self.owners.invalidate(key)
+        self.enqueue(key)
+
+    async def _ownership(self, key: Key) -> Ownership:
+        """What the owners of the run's live pods say (read by name, cached per run)."""
+        pods = list(self.run_pods.get(key, {}).values())
+        refs = {p.owner for p in pods if p.owner is not None and p.live}
+        if not refs:
+            self.owners.forget(key)
+            return NO_OWNER
+        return ownership(pods, await asyncio.to_thread(self.owners.resolve, key, refs))
 
     def lease_event(self, body: Mapping[str, Any], event_type: str = "") -> None:
         """A Lease changed: note when the operator saw it (if its run exists), queue the run.
@@ -229,7 +272,8 @@ class Controller:
                 leases[state.node] = state
         return leases
 
-    def _members(self, key: Key, run: ElasticRun, leases: dict[str, LeaseState]) -> Members:
+    def _members(self, key: Key, run: ElasticRun, leases: dict[str, LeaseState],
+                 owned: Ownership = NO_OWNER) -> Members:
         """What the operator knows of the run's members, timed by its own clock.
 
         Every Lease goes through :attr:`renewals` (one not seen before counts
@@ -254,7 +298,7 @@ class Controller:
                                           if uid is not None},
                        missing_since={name: self._missing.get((key, name), at)
                                       for name in missing},
-                       lease_clock_start=self.api.lease_clock_start(at))
+                       lease_clock_start=self.api.lease_clock_start(at), ownership=owned)
 
     async def reconcile(self, key: Key) -> None:
         raw = self.runs.get(key)
@@ -275,7 +319,8 @@ class Controller:
         for node, state in indexed.items():
             await self.observer.report_once(run, node, "UnreadableJoin", state.problem)
         self.observer.retain_problems(key, "UnreadableJoin", set(indexed))
-        members = self._members(key, run, indexed)
+        owned = await self._ownership(key)
+        members = self._members(key, run, indexed, owned)
         plan = reconcile(run, members, now())
         if plan.sealed or plan.delete_leases:
             # The Lease index comes from another watch than the run and may lag
@@ -283,7 +328,7 @@ class Controller:
             # removing a member acts on Lease data, so decide again from a
             # consistent LIST, which is at least as new as the run we hold.
             listed = await self._listed_leases(key, run)
-            members = self._members(key, run, listed)
+            members = self._members(key, run, listed, owned)
             plan = reconcile(run, members, now())
             indexed.update(listed)
         if key in self.renewals:
@@ -292,8 +337,13 @@ class Controller:
         if written is None:
             return
         self._forget_stale_losses(key, written)
-        if plan.wake_at is not None:
-            self.schedule(key, plan.wake_at)
+        wake = plan.wake_at
+        refresh = self.owners.due_in(key)
+        if refresh is not None:
+            owners_at = now() + dt.timedelta(seconds=refresh)
+            wake = owners_at if wake is None else min(wake, owners_at)
+        if wake is not None:
+            self.schedule(key, wake)
 
     def _forget_stale_losses(self, key: Key, run: ElasticRun) -> None:
         losses = self.pod_losses.get(key)

@@ -9,6 +9,7 @@ restarted mid-round decides from the API server's state alone.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from elasticrun.api.leases import LeaseState, pending_joins, suspicion_window
 from elasticrun.api.model import (
     Assignment,
     Condition,
+    Desired,
     ElasticRun,
     LostMember,
     RunStatus,
@@ -25,6 +27,7 @@ from elasticrun.api.model import (
     next_signal,
 )
 from elasticrun.operator.liveness import Loss
+from elasticrun.operator.owners import NO_OWNER, Ownership, coming
 
 #: The handlers seal within milliseconds of the write that made a round
 #: sealable; the operator waits this long before doing it itself, so it is a
@@ -39,6 +42,14 @@ SUSPECT_RECHECK = dt.timedelta(seconds=0.05)
 #: Look at a run again this soon at the earliest for a Lease that expired already
 #: (one that could not be deleted must not make a loop).
 EXPIRED_LEASE_RECHECK = dt.timedelta(seconds=1)
+
+#: The condition saying the owner's desired size does not fit the run (True) or
+#: fits again (False), with its reasons.
+DESIRED_CONDITION = "DesiredMismatch"
+DESIRED_ABOVE_MAX = "DesiredAboveMaxNodes"
+DESIRED_BELOW_MIN = "DesiredBelowMinNodes"
+SEVERAL_OWNERS = "SeveralOwners"
+DESIRED_FITS = "DesiredFits"
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,9 @@ class Members:
     #: No Lease counts as expired before its duration has passed since this
     #: time: when the API server last became reachable (elasticrun.operator.apihealth).
     lease_clock_start: dt.datetime | None = None
+    #: What the owners of the run's pods say (:mod:`elasticrun.operator.owners`):
+    #: the source of ``status.desired``.
+    ownership: Ownership = NO_OWNER
 
 
 @dataclass
@@ -224,9 +238,13 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
     new = _seal_backstop(run, new, now, plan)
     _lease_wakeups(run, new, members, now, plan)
     plan.assignments = _assignments_due(run, new, members)
+    new = _desired(new, members)
     material = new
+    new = _desired_condition(run, _coming(new, members), members, now)
     new = _finish(_conditions(run, new.replace(phase=_phase(new)), now), run.generation)
-    return _write_or_wait(run.status, material, new, now, plan)
+    plan = _write_or_wait(run.status, material, new, now, plan)
+    plan.events += desired_events(run.status, plan.status)
+    return plan
 
 
 # --------------------------------------------------------------------------- finished runs
@@ -435,6 +453,95 @@ def _lease_wakeups(run: ElasticRun, new: RunStatus, members: Members, now: dt.da
         stalled_at = asked + dt.timedelta(seconds=spec.join_timeout) if asked else None
         if stalled_at is not None and stalled_at > now:
             plan.wake(stalled_at)
+
+
+# --------------------------------------------------------------------------- desired size
+
+
+def _desired(new: RunStatus, members: Members) -> RunStatus:
+    """``status.desired`` and ``desiredFrom`` from the owner of the run's pods.
+
+    A new size or source is a change worth writing at once (nodes deciding a
+    seal read it); ``coming`` alone is bookkeeping (:func:`_coming`), so it is
+    carried over here from the status when the size and source stay.
+    """
+    owned = members.ownership
+    if owned.size is None:
+        return new.replace(desired=None)
+    old = new.desired
+    kept = old.coming if old is not None and (old.size, old.source) == (
+        owned.size, owned.source) else 0
+    return new.replace(desired=Desired(size=owned.size, source=owned.source, coming=kept))
+
+
+def _coming(new: RunStatus, members: Members) -> RunStatus:
+    """``status.coming``: the owner's pods that have not asked to join yet.
+
+    A pod has asked when a member, a waiting entry or a join request on a
+    Lease names it: by its uid when the node recorded one, else by pod name.
+    """
+    if new.desired is None:
+        return new
+    entries = [(p.pod or p.name, p.pod_uid) for p in new.participants]
+    entries += [(w.pod or w.name, w.pod_uid) for w in new.waiting]
+    entries += [(lease.join.pod or lease.join.name, lease.join.pod_uid)
+                for lease in members.leases.values() if lease.join is not None]
+    uids = {uid for _, uid in entries if uid is not None}
+    names = {pod for pod, uid in entries if uid is None}
+    return new.replace(desired=dataclasses.replace(
+        new.desired, coming=coming(members.ownership.pods, names, uids)))
+
+
+def desired_problem(run: ElasticRun, new: RunStatus, members: Members
+                    ) -> tuple[str, str] | None:
+    """Why the owner's desired size does not fit the run, as (reason, message); None if
+    it fits (or no owner says)."""
+    conflict = members.ownership.conflict
+    if conflict:
+        return SEVERAL_OWNERS, (f"the run's pods belong to {len(conflict)} workloads "
+                                f"({', '.join(conflict[:4])}): no desired size is followed")
+    desired, spec = new.desired, run.spec
+    if desired is None:
+        return None
+    if desired.size > spec.max_nodes:
+        spares = desired.size - spec.max_nodes
+        return DESIRED_ABOVE_MAX, (
+            f"{desired.source} asks for {desired.size} nodes, more than maxNodes "
+            f"({spec.max_nodes}): {spares} pod(s) will wait as spares and hold their quota")
+    if desired.size < spec.min_nodes:
+        return DESIRED_BELOW_MIN, (
+            f"{desired.source} asks for {desired.size} nodes, fewer than minNodes "
+            f"({spec.min_nodes}): the run cannot form a round")
+    return None
+
+
+def _desired_condition(run: ElasticRun, new: RunStatus, members: Members,
+                       now: dt.datetime) -> RunStatus:
+    """The ``DesiredMismatch`` condition: True with the reason while the size does not
+    fit; once there, False when it fits again."""
+    problem = desired_problem(run, new, members)
+    if problem is None and new.condition(DESIRED_CONDITION) is None:
+        return new
+    reason, message = problem or (DESIRED_FITS, "the owner's desired size fits minNodes..maxNodes"
+                                  if new.desired is not None else "no owner gives a size")
+    return new.replace(conditions=set_condition(new.conditions, DESIRED_CONDITION,
+                                                problem is not None, reason, message, now,
+                                                run.generation))
+
+
+def desired_events(old: RunStatus, written: RunStatus | None) -> list[tuple[str, str, str]]:
+    """One Warning Event when the status about to be written turns the ``DesiredMismatch``
+    condition on, or changes its reason or message: per change, never per reconcile."""
+    if written is None:
+        return []
+    after = written.condition(DESIRED_CONDITION)
+    if after is None or after.status != "True":
+        return []
+    before = old.condition(DESIRED_CONDITION)
+    if before is not None and before.status == "True" and (before.reason, before.message) == (
+            after.reason, after.message):
+        return []
+    return [("Warning", after.reason or DESIRED_CONDITION, after.message or "")]
 
 
 # --------------------------------------------------------------------------- reporting
