@@ -213,7 +213,8 @@ def test_the_kueue_recipe_is_accepted_and_gated_by_kueues_webhook(
     dry = cluster.kubectl("apply", "--dry-run=server", "-n", ns, "-f", str(RECIPE),
                           "-o", "yaml", check=False)
     assert dry.returncode == 0, dry.stderr
-    job = yaml.safe_load(dry.stdout)
+    listed = yaml.safe_load(dry.stdout)
+    (job,) = [d for d in listed.get("items") or [listed] if d["kind"] == "Job"]
     assert job["metadata"]["annotations"][ELASTIC] == "true"
     assert GATE in gates({"spec": job["spec"]["template"]["spec"]})
 
@@ -224,8 +225,8 @@ def test_the_kueue_recipe_is_accepted_and_gated_by_kueues_webhook(
 def apply_recipe(cluster: Cluster, namespace: str, args: list[str]) -> dict[str, Any]:
     """The recipe, localized like the other integrations, its CPU request kept for Kueue."""
     volumes = Path(cluster.require_local().dir) / "node" / "volumes" / namespace
-    (original,) = localize.load(RECIPE)
-    (job,) = localize.localize([original], volumes)
+    (original,) = [d for d in localize.load(RECIPE) if d["kind"] == "Job"]
+    (job,) = localize.localize([original], volumes)  # the claim becomes a host directory
     container = job["spec"]["template"]["spec"]["containers"][0]
     container["command"] = with_args(container["command"], args)
     container["resources"] = original["spec"]["template"]["spec"]["containers"][0]["resources"]
@@ -257,8 +258,10 @@ def scale_up(cluster: Cluster, namespace: str, run: str, first: Any) -> tuple[An
     assert second.status.sealed_at
     fourth_join = max(p.since for p in second.status.participants if p.since)
     up = (second.status.sealed_at - fourth_join).total_seconds()
+    newest = max(p.since for p in second.status.participants if p.name not in old and p.since)
     print(f"{run}: 4th join -> round {second.status.round} of 4 after {up:.2f}s "
-          f"(rounds {first.status.round} -> {second.status.round})")
+          f"(rounds {first.status.round} -> {second.status.round}; the last new node joined "
+          f"{(second.status.sealed_at - newest).total_seconds():.2f}s before it)")
     assert sorted(p.rank for p in second.status.participants) == [0, 1, 2, 3]
     names = {p["metadata"]["name"] for p in four}
     assert {p.name for p in second.status.participants} == names
