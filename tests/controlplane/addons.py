@@ -44,6 +44,10 @@ configuration, the webhook configurations), with these differences:
   ``VisibilityOnDemand=false``);
 - its configuration manages ``batch/job`` only (the chart's list names Ray,
   MPI, AppWrapper, LeaderWorkerSet, ... whose CRDs are not installed here);
+- with its certificate management off it reads its metrics certificate from
+  the fixed path ``/etc/kueue/metrics/certs`` and exits without one: it runs in
+  a private mount namespace whose ``/etc`` is an overlay of the machine's
+  (:data:`_KUEUE_NS`), so the machine's ``/etc`` is never written;
 - a ResourceFlavor and a ClusterQueue (:data:`KUEUE_QUEUES`, CPU quota
   :data:`KUEUE_CPU_QUOTA`, every namespace) are created with it; a test makes
   the LocalQueue in its namespace (:func:`local_queue`).
