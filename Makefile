@@ -11,7 +11,8 @@
 #   make dist     the wheel and the sdist into dist/ (python -m build, offline)
 #   make cluster / cluster-down   a local single-node Kubernetes (kubelet, containerd) for
 #                 kubectl, helm and the examples; CLUSTER_MODE=apiserver for etcd + API server only;
-#                 CLUSTER_ADDONS=kubeflow adds the JobSet and Kubeflow Trainer controllers
+#                 CLUSTER_ADDONS=kubeflow adds the JobSet and Kubeflow Trainer controllers,
+#                 CLUSTER_ADDONS=kueue Kueue's (kubeflow,kueue for all three)
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -58,9 +59,11 @@ helm:
 actionlint:
 	@bash tests/actionlint/build.sh >/dev/null
 
-# JobSet and Kubeflow Trainer controllers (tests/controlplane/addons), for CLUSTER_ADDONS.
+# JobSet and Kubeflow Trainer controllers (tests/controlplane/addons) and Kueue's
+# (tests/controlplane/kueue, a module of its own), for CLUSTER_ADDONS.
 addons:
 	@bash tests/controlplane/build-addons.sh >/dev/null
+	@bash tests/controlplane/build-addons.sh kueue >/dev/null
 
 # What the chart's monitoring kit is checked against: the prometheus-operator CRDs
 # (ServiceMonitor, PodMonitor, PrometheusRule; YAML from its Go module) and
