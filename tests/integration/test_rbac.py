@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from owned import create_job, create_owned_pod
+from test_node_signals import pod_on
 
 from elasticrun.api import crd
 from elasticrun.api.model import Desired
@@ -38,7 +39,7 @@ from chartkit import (
 )
 from conftest import ROOT, Cluster, Kubelet, ProcessGroup, wait_for
 from controlplane.localcluster import clean_env, free_port
-from rdzv import read_run, rendezvous_all, run_deleted
+from rdzv import read_run, rendezvous_all, run_deleted, start_rendezvous
 
 pytest_plugins = ("chartfixtures",)
 
@@ -464,9 +465,6 @@ def test_topology_keys_read_nodes_through_the_same_cluster_role_and_fill_the_sum
     one Nodes ClusterRole (get, list, watch) and ``--topology-keys``, and the operator on
     its token alone watches Nodes without a refusal and writes the zone of a waiting
     node's Node into its entry."""
-    from rdzv import start_rendezvous
-    from test_node_signals import pod_on
-
     zone = "topology.kubernetes.io/zone"
     values: dict[str, Any] = {
         "trainingNamespaces": [namespace], "operator": {"scope": "namespaces"},
