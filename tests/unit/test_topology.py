@@ -171,3 +171,15 @@ def test_the_controller_keeps_node_values_for_the_pods_bound_to_them() -> None:
         await controller.stop()
 
     asyncio.run(scenario())
+
+
+def test_the_operator_flag_is_off_by_default_and_refuses_bad_keys(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from elasticrun.operator.__main__ import parse_args
+
+    assert parse_args([]).topology_keys == ()
+    assert parse_args(["--topology-keys", f"{ZONE},{HOST}"]).topology_keys == KEYS
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--topology-keys", "a,b,c,d,e"])
+    assert exited.value.code == 2
+    assert "--topology-keys: 'a,b,c,d,e': at most 4 keys, 5 given" in capsys.readouterr().err
