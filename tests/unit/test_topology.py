@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_elector import idle_client
 from test_operator_pure import T0
 
-from elasticrun.api.kube import KubeClient
 from elasticrun.api.leases import LeaseState
 from elasticrun.api.model import ElasticRun, RunSpec, RunStatus, WaitingNode
 from elasticrun.operator import topology
@@ -145,9 +145,7 @@ def test_the_controller_keeps_node_values_for_the_pods_bound_to_them() -> None:
     from elasticrun.operator.metrics import Metrics
 
     async def scenario() -> None:
-        client = KubeClient.__new__(KubeClient)
-        client.credentials, client.timeout, client.user_agent, client._pool = (
-            None, 1.0, "ua", None)  # type: ignore[assignment]
+        client = idle_client()
         off = Controller(client, Metrics())
         assert not off.reads_nodes and off._topology(("ns", "r")) is None
         controller = Controller(client, Metrics(), topology_keys=KEYS)
