@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import scale_report
+from bench import resize_report, scale_report
 from bench.stats import growth_exponent, summary
 
 Row = dict[str, Any]
@@ -580,8 +580,10 @@ def render(data: dict[str, Any], plots: list[str]) -> str:
     facts = _formation_tables(data, body)
     facts.update(_events_tables(data, body))
     facts.update(_steady_section(data, body))
+    body += resize_report.section(data)
     target_lines: list[str] = []
     headlines = _targets(facts, target_lines)
+    headlines += resize_report.headlines(data)
     lines += ["## Headlines", ""] + [f"* {h}" for h in headlines] + [""]
     lines += target_lines + body
     del plots

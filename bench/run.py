@@ -3,6 +3,7 @@
 
     python bench/run.py            # full: N = 2..128, 5 repetitions (make bench)
     python bench/run.py --quick    # smoke: N = 2, 4, 8, 2 repetitions (make bench-quick)
+    python bench/run.py --only resize --column after   # one scenario, merged into the JSON
 
 Every backend runs the same workload on the same machine: nodes are real
 rendezvous handlers, as threads spread over a few worker processes.  Servers
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # `python bench/run.py` puts bench/ on the path, not the package's parent.
 sys.path.insert(0, str(ROOT))
 
-from bench import backends, report, scenarios  # noqa: E402
+from bench import backends, report, resize, scenarios  # noqa: E402
 from bench.pool import Pool  # noqa: E402
 from bench.proc import machine  # noqa: E402
 
@@ -174,23 +175,71 @@ def directories(args: argparse.Namespace, prefix: str) -> tuple[Path, Path, Path
     return out, work, log_dir
 
 
+def header(command: str, quick: bool) -> dict[str, Any]:
+    """What a benchmark JSON says about its run, before any number."""
+    return {"command": command, "quick": quick,
+            "plan": asdict(Plan.quick() if quick else Plan()), "machine": machine(),
+            "versions": versions(), "commit": commit(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "backends": {}}
+
+
+def only_resize(args: argparse.Namespace, command: str) -> int:
+    """The resize scenario alone, kept in ``benchmarks.json`` under ``resize.<column>``.
+
+    A whole ``make bench`` takes a quarter of an hour; this measures one column
+    of the Resize section in a few minutes and renders the page again from the
+    JSON, every other section from the numbers already there.
+    """
+    out, work, log_dir = directories(args, "elasticrun-bench-resize-")
+    path = out / "benchmarks.json"
+    plan = resize.ResizePlan.quick() if args.quick else resize.ResizePlan()
+    data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {
+        **header(command, args.quick), "seconds": 0.0}
+    began = time.monotonic()
+    column: dict[str, Any] = {"command": command, "quick": args.quick, "commit": commit(),
+                              "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                              "machine": machine(), "reps": plan.reps}
+    try:
+        column["backends"] = resize.measure(args.backends.split(","), plan, work, log_dir)
+    finally:
+        column["seconds"] = time.monotonic() - began
+    failed = any(b["errors"] for b in column["backends"].values())
+    data.setdefault("resize", {})[args.column] = column
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    if failed:
+        print(f"logs kept in {log_dir}", file=sys.stderr)
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    report.write(data, out)
+    print(f"wrote {out / 'benchmarks.md'} (resize, column {args.column}) in "
+          f"{column['seconds']:.0f}s", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--backends", default=",".join(backends.BACKENDS),
                         help="comma-separated subset of k8s,c10d,etcd-v2")
     parser.add_argument("--no-setup", action="store_true",
                         help="skip bench/setup.sh (etcd-server must already be installed)")
+    parser.add_argument("--only", choices=("resize",), default=None,
+                        help="run this scenario alone (k8s and c10d) and merge its results into "
+                             "<out>/benchmarks.json, leaving the other scenarios' numbers as they "
+                             "are; the page is rendered again from the merged JSON")
+    parser.add_argument("--column", default="now",
+                        help="with --only resize: the column the results are kept under "
+                             "(e.g. before, after); a column measured again is replaced")
     args = parser.parse_args(argv)
     plan = Plan.quick() if args.quick else Plan()
-    if not args.no_setup:
-        ensure_setup()
-    out, work, log_dir = directories(args, "elasticrun-bench-")
     command = "make bench-quick" if args.quick else "make bench"
     if argv is not None or sys.argv[1:] not in ([], ["--quick"]):
         command = "python bench/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    data: dict[str, Any] = {"command": command, "quick": args.quick, "plan": asdict(plan),
-                            "machine": machine(), "versions": versions(), "commit": commit(),
-                            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "backends": {}}
+    if args.only == "resize":
+        return only_resize(args, command)
+    if not args.no_setup:
+        ensure_setup()
+    out, work, log_dir = directories(args, "elasticrun-bench-")
+    data: dict[str, Any] = header(command, args.quick)
     began = time.monotonic()
     failed = False
     try:

@@ -12,6 +12,7 @@ Times are ``time.monotonic()``, which on Linux is the system-wide
 
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import logging
@@ -171,6 +172,79 @@ class Worker:
             result.update(_next_rendezvous(node))
         self._record(result)
 
+    def agent(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """torchrun's agent loop on the selected nodes, each round recorded.
+
+        A node with a time in ``start_at`` first calls ``next_rendezvous()`` then
+        (a newcomer); the others are members of a running round.  Every node
+        then polls ``num_nodes_waiting()`` every ``interval`` and re-rendezvous
+        when it is > 0, as torch's agent restarts its workers, until its round
+        has ``target`` nodes and ``settle`` seconds passed without a signal, or
+        ``until``.  ``fallback_at``: a member never signalled re-enters by
+        itself then, as it would once its collective timed out.
+        """
+        nodes = self._selected(msg)
+        starts = {str(k): float(v) for k, v in (msg.get("start_at") or {}).items()}
+        fallback = msg.get("fallback_at")
+        for node in nodes:
+            self._spawn(self._agent_one, node, starts.get(node.name), float(msg["until"]),
+                        float(msg["interval"]), int(msg["target"]), float(msg["settle"]),
+                        None if fallback is None else float(fallback))
+        return {"started": len(nodes)}
+
+    def _agent_one(self, node: Node, start_at: float | None, until: float, interval: float,
+                   target: int, settle: float, fallback_at: float | None) -> None:
+        rounds: list[dict[str, Any]] = []
+        result: dict[str, Any] = {"kind": "agent", "node": node.name, "rounds": rounds,
+                                  "polls": 0}
+
+        def enter(cause: str) -> bool:
+            entry: dict[str, Any] = {"cause": cause, "t_start": time.monotonic()}
+            entry.update(_next_rendezvous(node))
+            rounds.append(entry)
+            return "error" not in entry
+
+        going = True
+        if start_at is not None:
+            _sleep_until(start_at)
+            going = enter("start")
+        quiet_until: float | None = None
+        while going and time.monotonic() < until:
+            now = time.monotonic()
+            if rounds and rounds[-1].get("world") == target:
+                quiet_until = quiet_until or now + settle
+                if now >= quiet_until:
+                    break
+            try:
+                result["polls"] += 1
+                waiting = node.handler.num_nodes_waiting()
+            except Exception as exc:  # reported to the coordinator
+                result["watch_error"] = f"{type(exc).__name__}: {exc}"
+                break
+            if waiting > 0:
+                going, quiet_until = enter("signal"), None
+            elif fallback_at is not None and not rounds and now >= fallback_at:
+                going, quiet_until = enter("fallback"), None
+            else:
+                time.sleep(interval)
+        self._record(result)
+
+    def last_call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Set the last call of the selected torch handlers to ``seconds``.
+
+        torch keeps it in each handler's settings (the node that sees the
+        ``min_nodes``-th join sets the deadline from its own); the k8s handler
+        reads it from the run's spec, which the coordinator patches instead.
+        """
+        changed = 0
+        for node in self._selected(msg):
+            settings = getattr(node.handler, "_settings", None)
+            if node.counter is not None and settings is not None:
+                settings.timeout._set_timeouts(
+                    last_call=datetime.timedelta(seconds=float(msg["seconds"])))
+                changed += 1
+        return {"changed": changed}
+
     def collect(self, msg: dict[str, Any]) -> dict[str, Any]:
         deadline = time.monotonic() + float(msg.get("timeout", COMMAND_BOUND))
         for thread in self._threads:
@@ -272,6 +346,7 @@ def main() -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     worker = Worker()
     commands = {"build": worker.build, "rendezvous": worker.rendezvous, "watch": worker.watch,
+                "agent": worker.agent, "last_call": worker.last_call,
                 "collect": worker.collect, "shutdown": worker.shutdown,
                 "teardown": worker.teardown, "counters": worker.counters}
     for line in sys.stdin:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -252,10 +252,13 @@ def make_handler(cluster: Cluster, namespace: str) -> Iterator[Callable[..., Any
 # --------------------------------------------------------------------------- operator
 
 
-@pytest.fixture
-def operator(cluster: Cluster, namespace: str, tmp_path: Path,
-             request: pytest.FixtureRequest) -> Iterator[OperatorProcess]:
-    op = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path).start()
+@contextlib.contextmanager
+def running_operator(cluster: Cluster, namespace: str, tmp_path: Path,
+                     request: pytest.FixtureRequest, extra_args: Sequence[str] = ()
+                     ) -> Iterator[OperatorProcess]:
+    """The operator scoped to the test's namespace, stopped after the test; its log
+    tail printed when the test failed."""
+    op = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path, extra_args).start()
     try:
         yield op
     finally:
@@ -263,6 +266,13 @@ def operator(cluster: Cluster, namespace: str, tmp_path: Path,
         report = getattr(request.node, "rep_call", None)
         if report is not None and report.failed:
             print(f"\n--- operator log ---\n{op.log_tail(80)}")
+
+
+@pytest.fixture
+def operator(cluster: Cluster, namespace: str, tmp_path: Path,
+             request: pytest.FixtureRequest) -> Iterator[OperatorProcess]:
+    with running_operator(cluster, namespace, tmp_path, request) as op:
+        yield op
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -1,4 +1,4 @@
-"""JobSet and Kubeflow Trainer on the local cluster: their own controllers, as processes.
+"""JobSet, Kubeflow Trainer and Kueue on the local cluster: their own controllers, as processes.
 
 The binaries come from ``build-addons.sh`` (the wrapper module ``addons/``); the
 objects they need (CRDs, ServiceAccount, RBAC, webhook configurations) are their
@@ -31,7 +31,29 @@ project's helm (``tests/helmtool/build.sh``).  Applied as rendered, except:
 default certificate directory (``$TMPDIR/k8s-webhook-server/serving-certs``) and
 anything else they write under the temp directory stays in the cluster's.
 
+Kueue (v0.19.0, ``cmd/kueue``, its own wrapper module ``kueue/``) is applied
+the same way from its chart (``charts/kueue``: RBAC, the manager's
+configuration, the webhook configurations), with these differences:
+
+- its CRDs are the module's ``config/components/crd/bases/`` as shipped, not the
+  chart's copies, which add a conversion webhook behind the chart's Service
+  (only ``v1beta2`` is used here, the stored version, so nothing is converted);
+- no APIService: the on-demand visibility API (an aggregated API server behind
+  a Service, which would leave the API server's discovery incomplete and
+  namespaces undeletable while unreachable) is off (feature gate
+  ``VisibilityOnDemand=false``);
+- its configuration manages ``batch/job`` only (the chart's list names Ray,
+  MPI, AppWrapper, LeaderWorkerSet, ... whose CRDs are not installed here);
+- with its certificate management off it reads its metrics certificate from
+  the fixed path ``/etc/kueue/metrics/certs`` and exits without one: it runs in
+  a private mount namespace whose ``/etc`` is an overlay of the machine's
+  (:data:`_KUEUE_NS`), so the machine's ``/etc`` is never written;
+- a ResourceFlavor and a ClusterQueue (:data:`KUEUE_QUEUES`, CPU quota
+  :data:`KUEUE_CPU_QUOTA`, every namespace) are created with it; a test makes
+  the LocalQueue in its namespace (:func:`local_queue`).
+
     CLUSTER_ADDONS=kubeflow make cluster      # both; CLUSTER_ADDONS=jobset for JobSet only
+    CLUSTER_ADDONS=kueue make cluster         # Kueue; CLUSTER_ADDONS=kubeflow,kueue for all
 """
 
 from __future__ import annotations
@@ -54,7 +76,29 @@ HERE = Path(__file__).resolve().parent
 MODULE_DIR = HERE / "addons"
 READY_TIMEOUT = 120.0
 #: What ``CLUSTER_ADDONS`` may name, and what each name starts.
-BUNDLES = {"jobset": ("jobset",), "kubeflow": ("jobset", "trainer")}
+BUNDLES = {"jobset": ("jobset",), "kubeflow": ("jobset", "trainer"), "kueue": ("kueue",)}
+#: Kueue's queues in the test bed: one flavor, one ClusterQueue open to every
+#: namespace with a CPU quota a test can exhaust (a LocalQueue per test namespace).
+KUEUE_FLAVOR = "elasticrun-flavor"
+KUEUE_CLUSTER_QUEUE = "elasticrun-queue"
+KUEUE_CPU_QUOTA = "1"
+KUEUE_QUEUES: list[dict[str, Any]] = [
+    {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ResourceFlavor",
+     "metadata": {"name": KUEUE_FLAVOR}},
+    {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "ClusterQueue",
+     "metadata": {"name": KUEUE_CLUSTER_QUEUE},
+     "spec": {"namespaceSelector": {}, "resourceGroups": [{
+         "coveredResources": ["cpu"],
+         "flavors": [{"name": KUEUE_FLAVOR, "resources": [
+             {"name": "cpu", "nominalQuota": KUEUE_CPU_QUOTA}]}]}]}},
+]
+
+
+def local_queue(namespace: str, name: str = "elasticrun") -> dict[str, Any]:
+    """A LocalQueue of the test bed's ClusterQueue in ``namespace``."""
+    return {"apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"clusterQueue": KUEUE_CLUSTER_QUEUE}}
 
 
 #: A JobSet's host-network pod with Trainer's port (its pods carry no Trainer label).
@@ -98,6 +142,10 @@ class Addon:
     #: key of the chart's ConfigMap that holds the controller's configuration
     config_map: str
     helm_values: tuple[str, ...] = ()
+    #: the wrapper module (under tests/controlplane) that pins it: its build cache key
+    module_dir: str = "addons"
+    #: CRDs read from this directory of the module instead of the chart's
+    crds: str = ""
 
 
 JOBSET = Addon("jobset", "sigs.k8s.io/jobset", "charts/jobset", "jobset", "jobset-system",
@@ -106,7 +154,10 @@ TRAINER = Addon("trainer", "github.com/kubeflow/trainer/v2", "charts/kubeflow-tr
                 "kubeflow-trainer", "kubeflow-system", "trainer-controller-manager",
                 "kubeflow-trainer-controller-manager", "kubeflow-trainer-config",
                 ("jobset.install=false",))
-ADDONS = {a.name: a for a in (JOBSET, TRAINER)}
+KUEUE = Addon("kueue", "sigs.k8s.io/kueue", "charts/kueue", "kueue", "kueue-system", "kueue",
+              "kueue-controller-manager", "kueue-manager-config", module_dir="kueue",
+              crds="config/components/crd/bases")
+ADDONS = {a.name: a for a in (JOBSET, TRAINER, KUEUE)}
 
 
 def wanted(spec: str) -> list[Addon]:
@@ -122,41 +173,52 @@ def wanted(spec: str) -> list[Addon]:
     return [ADDONS[n] for n in names]
 
 
-def cached_bin() -> Path | None:
-    """The directory ``build-addons.sh`` fills, if it holds every binary (nothing is built)."""
+def cached_bin(module_dir: str = "addons") -> Path | None:
+    """The directory ``build-addons.sh`` fills for one wrapper module (``addons``: JobSet
+    and Trainer, ``kueue``), if it holds every binary of it (nothing is built)."""
     import hashlib
     import re
 
+    group = [a for a in ADDONS.values() if a.module_dir == module_dir]
     explicit = os.environ.get("ADDONS_BIN")
     if explicit:
         out = Path(explicit)
     else:
-        gomod = (MODULE_DIR / "go.mod").read_text()
+        gomod = (HERE / module_dir / "go.mod").read_text()
 
         def version(module: str) -> str:
             found = re.search(rf"^\s*(?:require\s+)?{re.escape(module)} (v[0-9.]+)", gomod, re.M)
             return found.group(1) if found else "?"
 
-        digest = hashlib.sha256((MODULE_DIR / "go.sum").read_bytes()).hexdigest()[:12]
+        digest = hashlib.sha256((HERE / module_dir / "go.sum").read_bytes()).hexdigest()[:12]
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        out = (cache / "elasticrun" / "addons" /
-               f"jobset-{version(JOBSET.module)}-trainer-{version(TRAINER.module)}-{digest}")
-    return out if all((out / a.binary).is_file() for a in ADDONS.values()) else None
+        key = "-".join(f"{a.name}-{version(a.module)}" for a in group)
+        out = cache / "elasticrun" / "addons" / f"{key}-{digest}"
+    return out if all((out / a.binary).is_file() for a in group) else None
 
 
-def build(addons: Sequence[Addon]) -> Path:
-    """The cached binaries (``build-addons.sh``), building what is missing."""
-    explicit = os.environ.get("ADDONS_BIN")
-    if explicit and all((Path(explicit) / a.binary).exists() for a in addons):
-        return Path(explicit)
-    out = subprocess.run(["bash", str(HERE / "build-addons.sh"), *(a.name for a in addons)],
-                         check=True, stdout=subprocess.PIPE, text=True)
-    return Path(out.stdout.strip().splitlines()[-1])
+def build(addons: Sequence[Addon]) -> dict[str, Path]:
+    """Each add-on's cached binary directory (``build-addons.sh``, one call per wrapper
+    module), building what is missing."""
+    dirs: dict[str, Path] = {}
+    for module_dir in dict.fromkeys(a.module_dir for a in addons):
+        group = [a for a in addons if a.module_dir == module_dir]
+        explicit = os.environ.get("ADDONS_BIN")
+        if explicit and all((Path(explicit) / a.binary).exists() for a in group):
+            out = Path(explicit)
+        else:
+            run = subprocess.run(["bash", str(HERE / "build-addons.sh"),
+                                  *(a.name for a in group)],
+                                 check=True, stdout=subprocess.PIPE, text=True)
+            out = Path(run.stdout.strip().splitlines()[-1])
+        dirs.update((a.name, out) for a in group)
+    return dirs
 
 
-def module_path(module: str) -> Path:
+def module_path(module: str, module_dir: str = "addons") -> Path:
     """The module's directory in the Go module cache (downloaded by the build)."""
-    out = subprocess.run(["go", "list", "-m", "-json", module], cwd=MODULE_DIR, check=True,
+    out = subprocess.run(["go", "list", "-m", "-json", module], cwd=HERE / module_dir,
+                         check=True,
                          capture_output=True, text=True,
                          env={**os.environ, "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=readonly"})
     return Path(json.loads(out.stdout)["Dir"])
@@ -166,7 +228,8 @@ def render(addon: Addon, helm: Path, workdir: Path) -> list[dict[str, Any]]:
     """The add-on's chart from its module, rendered with the release's name and namespace."""
     chart = workdir / "chart"
     shutil.rmtree(chart, ignore_errors=True)
-    shutil.copytree(module_path(addon.module) / addon.chart, chart)
+    source = module_path(addon.module, addon.module_dir)
+    shutil.copytree(source / addon.chart, chart)
     for path in [chart, *chart.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)  # the module cache is read-only
     meta = yaml.safe_load((chart / "Chart.yaml").read_text())
@@ -178,7 +241,17 @@ def render(addon: Addon, helm: Path, workdir: Path) -> list[dict[str, Any]]:
     env = {**clean_env(), "HELM_CACHE_HOME": str(workdir / "helm"),
            "HELM_CONFIG_HOME": str(workdir / "helm"), "HELM_DATA_HOME": str(workdir / "helm")}
     out = subprocess.run(argv, check=True, capture_output=True, text=True, env=env)
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+    docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+    if addon.crds:
+        docs = [d for d in docs if d["kind"] != "CustomResourceDefinition"]
+        docs += [yaml.safe_load(path.read_text())
+                 for path in sorted((source / addon.crds).glob("*.yaml"))]
+    return docs
+
+
+#: What the test bed does not apply from a chart (see the module docstring): the
+#: controller runs as a process, and nothing may need a Service that leads to it.
+DROPPED_KINDS = ("Deployment", "APIService")
 
 
 def adapt(docs: list[dict[str, Any]], port: int, ca_pem: bytes) -> list[dict[str, Any]]:
@@ -188,7 +261,7 @@ def adapt(docs: list[dict[str, Any]], port: int, ca_pem: bytes) -> list[dict[str
     bundle = base64.b64encode(ca_pem).decode()
     kept = []
     for doc in docs:
-        if doc["kind"] == "Deployment":
+        if doc["kind"] in DROPPED_KINDS:
             continue
         if doc["kind"] in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
             for hook in doc.get("webhooks") or []:
@@ -210,10 +283,13 @@ def controller_config(addon: Addon, docs: list[dict[str, Any]], *, webhook_port:
                          "host": "127.0.0.1"}
     config.setdefault("metrics", {})["bindAddress"] = "0"
     config.setdefault("health", {})["healthProbeBindAddress"] = f"127.0.0.1:{health_port}"
-    if addon is JOBSET:
+    if addon is JOBSET or addon is KUEUE:
         config["webhook"]["certDir"] = str(cert_dir)
         config.setdefault("internalCertManagement", {})["enable"] = False
-    else:
+    if addon is KUEUE:
+        config["integrations"] = {"frameworks": ["batch/job"]}
+        config.setdefault("featureGates", {})["VisibilityOnDemand"] = False
+    elif addon is not JOBSET:
         config.setdefault("certManagement", {})["enable"] = False
     return config
 
@@ -227,16 +303,17 @@ class Running:
 
 
 def start(addons: Sequence[Addon], cluster_dir: Path, client: Any, kubectl: Any,
-          helm: Path, bin_dir: Path, free_port: Any) -> list[Running]:
+          helm: Path, bins: dict[str, Path], free_port: Any) -> list[Running]:
     """Apply each add-on's objects, start its controller, wait until its webhook answers.
 
-    ``client`` is the admin KubeClient; ``kubectl(*args, input=...)`` runs kubectl as admin.
+    ``client`` is the admin KubeClient; ``kubectl(*args, input=...)`` runs kubectl as admin;
+    ``bins`` is :func:`build`'s directory of each add-on.
     """
     started: list[Running] = []
     try:
         for addon in addons:
-            started.append(_start_one(addon, cluster_dir, client, kubectl, helm, bin_dir,
-                                      free_port))
+            started.append(_start_one(addon, cluster_dir, client, kubectl, helm,
+                                      bins[addon.name], free_port))
     except BaseException:
         stop(started)
         raise
@@ -275,8 +352,10 @@ def _start_one(addon: Addon, cluster_dir: Path, client: Any, kubectl: Any, helm:
     kubeconfig = _service_account_kubeconfig(client, cluster_dir, addon, d)
     log = open(d / "controller.log", "ab")  # noqa: SIM115 - owned by the child
     env = {**clean_env(), "KUBECONFIG": str(kubeconfig), "TMPDIR": str(tmp)}
-    proc = subprocess.Popen([str(bin_dir / addon.binary), f"--config={d / 'config.yaml'}",
-                             "--zap-log-level=2"], stdout=log, stderr=subprocess.STDOUT,
+    argv = [str(bin_dir / addon.binary), f"--config={d / 'config.yaml'}", "--zap-log-level=2"]
+    if addon is KUEUE:
+        argv = [*_kueue_namespace(d, certs), *argv]
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                             env=env, start_new_session=True, cwd=d)
     log.close()
     running = Running(addon.name, proc.pid, webhook_port, health_port)
@@ -285,10 +364,36 @@ def _start_one(addon: Addon, cluster_dir: Path, client: Any, kubectl: Any, helm:
         if hooks:
             kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
                     input=yaml.safe_dump_all(hooks))
+        if addon is KUEUE:
+            kubectl("apply", "--server-side", "-f", "-", input=yaml.safe_dump_all(KUEUE_QUEUES))
     except BaseException:
         stop([running])
         raise
     return running
+
+
+#: Kueue with its own certificate management off reads its metrics server's
+#: certificate from the fixed path /etc/kueue/metrics/certs (cmd/kueue/main.go)
+#: and exits without it.  It runs in a private mount namespace whose /etc is an
+#: overlay of the machine's, written in the cluster's directory, holding the
+#: cluster's serving certificate there; the machine's /etc is never written.
+#: ``exec`` keeps one PID from unshare to kueue, so it is stopped by its PID.
+_KUEUE_NS = """set -eu
+mount -n -t overlay overlay -o "lowerdir=/etc,upperdir=$1/upper,workdir=$1/work" /etc
+mkdir -p /etc/kueue/metrics/certs
+cp "$2/tls.crt" "$2/tls.key" /etc/kueue/metrics/certs/
+shift 2
+exec "$@"
+"""
+
+
+def _kueue_namespace(d: Path, certs: Path) -> list[str]:
+    """The command prefix that starts Kueue in its mount namespace (see :data:`_KUEUE_NS`)."""
+    etc = d / "etc"
+    for sub in ("upper", "work"):
+        (etc / sub).mkdir(parents=True, exist_ok=True)
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c", _KUEUE_NS, "kueue-ns",
+            str(etc), str(certs)]
 
 
 def _service_account_kubeconfig(client: Any, cluster_dir: Path, addon: Addon,
@@ -338,6 +443,7 @@ def stop(running: Sequence[Running]) -> None:
         stop_pid(r.pid)
 
 
-__all__ = ["ADDONS", "BUNDLES", "JOBSET", "TRAINER", "Addon", "Running", "adapt", "build",
-           "cached_bin",
-           "controller_config", "module_path", "render", "start", "stop", "wanted"]
+__all__ = ["ADDONS", "BUNDLES", "JOBSET", "KUEUE", "KUEUE_CLUSTER_QUEUE", "KUEUE_CPU_QUOTA",
+           "KUEUE_QUEUES", "TRAINER", "Addon", "Running", "adapt", "build", "cached_bin",
+           "controller_config", "local_queue", "module_path", "render", "start", "stop",
+           "wanted"]

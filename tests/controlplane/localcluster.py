@@ -226,7 +226,8 @@ class LocalControlPlane:
         self.extra_apiserver_args = list(extra_apiserver_args)
         self.owner_pid = owner_pid
         self.mode = mode
-        #: ``CLUSTER_ADDONS``' form: "kubeflow" (JobSet + Trainer), "jobset", or "".
+        #: ``CLUSTER_ADDONS``' form: "kubeflow" (JobSet + Trainer), "jobset", "kueue",
+        #: comma-separated, or "".
         self.addons = addons
         self.state: ClusterState | None = None
 
@@ -280,14 +281,15 @@ class LocalControlPlane:
         return state
 
     def _start_addons(self) -> None:
-        """JobSet / Trainer controllers as processes (controlplane.addons), webhooks serving."""
+        """JobSet / Trainer / Kueue controllers as processes (controlplane.addons), webhooks
+        serving."""
         from elasticrun.api.kube import KubeClient, load_credentials
 
         from controlplane import addons as addons_mod
 
         assert self.state
         wanted = addons_mod.wanted(self.addons)
-        bin_dir = addons_mod.build(wanted)
+        bins = addons_mod.build(wanted)
         helm = Path(subprocess.run(["bash", str(HERE.parent / "helmtool" / "build.sh")],
                                    check=True, stdout=subprocess.PIPE, text=True
                                    ).stdout.strip().splitlines()[-1])
@@ -304,7 +306,7 @@ class LocalControlPlane:
 
         client = KubeClient(load_credentials(kubeconfig), timeout=10)
         try:
-            for running in addons_mod.start(wanted, self.dir, client, kubectl, helm, bin_dir,
+            for running in addons_mod.start(wanted, self.dir, client, kubectl, helm, bins,
                                              free_port):
                 self.state.addon_pids[running.name] = running.pid
                 self.state.save()
@@ -575,7 +577,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="node: a complete single-node cluster (default); "
                              "apiserver: etcd + kube-apiserver only")
     parser.add_argument("--addons", default=os.environ.get("CLUSTER_ADDONS", ""),
-                        help="kubeflow (JobSet + Kubeflow Trainer controllers) or jobset; "
+                        help="kubeflow (JobSet + Kubeflow Trainer controllers), jobset, "
+                             "kueue, comma-separated; "
                              "default: $CLUSTER_ADDONS, else none")
     args = parser.parse_args(argv)
     cp = LocalControlPlane(args.dir, mode=args.mode, addons=args.addons)

@@ -42,9 +42,12 @@ def node_cluster() -> Iterator[Cluster]:
         pytest.skip("the local node needs root (a mount namespace, cgroups)")
     tunables, paths = read_tunables(), host_paths()
     workdir = Path(tempfile.mkdtemp(prefix="elasticrun-node-"))
-    # The JobSet and Trainer controllers join the node when they are built (make addons).
+    # The JobSet, Trainer and Kueue controllers join the node when they are built
+    # (make addons).
+    built = [name for name, module_dir in (("kubeflow", "addons"), ("kueue", "kueue"))
+             if addons.cached_bin(module_dir)]
     local = LocalControlPlane(workdir, owner_pid=os.getpid(), mode=NODE,
-                              addons="kubeflow" if addons.cached_bin() else "")
+                              addons=",".join(built))
     try:
         state = local.start()
         client = KubeClient(load_credentials(str(state.kubeconfig)), timeout=30)
@@ -94,8 +97,18 @@ def node_namespace(node_cluster: Cluster) -> Iterator[str]:
 @pytest.fixture
 def addons_cluster(node_cluster: Cluster) -> Cluster:
     """The node cluster, with the JobSet and Kubeflow Trainer controllers running."""
+    return _with_addon(node_cluster, "trainer", "the JobSet and Kubeflow Trainer controllers")
+
+
+@pytest.fixture
+def kueue_cluster(node_cluster: Cluster) -> Cluster:
+    """The node cluster, with Kueue's controller and its ClusterQueue (controlplane.addons)."""
+    return _with_addon(node_cluster, "kueue", "Kueue's controller")
+
+
+def _with_addon(node_cluster: Cluster, name: str, what: str) -> Cluster:
     local = node_cluster.local
-    if local is None or local.state is None or not local.state.addon_pids:
-        pytest.skip("the JobSet and Kubeflow Trainer controllers are not built: run "
-                    "`make addons` (tests/controlplane/build-addons.sh, a few minutes once)")
+    if local is None or local.state is None or name not in local.state.addon_pids:
+        pytest.skip(f"{what} is not built: run `make addons` "
+                    "(tests/controlplane/build-addons.sh, a few minutes once)")
     return node_cluster

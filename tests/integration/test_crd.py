@@ -53,7 +53,8 @@ def test_kubectl_get_er_shows_printer_columns(cluster: Cluster, namespace: str) 
     create(cluster, namespace, "cols", minNodes=2, maxNodes=3)
     out = cluster.kubectl("get", "er", "-n", namespace).stdout
     header = out.splitlines()[0].split()
-    assert header == ["NAME", "PHASE", "ROUND", "MEMBERS", "WAITING", "MIN", "MAX", "AGE"]
+    assert header == ["NAME", "PHASE", "ROUND", "MEMBERS", "WAITING", "DESIRED", "MIN", "MAX",
+                      "AGE"]
     row = out.splitlines()[1].split()
     assert row[0] == "cols" and row[-3:-1] == ["2", "3"]
 

@@ -12,12 +12,13 @@ import re
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 from owned import create_job, create_owned_pod
+from test_node_signals import pod_on
 
 from elasticrun.api import crd
 from elasticrun.api.model import Desired
@@ -30,6 +31,7 @@ from chartkit import (
     by_kind,
     can_i,
     delete_cluster_scoped,
+    one,
     refusals,
     request_token,
     service_account,
@@ -37,7 +39,7 @@ from chartkit import (
 )
 from conftest import ROOT, Cluster, Kubelet, ProcessGroup, wait_for
 from controlplane.localcluster import clean_env, free_port
-from rdzv import read_run, rendezvous_all, run_deleted
+from rdzv import read_run, rendezvous_all, run_deleted, start_rendezvous
 
 pytest_plugins = ("chartfixtures",)
 
@@ -318,7 +320,7 @@ def test_an_operator_that_may_not_read_owners_keeps_todays_rules_and_logs_it_onc
 
 
 def _chart_operator(cluster: Cluster, namespace: str, processes: ProcessGroup,
-                    tmp_path: Path, scope: str) -> Path:
+                    tmp_path: Path, scope: str, extra: Sequence[str] = ()) -> Path:
     """The real operator on its chart ServiceAccount's token alone, healthy; its log."""
     token = request_token(cluster, namespace, namespace)  # fullnameOverride = namespace
     kubeconfig = token_kubeconfig(cluster, token, tmp_path / "operator.kubeconfig", namespace)
@@ -332,7 +334,7 @@ def _chart_operator(cluster: Cluster, namespace: str, processes: ProcessGroup,
              "--kubeconfig", str(kubeconfig), "--verbose",
              # The chart's default: leader election on its Lease in its namespace.
              "--leader-elect", "--leader-elect-resource-namespace", namespace,
-             "--leader-elect-resource-name", f"{namespace}-operator-leader"],
+             "--leader-elect-resource-name", f"{namespace}-operator-leader", *extra],
             stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
             env={**clean_env(), "KUBECONFIG": str(kubeconfig),
                  "PYTHONPATH": os.pathsep.join(str(ROOT / p) for p in ("handler", "operator"))})
@@ -390,3 +392,117 @@ def _closed_run_is_reported_and_deleted(cluster: Cluster, namespace: str) -> Non
         "GET", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases")
     assert [lease["metadata"]["name"] for lease in leases["items"]] == [
         f"{namespace}-operator-leader"]
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["nodeSignals", "without"])
+def test_node_signals_read_nodes_through_the_charts_cluster_role_only_when_enabled(
+        cluster: Cluster, helm: Helm, namespace: str, processes: ProcessGroup,
+        tmp_path: Path, request: pytest.FixtureRequest, enabled: bool) -> None:
+    """scope=namespaces: with nodeSignals the chart adds a ClusterRole to get, list and
+    watch Nodes (and nothing else cluster-wide), the operator on its token alone watches
+    them without a refusal and reports a tainted Node; without it there is no right on
+    Nodes, and the operator (no --node-signals) asks for none."""
+    values: dict[str, Any] = {
+        "trainingNamespaces": [namespace], "operator": {"scope": "namespaces"},
+        "webhook": {"enabled": False}}
+    if enabled:
+        values["nodeSignals"] = {"enabled": True, "defaults": False, "signals": [
+            {"kind": "taint", "key": "example.com/notice", "policy": "observe"}]}
+    docs = install_rbac(cluster, helm, namespace, values, request)
+    operator = service_account(namespace, namespace)
+    node_roles = [d for d in by_kind(docs, "ClusterRole")
+                  if any("nodes" in r.get("resources", []) for r in d["rules"])]
+    for verb in ("get", "list", "watch"):
+        assert can_i(cluster, operator, verb, "nodes") is enabled, verb
+    for verb in ("update", "patch", "delete"):
+        assert not can_i(cluster, operator, verb, "nodes"), verb
+    if not enabled:
+        assert node_roles == []
+        log_path = _chart_operator(cluster, namespace, processes, tmp_path, "namespaces")
+        _closed_run_is_reported_and_deleted(cluster, namespace)
+        text = log_path.read_text(errors="replace")
+        assert refusals(text) == [] and "node signals:" not in text
+        assert "topology keys:" not in text
+        return
+    assert [r["rules"] for r in node_roles] == [[{
+        "apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]]
+    args = one(helm.template("rb", namespace, {**values, "fullnameOverride": namespace}),
+               "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    signal_args = [a for a in args if "node-signal" in a]
+    assert signal_args == ["--node-signals", "--no-default-node-signals",
+                           "--node-signal=taint:example.com/notice:observe"], args
+    log_path = _chart_operator(cluster, namespace, processes, tmp_path, "namespaces",
+                               signal_args)
+    node = f"rbac-{namespace}"
+    cluster.client.request("POST", "/api/v1/nodes", body={
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": node},
+        "spec": {"taints": [{"key": "example.com/notice", "effect": "NoSchedule"}]}})
+    request.addfinalizer(lambda: cluster.client.request("DELETE", f"/api/v1/nodes/{node}"))
+    cluster.apply({"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                   "metadata": {"name": "watched", "namespace": namespace},
+                   "spec": {"minNodes": 1, "maxNodes": 2}})
+    cluster.apply({"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": "watched-0", "namespace": namespace,
+                                "labels": {crd.RUN_LABEL: "watched"}},
+                   "spec": {"nodeName": node, "containers": [{"name": "c", "image": "x"}]}})
+
+    def reported() -> bool:
+        events = cluster.client.request("GET", f"/api/v1/namespaces/{namespace}/events",
+                                        query={"fieldSelector": "reason=NodeSignal"})
+        return any("watched-0" in e.get("message", "") for e in events["items"])
+
+    wait_for(reported, 30, "the NodeSignal Event of the pod on the tainted Node")
+    text = log_path.read_text(errors="replace")
+    assert refusals(text) == [], refusals(text)[:5]
+    assert "node signals: taint:example.com/notice (observe)" in text
+
+
+def test_topology_keys_read_nodes_through_the_same_cluster_role_and_fill_the_summary(
+        cluster: Cluster, helm: Helm, namespace: str, processes: ProcessGroup,
+        tmp_path: Path, request: pytest.FixtureRequest, pods: Kubelet,
+        make_handler: Callable[..., Any]) -> None:
+    """scope=namespaces, nodeSignals off, rankOrder.topologyKeys set: the chart renders the
+    one Nodes ClusterRole (get, list, watch) and ``--topology-keys``, and the operator on
+    its token alone watches Nodes without a refusal and writes the zone of a waiting
+    node's Node into its entry."""
+    zone = "topology.kubernetes.io/zone"
+    values: dict[str, Any] = {
+        "trainingNamespaces": [namespace], "operator": {"scope": "namespaces"},
+        "webhook": {"enabled": False}, "rankOrder": {"topologyKeys": [zone]}}
+    docs = install_rbac(cluster, helm, namespace, values, request)
+    operator = service_account(namespace, namespace)
+    node_roles = [d for d in by_kind(docs, "ClusterRole")
+                  if any("nodes" in r.get("resources", []) for r in d["rules"])]
+    assert [r["rules"] for r in node_roles] == [[{
+        "apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]]
+    for verb in ("get", "list", "watch"):
+        assert can_i(cluster, operator, verb, "nodes"), verb
+    for verb in ("update", "patch", "delete"):
+        assert not can_i(cluster, operator, verb, "nodes"), verb
+    args = one(helm.template("rb", namespace, {**values, "fullnameOverride": namespace}),
+               "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    node_args = [a for a in args if "node-signal" in a or "topology" in a]
+    assert node_args == [f"--topology-keys={zone}"], args
+    log_path = _chart_operator(cluster, namespace, processes, tmp_path, "namespaces",
+                               node_args)
+    node = f"rbac-topo-{namespace}"
+    cluster.client.request("POST", "/api/v1/nodes", body={
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": node, "labels": {zone: "zone-rbac"}}})
+    request.addfinalizer(lambda: cluster.client.request("DELETE", f"/api/v1/nodes/{node}"))
+    cluster.apply({"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                   "metadata": {"name": "placed", "namespace": namespace},
+                   "spec": {"minNodes": 2, "maxNodes": 2}})
+    pod_on(cluster, pods, "placed-0", "placed", node)
+    start_rendezvous(make_handler("placed", "placed-0", min_nodes=2, max_nodes=2,
+                                  pod="placed-0"))
+
+    def entry() -> tuple[str, ...] | None:
+        waiting = read_run(cluster.client, namespace, "placed").status.waiting
+        return next((w.topology for w in waiting if w.name == "placed-0"), None)
+
+    wait_for(lambda: entry() == ("zone-rbac",), 30,
+             f"the waiting entry with its Node's zone (last: {entry()})")
+    text = log_path.read_text(errors="replace")
+    assert refusals(text) == [], refusals(text)[:5]
+    assert f"topology keys: {zone}" in text and "node signals:" not in text

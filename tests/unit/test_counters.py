@@ -14,6 +14,7 @@ import pytest
 from elasticrun.api import crd, leases
 from elasticrun.api.model import (
     CONDITIONS_KEPT,
+    MAX_TOPOLOGY_VALUES,
     Condition,
     InvalidRunError,
     RunStatus,
@@ -67,7 +68,9 @@ def test_every_list_of_the_status_has_max_items() -> None:
     status = {"type": "object", "properties": crd.status_properties()}
     sizes = {path: s.get("maxItems") for path, s in _lists(status, "status")}
     assert sizes == {"status.participants": 2048, "status.waiting": 4096,
-                     "status.lostMembers": 16, "status.conditions": CONDITIONS_KEPT}
+                     "status.lostMembers": 16, "status.conditions": CONDITIONS_KEPT,
+                     "status.excludedPods": 4096,
+                     "status.waiting[].topology": MAX_TOPOLOGY_VALUES}
     assert sizes["status.participants"] >= crd.spec_maximum("maxNodes")
 
 

@@ -85,10 +85,10 @@ def test_closed_and_drained_nodes_are_not_sealed() -> None:
 # --------------------------------------------------------------------------- ranks
 
 
-def test_order_for_ranks_keeps_survivors_then_newcomers_by_arrival() -> None:
-    previous = sealed("b", "a", "c").participants  # b was rank 0
+def test_order_for_ranks_keeps_survivors_at_their_ranks_newcomers_fill_by_arrival() -> None:
+    previous = sealed("b", "a", "c").participants  # b was rank 0, c rank 2; a is gone
     order = rounds.order_for_ranks(previous, (*waiting("z", "y", since=10), *waiting("c", "b")))
-    assert [w.name for w in order] == ["b", "c", "z", "y"]
+    assert [w.name for w in order] == ["b", "z", "c", "y"]
 
 
 def test_order_for_ranks_breaks_arrival_ties_by_name() -> None:
@@ -128,15 +128,15 @@ def test_remove_member_marks_the_round_and_signals_once() -> None:
 
 def test_nodes_waiting_reports_losses_and_newcomers_but_not_spares_of_a_full_round() -> None:
     full = sealed("a", "b")
-    assert rounds.nodes_waiting(run(full, max_nodes=2), 1) == 0
+    assert rounds.nodes_waiting(run(full, max_nodes=2), 1, now=at(1)) == 0
     spare = full.replace(waiting=waiting("s"))
-    assert rounds.nodes_waiting(run(spare, max_nodes=2), 1) == 0  # no room: keep training
-    assert rounds.nodes_waiting(run(spare, max_nodes=3), 1) == 1  # room: re-form
+    assert rounds.nodes_waiting(run(spare, max_nodes=2), 1, now=at(1)) == 0  # no room
+    assert rounds.nodes_waiting(run(spare, max_nodes=3), 1, now=at(1)) == 1  # room: re-form
     lost = rounds.remove_member(full, "b", "PodFailed", at(1))
     assert lost is not None
-    assert rounds.nodes_waiting(run(lost, max_nodes=2), 1) >= 1
+    assert rounds.nodes_waiting(run(lost, max_nodes=2), 1, now=at(1)) >= 1
     newer = sealed("a", "b", round_=2)
-    assert rounds.nodes_waiting(run(newer, max_nodes=2), 1) >= 1  # superseded
+    assert rounds.nodes_waiting(run(newer, max_nodes=2), 1, now=at(1)) >= 1  # superseded
 
 
 # --------------------------------------------------------------------------- join requests
@@ -230,8 +230,8 @@ def test_a_member_told_on_its_lease_hears_of_nobody_waiting_from_an_older_copy()
     # The copy predates round 2, which the node learned of on its Lease; the
     # waiting summary in it is the requests round 2 answered.
     older = run(sealed("a", "b").replace(waiting=waiting("a", "b"), restart_round=1))
-    assert rounds.nodes_waiting(older, 1) > 0
-    assert rounds.nodes_waiting(older, 2) == 0
+    assert rounds.nodes_waiting(older, 1, now=at(1)) > 0
+    assert rounds.nodes_waiting(older, 2, now=at(1)) == 0
 
 
 def test_a_members_assignment_is_its_place_in_the_round() -> None:

@@ -140,7 +140,7 @@ def _decide_everything(leases: list[Any]) -> None:
             if decision.seal_now:
                 rounds.seal_round(view, when)
             rounds.order_for_ranks(status.participants, pending)
-            rounds.nodes_waiting(view, 1)
+            rounds.nodes_waiting(view, 1, now=when)
             for large in (False, True):
                 sized = _run(status, max_nodes=256) if large else _run(status)
                 plan = reconcile(sized, Members(leases=by_node), when)

@@ -66,6 +66,15 @@ def test_without_annotations_only_backend_id_restarts_and_pod_identity_are_set()
     assert env["PET_MAX_RESTARTS"] == str(webhook.DEFAULT_MAX_RESTARTS)
 
 
+def test_a_statefulset_pod_reads_its_index_from_its_label_and_a_job_pod_gets_none() -> None:
+    labels = {webhook.RUN_LABEL: "r", webhook.POD_INDEX_LABEL: "3"}
+    env = env_of(webhook.mutated(pod(labels))["spec"]["containers"][0])
+    assert env["ELASTICRUN_POD_INDEX"] == {"fieldRef": {
+        "apiVersion": "v1", "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    job_pod = pod({webhook.RUN_LABEL: "r", "batch.kubernetes.io/job-completion-index": "3"})
+    assert "ELASTICRUN_POD_INDEX" not in env_of(webhook.mutated(job_pod)["spec"]["containers"][0])
+
+
 def test_a_containers_own_max_restarts_is_kept() -> None:
     """torchrun's default of 0 restarts is replaced, a value the user wrote is not."""
     spec = pod({webhook.RUN_LABEL: "r"})

@@ -1,46 +1,69 @@
-"""The wheel a user installs: its license, its console scripts, a plugin without torch.
+"""The wheel and sdist a user installs: license, console scripts, a plugin without torch.
 
-The wheel is built from a copy of the sources (so the checkout gains no
-``build/``), offline, with the venv's setuptools: about two seconds.
+Both are built by ``python -m build --no-isolation`` (tests/wheelkit.py) from a
+copy of the sources, offline, with the venv's setuptools: a few seconds. The
+wheel is built from the sdist, as a release builds it, so a file the sdist
+forgets is missing from the wheel too. tests/integration/test_wheel_install.py
+installs the wheel into a fresh venv and runs a torchrun round from it.
 """
 
 from __future__ import annotations
 
 import email
 import hashlib
-import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from wheelkit import Dists, build_dists
+
 ROOT = Path(__file__).resolve().parents[2]
 #: sha256 of the Apache License 2.0 as the ASF publishes it (LICENSE-2.0.txt).
 APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "handler", "operator", "deploy/crds")
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[zipfile.ZipFile]:
-    work = tmp_path_factory.mktemp("wheel")
-    src = work / "src"
-    for name in SOURCES:
-        source, target = ROOT / name, src / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if source.is_dir():
-            shutil.copytree(source, target, symlinks=True,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-        else:
-            shutil.copy2(source, target)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "--no-index", "-q", "-w", str(work / "dist"), str(src)],
-                   check=True, capture_output=True, timeout=240)
-    (built,) = (work / "dist").glob("elasticrun-*.whl")
-    with zipfile.ZipFile(built) as archive:
+def dists(tmp_path_factory: pytest.TempPathFactory) -> Dists:
+    return build_dists(tmp_path_factory.mktemp("dists"))
+
+
+@pytest.fixture(scope="module")
+def wheel(dists: Dists) -> Iterator[zipfile.ZipFile]:
+    with zipfile.ZipFile(dists.wheel) as archive:
         yield archive
+
+
+def test_the_sdist_carries_the_license_and_the_crd_as_a_real_file(dists: Dists) -> None:
+    stem = dists.sdist.name.removesuffix(".tar.gz")
+    with tarfile.open(dists.sdist) as tar:
+        members = {m.name.removeprefix(stem + "/"): m for m in tar.getmembers()
+                   if m.name != stem}
+        crd = members["handler/elasticrun/api/crd.yaml"]
+        assert crd.isfile(), "the sdist must hold the CRD, not the link to deploy/crds"
+        text = tar.extractfile(crd).read()  # type: ignore[union-attr]
+        license_text = tar.extractfile(members["LICENSE"]).read()  # type: ignore[union-attr]
+    assert text == (ROOT / "deploy" / "crds" / "elasticrun.dev_elasticruns.yaml").read_bytes()
+    assert license_text == (ROOT / "LICENSE").read_bytes()
+    assert {"pyproject.toml", "README.md", "PKG-INFO"} <= set(members)
+    # Only the packages and their metadata: no tests, charts or caches.
+    tops = {name.split("/")[0] for name in members}
+    assert tops <= {"LICENSE", "README.md", "PKG-INFO", "pyproject.toml", "setup.cfg",
+                    "elasticrun.egg-info", "handler", "operator"}, tops
+
+
+def test_the_wheel_holds_exactly_the_four_packages(wheel: zipfile.ZipFile) -> None:
+    tops = {n.split("/")[0] for n in wheel.namelist()}
+    assert tops == {"elasticrun", "elasticrun-0.1.0.dist-info"}
+    packages = {"/".join(n.split("/")[:2]) for n in wheel.namelist()
+                if n.startswith("elasticrun/")}
+    assert packages == {"elasticrun/api", "elasticrun/handler", "elasticrun/cli",
+                        "elasticrun/operator"}
+    assert not any("__pycache__" in n or n.endswith(".pyc") for n in wheel.namelist())
 
 
 def _dist_info(wheel: zipfile.ZipFile, name: str) -> str:

@@ -253,7 +253,9 @@ def read_join(node: str | None, raw: Any, where: str) -> tuple[WaitingNode | Non
         return None, None
     try:
         fields = untrusted.json_object(raw)
-        join = WaitingNode.from_dict({**fields, "name": node}, where)
+        # A Pod cannot read its Node's labels: topology values are the operator's
+        # to fill into the run's waiting entry (``rounds.with_topology``), never the node's.
+        join = WaitingNode.from_dict({**fields, "name": node, "topology": None}, where)
     except (untrusted.UnreadableError, InvalidRunError) as exc:
         return None, f"{where}: join request ignored: {exc}"
     if join.since is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -152,6 +152,35 @@ def _pod_uid(obj: Mapping[str, Any], path: str) -> str | None:
     if value is not None and not 0 < len(value) <= MAX_POD_UID:
         raise InvalidRunError(f"{path}.podUID", f"expected 1 to {MAX_POD_UID} characters")
     return value
+
+
+#: The largest pod index a waiting entry keeps (the CRD's int32 maximum); any
+#: other value of ``index`` reads as no index.
+MAX_POD_INDEX = 2**31 - 1
+#: At most this many topology values per entry, each cut to a label value's 63 characters.
+MAX_TOPOLOGY_VALUES = 4
+MAX_TOPOLOGY_CHARS = 63
+
+
+def _pod_index(obj: Mapping[str, Any]) -> int | None:
+    """A waiting entry's pod index, tolerantly: anything but a whole number in
+    0..:data:`MAX_POD_INDEX` is no index, never an error (the entry still joins,
+    ranked by what else it says)."""
+    value = obj.get("index")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_POD_INDEX:
+        return None
+    return value
+
+
+def _topology(obj: Mapping[str, Any]) -> tuple[str, ...]:
+    """A waiting entry's topology values, tolerantly: a list of at most
+    :data:`MAX_TOPOLOGY_VALUES` strings, each cut to :data:`MAX_TOPOLOGY_CHARS`;
+    a value that is not a string reads as "" (its domain is unknown)."""
+    value = obj.get("topology")
+    if not isinstance(value, list):
+        return ()
+    return tuple(item[:MAX_TOPOLOGY_CHARS] if isinstance(item, str) else ""
+                 for item in value[:MAX_TOPOLOGY_VALUES])
 
 
 def _bool(obj: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
@@ -338,6 +367,17 @@ class WaitingNode:
     #: (:class:`elasticrun.api.leases.RenewalClock`): how old the request is,
     #: because ``since`` is the node's clock.  Never stored, not part of equality.
     noticed: dt.datetime | None = field(default=None, compare=False)
+    #: The Pod's index in its workload (an Indexed Job's completion index, a
+    #: StatefulSet's ordinal), as the node says in its join request: orders
+    #: newcomers, and is the rank an indexed newcomer takes where it is free
+    #: (:func:`elasticrun.api.rounds.order_for_ranks`).  Untrusted and bounded
+    #: (:func:`_pod_index`); only ever reorders ranks within the run.
+    index: int | None = None
+    #: The values of the configured topology keys of the node's Node, in the
+    #: keys' order ("" for a key the Node lacks): orders newcomers without an
+    #: index, so that a domain's nodes get consecutive ranks.  Bounded
+    #: (:func:`_topology`).
+    topology: tuple[str, ...] = ()
 
     @property
     def asked_at(self) -> dt.datetime | None:
@@ -354,13 +394,16 @@ class WaitingNode:
             since=_time(item, "since", path),
             pod=_opt_str(item, "pod", path),
             pod_uid=_pod_uid(item, path),
+            index=_pod_index(item),
+            topology=_topology(item),
         )
 
     def to_dict(self) -> dict[str, Any]:
         return _drop_none({
             "name": self.name, "address": self.address, "storePort": self.store_port,
             "since": format_time(self.since) if self.since else None, "pod": self.pod,
-            "podUID": self.pod_uid,
+            "podUID": self.pod_uid, "index": self.index,
+            "topology": list(self.topology) if self.topology else None,
         })
 
 
@@ -491,6 +534,12 @@ class RunStatus:
     observed_generation: int | None = None
     #: The owner's desired size (see :class:`Desired`); None when no owner says.
     desired: Desired | None = None
+    #: The run's pods on a Node showing an ``exclude`` or ``drain`` signal
+    #: (``--node-signal``): a member or waiting node whose ``pod`` is one of them is
+    #: held back from the next rounds.  By pod, because the operator knows a pod's
+    #: Node before its node joins.  Only the operator writes it; nodes carry it
+    #: through their replace of the status.
+    excluded_pods: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------ derived views
 
@@ -581,6 +630,10 @@ class RunStatus:
             waiting_count=_opt_count(obj, "waitingCount", "status"),
             observed_generation=_opt_count(obj, "observedGeneration", "status"),
             desired=Desired.from_status(obj),
+            excluded_pods=tuple(
+                _str({"pod": item}, "pod", f"status.excludedPods[{i}]")
+                for i, item in enumerate(_list(obj.get("excludedPods"),
+                                               "status.excludedPods"))),
         )
         parsed._check_consistent()
         return parsed
@@ -644,6 +697,7 @@ class RunStatus:
             "observedGeneration": (capped(self.observed_generation)
                                    if self.observed_generation is not None else None),
             **(self.desired.to_status() if self.desired else {}),
+            "excludedPods": list(self.excluded_pods[:WAITING_KEPT]) or None,
         })
 
     def replace(self, **changes: Any) -> RunStatus:
@@ -677,6 +731,13 @@ class ElasticRun:
     def drained(self) -> frozenset[str]:
         raw = self.annotations.get(crd.DRAIN_ANNOTATION, "")
         return frozenset(n.strip() for n in raw.split(",") if n.strip())
+
+    def held_back(self, entries: Iterable[Participant | WaitingNode]) -> frozenset[str]:
+        """The names of ``entries`` that stay waiting, unadmitted: drained by the user's
+        annotation, or on a pod the operator excluded (``status.excludedPods``)."""
+        drained, excluded = self.drained, frozenset(self.status.excluded_pods)
+        return frozenset(e.name for e in entries
+                         if e.name in drained or (e.pod or e.name) in excluded)
 
 
 def parse_run(obj: Mapping[str, Any]) -> ElasticRun:

@@ -7,6 +7,7 @@ exactly what the operator would have, and so it can be unit tested.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -96,22 +97,96 @@ are newer than the stored summary."""
 
 
 def _waiting(run: ElasticRun, waiting: Waiting) -> Sequence[WaitingNode]:
-    return run.status.waiting if waiting is None else waiting
+    return run.status.waiting if waiting is None else with_topology(waiting, run.status.waiting)
+
+
+def with_topology(listed: Sequence[WaitingNode], stored: Sequence[WaitingNode]
+                  ) -> Sequence[WaitingNode]:
+    """The listed join requests, each with the topology values of the run's stored
+    waiting entry for the same node and Pod (name and podUID).
+
+    ``status.waiting[].topology`` is the one home of a waiting node's topology:
+    only the operator can read Nodes, so it fills the values into the entry it
+    summarises, and a node sealing from the join requests it listed (which
+    never carry topology) takes them from there.  An entry of another Pod of
+    the same name gives nothing.
+    """
+    known = {(w.name, w.pod_uid): w.topology for w in stored if w.topology}
+    if not known:
+        return listed
+    return [w if w.topology or (w.name, w.pod_uid) not in known
+            else dataclasses.replace(w, topology=known[(w.name, w.pod_uid)]) for w in listed]
 
 
 def eligible_waiting(run: ElasticRun, waiting: Waiting = None) -> list[WaitingNode]:
-    """Waiting nodes that may be admitted (drained nodes stay waiting, unadmitted)."""
-    drained = run.drained
-    return [w for w in _waiting(run, waiting) if w.name not in drained]
+    """Waiting nodes that may be admitted (drained nodes and nodes on an excluded pod stay
+    waiting, unadmitted: :meth:`ElasticRun.held_back`)."""
+    entries = _waiting(run, waiting)
+    held = run.held_back(entries)
+    return [w for w in entries if w.name not in held]
 
 
-def decide_seal(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> SealDecision:
-    """torch's rules, with survivors first and one fast path.
+def target_size(run: ElasticRun) -> int | None:
+    """How many nodes a round should hold, as the owner of the run's pods says; None: no say.
+
+    ``min(desired, maxNodes)`` when the operator wrote ``status.desired`` and
+    it reaches ``minNodes``; a desired size below ``minNodes`` cannot form a
+    round, so it is ignored and today's rules stand (the operator reports it
+    on the run).  The size is capped at ``maxNodes``: an owner asking for more
+    than the run admits makes spares, never a larger round.
+    """
+    desired = run.status.desired
+    if desired is None or desired.size < run.spec.min_nodes:
+        return None
+    return min(desired.size, run.spec.max_nodes)
+
+
+def _arrivals(nodes: Iterable[WaitingNode], now: dt.datetime) -> list[dt.datetime]:
+    """When each request was made, by the reader's clock where it noticed it, never later
+    than ``now``, earliest first."""
+    return sorted(min(w.asked_at or now, now) for w in nodes)
+
+
+def announce_due(run: ElasticRun, now: dt.datetime, waiting: Waiting = None
+                 ) -> dt.datetime | None:
+    """When the members of the running round are to hear of the newcomers; None: no rule holds them.
+
+    With a target (:func:`target_size`), the members of a healthy round
+    restart once for all the new nodes: the newcomers are held back until
+    members + newcomers reach the target, or until the last call, counted from
+    when the first of them was noticed, has passed, whichever comes first.
+    None when there is no target, no healthy round, no newcomer, or the round
+    is full (spares beyond ``maxNodes`` never restart it): today's rules.
+    """
+    status = run.status
+    target = target_size(run)
+    if target is None or status.round == 0 or status.degraded \
+            or len(status.participants) >= run.spec.max_nodes:
+        return None
+    members = status.member_names
+    arrivals = _arrivals((w for w in eligible_waiting(run, waiting) if w.name not in members),
+                         now)
+    if not arrivals:
+        return None
+    window = arrivals[0] + dt.timedelta(seconds=run.spec.last_call_timeout)
+    needed = max(1, target - len(members))
+    if len(arrivals) >= needed:
+        return min(arrivals[needed - 1], window)
+    return window
+
+
+def decide_seal(  # noqa: PLR0911 - one return per rule, in their order
+        run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> SealDecision:
+    """torch's rules, with survivors first, fast paths, and the owner's target.
 
     * every remaining member of the current round is waiting again, and there are
       at least ``minNodes``: seal at once.  Waiting out the last call here would
       only add the whole window to every recovery and scale-up.
-    * no current round (or none of it left) and ``maxNodes`` waiting: seal at once.
+    * no current round (or none of it left) and ``maxNodes`` waiting, or the
+      owner's target (:func:`target_size`): seal at once.
+    * beside a healthy round whose members are not told of the newcomers yet
+      (:func:`announce_due`): no seal before they are; from then on a last call
+      of its own, so members who restart at the announcement keep their places.
     * otherwise, with ``minNodes`` waiting: seal once the last-call window, counted
       from the moment the ``minNodes``-th node arrived, has passed.  While members
       of the current round are still on their way back, spares do not take their
@@ -122,18 +197,28 @@ def decide_seal(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> S
         return SealDecision(False, "run is closed")
     eligible = eligible_waiting(run, waiting)
     count = len(eligible)
+    announced = announce_due(run, now, waiting)
     if count < spec.min_nodes:
-        return SealDecision(False, f"{count} of at least {spec.min_nodes} nodes waiting")
-    members = status.member_names - run.drained if status.round > 0 else frozenset()
+        # Not enough for a round, but the members may have to hear of the newcomers.
+        return SealDecision(False, f"{count} of at least {spec.min_nodes} nodes waiting",
+                            announced if announced is not None and now < announced else None)
+    members = status.member_names - run.held_back(status.participants) if status.round > 0 \
+        else frozenset()
     names = {w.name for w in eligible}
     if members and members <= names:
         return SealDecision(True, f"all {len(members)} remaining members of round "
                                   f"{status.round} are back")
     if not members and count >= spec.max_nodes:
         return SealDecision(True, f"maxNodes ({spec.max_nodes}) reached")
-    # How long each has waited, by the reader's clock where it noticed the request.
-    arrivals = sorted(min(w.asked_at or now, now) for w in eligible)
-    deadline = arrivals[spec.min_nodes - 1] + dt.timedelta(seconds=spec.last_call_timeout)
+    target = target_size(run)
+    if not members and target is not None and count >= target:
+        return SealDecision(True, f"the desired size ({target}) has joined")
+    deadline = _arrivals(eligible, now)[spec.min_nodes - 1] \
+        + dt.timedelta(seconds=spec.last_call_timeout)
+    if members and announced is not None:
+        if now < announced:
+            return SealDecision(False, "newcomers held for the desired size", announced)
+        deadline = max(deadline, announced + dt.timedelta(seconds=spec.last_call_timeout))
     if now >= deadline:
         return SealDecision(True, f"last call ({spec.last_call_timeout}s) passed with {count} "
                                   "nodes")
@@ -149,19 +234,66 @@ def arrival_key(node: WaitingNode) -> tuple[dt.datetime, str]:
     return (node.arrived or node.since or untrusted.LATEST, node.name)
 
 
-def order_for_ranks(previous: Iterable[Participant],
-                    waiting: Iterable[WaitingNode]) -> list[WaitingNode]:
-    """Survivors first in their old rank order, then newcomers by arrival (:func:`arrival_key`).
+def newcomer_key(node: WaitingNode) -> tuple[bool, int, bool, tuple[str, ...],
+                                             tuple[dt.datetime, str]]:
+    """Newcomers' order: by pod index, then by topology, then by arrival (:func:`arrival_key`).
 
-    Keeping the old order means the old rank 0 stays rank 0 (and keeps hosting
-    the store) whenever it is alive, which torch's lexicographic order does not
-    promise (pytorch/pytorch#67615).
+    Indexed nodes come first, lowest index first (a workload numbers its pods
+    the way its scheduler placed them: Kueue's topology-aware scheduling gives
+    consecutive indexes to one domain); then nodes without an index, grouped
+    by their topology values (nodes whose domain is unknown last); ties by
+    arrival, then name, so the order is total and every reader computes it.
+    """
+    return (node.index is None, node.index or 0, not node.topology, node.topology,
+            arrival_key(node))
+
+
+def order_for_ranks(previous: Iterable[Participant], waiting: Iterable[WaitingNode],
+                    size: int | None = None) -> list[WaitingNode]:
+    """The waiting nodes in rank order: the first ``size`` (all by default) are the
+    round's ranks 0..size-1, the rest, in order, are spares.
+
+    Who is admitted: survivors (members of ``previous``) first, by old rank,
+    then newcomers by :func:`newcomer_key`, up to ``size``.  Without a
+    survivor (a first round, or every member gone) the ranks are that order:
+    consecutive indexes stay consecutive even when some index is missing.
+    With survivors, each admitted node's rank comes from three passes over
+    the round's slots 0..size-1:
+
+    1. every survivor takes its old rank, where that rank is a slot of the new
+       round (so the old rank 0 stays rank 0 whenever it is alive, and keeps
+       hosting the store; torch's lexicographic order does not promise that,
+       pytorch/pytorch#67615);
+    2. every indexed newcomer, in key order, takes the slot of its index where
+       that slot is still free: a replacement for a lost member of the same
+       index gets the lost member's rank back, when ranks were given by index;
+    3. the rest (survivors whose old rank is beyond the new size, then
+       newcomers whose slot was taken or out of range, or who have no index),
+       in the order above, fill the free slots from the lowest up.
+
+    A duplicate index or a rank claimed twice goes to the first claimant in
+    this order; the others are placed in pass 3, so ranks are always 0..size-1.
     """
     old_rank = {p.name: p.rank for p in previous}
     waiting = list(waiting)
-    survivors = sorted((w for w in waiting if w.name in old_rank), key=lambda w: old_rank[w.name])
-    newcomers = sorted((w for w in waiting if w.name not in old_rank), key=arrival_key)
-    return survivors + newcomers
+    survivors = sorted((w for w in waiting if w.name in old_rank),
+                       key=lambda w: (old_rank[w.name], w.name))
+    newcomers = sorted((w for w in waiting if w.name not in old_rank), key=newcomer_key)
+    queue = survivors + newcomers
+    if not survivors:
+        return queue
+    slots = len(queue) if size is None else max(0, min(size, len(queue)))
+    ranked: list[WaitingNode | None] = [None] * slots
+    unplaced: list[WaitingNode] = []
+    for node in queue[:slots]:
+        wanted = old_rank.get(node.name, node.index)
+        if wanted is not None and 0 <= wanted < slots and ranked[wanted] is None:
+            ranked[wanted] = node
+        else:
+            unplaced.append(node)
+    fill = iter(unplaced)
+    ordered = [node if node is not None else next(fill) for node in ranked]
+    return ordered + queue[slots:]
 
 
 def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None,
@@ -176,7 +308,8 @@ def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None,
     receives the whole status with the seal.
     """
     status = run.status
-    ordered = order_for_ranks(status.participants, eligible_waiting(run, waiting))
+    ordered = order_for_ranks(status.participants, eligible_waiting(run, waiting),
+                              run.spec.max_nodes)
     admitted = ordered[: run.spec.max_nodes]
     admitted_names = {w.name for w in admitted}
     new_round = status.round + 1
@@ -245,14 +378,17 @@ def request_restart(status: RunStatus) -> RunStatus | None:
                           signal=next_signal(status.signal))
 
 
-def nodes_waiting(run: ElasticRun, my_round: int, waiting: Waiting = None) -> int:
-    """What ``num_nodes_waiting()`` reports to a member of ``my_round``.
+def nodes_waiting(run: ElasticRun, my_round: int, waiting: Waiting = None, *,
+                  now: dt.datetime) -> int:
+    """What ``num_nodes_waiting()`` reports to a member of ``my_round`` at ``now``.
 
     A round that lost a member or was superseded reports at least one waiting
     node: that is the only hook that makes a healthy torch agent restart its
     workers, so survivors re-form at once instead of hanging in a collective
     (pytorch/pytorch#111646).  Spares beyond ``maxNodes`` are not counted while
-    the round is full, or the members would restart forever.
+    the round is full, or the members would restart forever; newcomers held for
+    the owner's target (:func:`announce_due`) are not counted before they are due,
+    so the members restart once for all of them.
     """
     status = run.status
     if my_round > status.round:
@@ -268,7 +404,9 @@ def nodes_waiting(run: ElasticRun, my_round: int, waiting: Waiting = None) -> in
     rejoining = sum(1 for w in eligible if w.name in members)
     newcomers = len(eligible) - rejoining
     has_room = len(status.participants) < run.spec.max_nodes
-    return rejoining + (newcomers if has_room else 0)
+    due = announce_due(run, now, waiting)
+    told = due is None or now >= due
+    return rejoining + (newcomers if has_room and told else 0)
 
 
 def arrival_index(run: ElasticRun, node: str, waiting: Waiting = None) -> int:
@@ -278,14 +416,15 @@ def arrival_index(run: ElasticRun, node: str, waiting: Waiting = None) -> int:
     return names.index(node) if node in names else len(names)
 
 
-def announce_needed(run: ElasticRun, waiting: Waiting = None) -> bool:
+def announce_needed(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> bool:
     """Whether a waiting node should tell the members of the running round about itself.
 
-    Once per round (``joinNotice``), not while the round already re-forms, and
-    not for a spare beside a full round: its members would have nothing to do.
+    Once per round (``joinNotice``), not while the round already re-forms, not
+    for a spare beside a full round (its members would have nothing to do),
+    and not before the newcomers held for the owner's target are due
+    (:func:`announce_due`).
     """
     status = run.status
     if status.round == 0 or status.degraded or status.join_notice >= status.round:
         return False
-    return nodes_waiting(run, status.round, waiting) > 0
-
+    return nodes_waiting(run, status.round, waiting, now=now) > 0

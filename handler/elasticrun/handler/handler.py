@@ -7,7 +7,7 @@ One round, as a node sees it:
    joins never contend (see :mod:`elasticrun.api.leases` for the measurement
    that chose this over entries in the ElasticRun).  One consistent LIST of
    the run's Leases then tells it who else is waiting.
-2. **Seal** — when the rules in :mod:`elasticrun.api.rounds` say so (max
+2. **Seal** — when the rules in :mod:`elasticrun.api.rounds` say so (max or desired size
    reached, all survivors back, last call passed), one compare-and-set replaces
    the ElasticRun's status: waiting nodes become participants with ranks,
    ``round`` and ``signal`` move.  Whoever's request made the rule true tries;
@@ -197,7 +197,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         run = self._session.watcher.latest if self._session is not None else None
         if run is None or self._round == 0:
             return 0
-        return rounds.nodes_waiting(run, self._round)
+        return rounds.nodes_waiting(run, self._round, now=now())
 
     def shutdown(self) -> bool:
         """Leave the membership; never close the run for the others.
@@ -336,7 +336,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         assert lease is not None and session is not None
         entry = WaitingNode(name=self.settings.node_name, address=self.settings.address,
                             store_port=self.stores.port, since=now(), pod=self.settings.pod,
-                            pod_uid=self.settings.pod_uid)
+                            pod_uid=self.settings.pod_uid, index=self.settings.pod_index)
         try:
             if lease.acquired:
                 session.call("join the run", lambda: lease.set_join(entry))

@@ -12,10 +12,11 @@ import logging
 import os
 import re
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from elasticrun.api.model import RunSpec
+from elasticrun.api.model import MAX_POD_INDEX, RunSpec
 from elasticrun.api.naming import is_dns_label
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ CONF_KEYS = (
     "namespace", "node_name", "address", "pod", "pod_uid", "kubeconfig", "context", "create_run",
     "join_timeout", "last_call_timeout", "heartbeat_timeout", "lease_interval",
     "keep_alive_interval", "keep_alive_max_attempt", "api_timeout", "request_timeout",
-    "close_timeout", "store_port", "watch_timeout",
+    "close_timeout", "store_port", "watch_timeout", "pod_index",
     # injected by torch's launcher (LaunchConfig sets timeout=900); not ours to honour
     "timeout",
 )
@@ -63,6 +64,34 @@ class RendezvousSettings:
     #: The Pod's uid (downward API ``POD_UID``): what identifies the member's Pod to
     #: the operator, since a Pod's name can be taken by anyone who may create Pods.
     pod_uid: str | None = None
+    #: The Pod's index in its workload (:func:`pod_index`), sent with every join
+    #: request: newcomers are ranked by it (``rounds.order_for_ranks``).
+    pod_index: int | None = None
+
+
+#: Where a node finds its Pod's index, first match wins: ``--rdzv-conf pod_index``,
+#: then these variables.  An Indexed Job (and so a JobSet's or a TrainJob's Jobs)
+#: sets ``JOB_COMPLETION_INDEX`` in every container; for a StatefulSet, or to
+#: name another index, set ``ELASTICRUN_POD_INDEX`` (e.g. a downward-API
+#: ``fieldRef`` of ``metadata.labels['apps.kubernetes.io/pod-index']``).
+POD_INDEX_VARIABLES = ("ELASTICRUN_POD_INDEX", "JOB_COMPLETION_INDEX")
+
+
+def pod_index(conf: dict[str, Any], environ: Mapping[str, str]) -> int | None:
+    """The Pod's index, or None: a value that is not a whole number from 0 up
+    is ignored with a warning (the node still joins, ranked without an index)."""
+    candidates = [("--rdzv-conf pod_index", conf.get("pod_index"))]
+    candidates += [(name, environ.get(name)) for name in POD_INDEX_VARIABLES]
+    for where, raw in candidates:
+        if raw is None or str(raw).strip() == "":
+            continue
+        text = str(raw).strip()
+        if text.isdigit() and int(text) <= MAX_POD_INDEX:
+            return int(text)
+        log.warning("k8s rendezvous: ignoring %s=%r: a pod index is a whole number from 0 to "
+                    "%d", where, text[:40], MAX_POD_INDEX)
+        return None
+    return None
 
 
 def _as_int(conf: dict[str, Any], key: str, default: int | None) -> int | None:
@@ -208,6 +237,7 @@ def from_parameters(run_id: str, endpoint: str, min_nodes: int, max_nodes: int,
         address=address,
         pod=pod,
         pod_uid=(conf.get("pod_uid") or os.environ.get("POD_UID") or None) if pod else None,
+        pod_index=pod_index(conf, os.environ),
         requested_spec=_requested_spec(min_nodes, max_nodes, conf),
         api_server=api_server,
         kubeconfig=kubeconfig,

@@ -150,12 +150,7 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
     if assignment is not None:
         return Complete(assignment)
     if known.defer_until is not None and clock < known.defer_until:
-        own = (known.own,) if known.own is not None else ()
-        if rounds.announce_needed(run, own):
-            return Announce()
-        if clock >= known.join_deadline:
-            return TimedOut()
-        return Wait(min(known.defer_until, known.join_deadline))
+        return _deferring(known, known.defer_until, now, clock)
     if not known.listed:
         return List()
     if not known.requested:
@@ -163,7 +158,7 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
     decision = rounds.decide_seal(run, now, pending)
     if decision.seal_now:
         return Seal(decision.reason)
-    if rounds.announce_needed(run, pending):
+    if rounds.announce_needed(run, now, pending):
         return Announce()
     if clock >= known.join_deadline:
         return TimedOut()
@@ -172,6 +167,30 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
         stagger = LAST_CALL_STAGGER * rounds.arrival_index(run, known.node, pending)
         wait = (decision.deadline - now).total_seconds() + stagger
         wake_at = min(wake_at, clock + max(0.0, wait))
+    return Wait(wake_at)
+
+
+def _deferring(known: Knowledge, defer_until: float, now: dt.datetime, clock: float) -> Action:
+    """A node that leaves the seal to the operator: it only announces itself, or waits.
+
+    It lists nothing: it goes by its own request, and where the owner gives a
+    target (:func:`~elasticrun.api.rounds.target_size`) also by the
+    operator's summary of the others (``status.waiting``), since the newcomers
+    together decide when the members are told; it wakes when they are due
+    (:func:`~elasticrun.api.rounds.announce_due`).
+    """
+    run = known.run
+    own = (known.own,) if known.own is not None else ()
+    seen = own if rounds.target_size(run) is None else (
+        *own, *(w for w in run.status.waiting if w.name != known.node))
+    if rounds.announce_needed(run, now, seen):
+        return Announce()
+    if clock >= known.join_deadline:
+        return TimedOut()
+    wake_at = min(defer_until, known.join_deadline)
+    due = rounds.announce_due(run, now, seen)
+    if due is not None:
+        wake_at = min(wake_at, clock + max(0.0, (due - now).total_seconds()))
     return Wait(wake_at)
 
 

@@ -23,10 +23,12 @@ from typing import Any, cast
 import kopf
 
 from elasticrun.api.kube import OPERATOR_USER_AGENT, KubeClient
-from elasticrun.operator import (  # noqa: F401 - handlers: importing registers them
+from elasticrun.operator import (  # handlers: importing registers them with kopf
     elector,
     handlers,
     listen,
+    nodesignals,
+    topology,
     webhook,
     webhookcert,
 )
@@ -74,6 +76,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "pods to the TCPStore port PORT (0: the store port is not "
                              "pinned, so to every port); the operator needs create/patch/"
                              "delete on networkpolicies")
+    parser.add_argument("--node-signals", action="store_true",
+                        help="read the Nodes of the runs' pods (a cluster-wide watch of Nodes) "
+                             "and act on the default node signals (docs/integrations.md)")
+    parser.add_argument("--node-signal", action="append", default=[],
+                        metavar="KIND:KEY[=VALUE]:POLICY",
+                        help="a node signal to act on (kind taint, label or condition; policy "
+                             "observe, exclude or drain); repeatable, replaces a default of "
+                             "the same kind and key; implies --node-signals")
+    parser.add_argument("--no-default-node-signals", action="store_true",
+                        help="only the --node-signal ones, not the defaults")
+    parser.add_argument("--topology-keys", type=_topology_keys, default=(), metavar="KEY[,KEY...]",
+                        help="rank newcomers without a pod index by these labels of their "
+                             "Node, broadest domain first (e.g. topology.kubernetes.io/zone,"
+                             "kubernetes.io/hostname; at most 4): a cluster-wide watch of Nodes "
+                             "(docs/integrations.md); empty (the default): off")
     parser.add_argument("--workers", type=int, default=2,
                         help="runs reconciled in parallel (default 2)")
     parser.add_argument("--kubeconfig", default=None,
@@ -91,6 +108,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             parser.error("--leader-elect needs --leader-elect-resource-namespace "
                          "(or POD_NAMESPACE): the namespace of the operator's Lease")
     return args
+
+
+def node_signals(args: argparse.Namespace) -> tuple[nodesignals.Signal, ...] | None:
+    """The configured node signals; None when Nodes are not read (exits 2 on a bad one)."""
+    if not (args.node_signals or args.node_signal):
+        return None
+    try:
+        return nodesignals.configured(args.node_signal, not args.no_default_node_signals)
+    except nodesignals.SignalError as exc:
+        raise SystemExit(f"elasticrun-operator: --node-signal {exc}") from exc
+
+
+def _topology_keys(text: str) -> tuple[str, ...]:
+    try:
+        return topology.parse_keys(text)
+    except topology.TopologyKeyError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def watch_nodes(signals: tuple[nodesignals.Signal, ...] | None,
+                topology_keys: tuple[str, ...] = ()) -> None:
+    """Register the one Node watch only when node signals or topology keys are on:
+    without either the operator neither needs nor uses any right on Nodes."""
+    if signals is None and not topology_keys:
+        return
+    kopf.on.event("", "v1", "nodes")(handlers.node_changed)
+    if signals is not None:
+        log.info("node signals: %s", ", ".join(f"{s.name} ({s.policy})" for s in signals))
+    if topology_keys:
+        log.info("topology keys: %s", ", ".join(topology_keys))
 
 
 def _seconds(text: str) -> float:
@@ -167,7 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - the wirin
         metrics.leading(False)
     controller = Controller(decider, metrics,
                             workers=args.workers, per_run_rbac=args.per_run_rbac,
-                            store_policy_port=args.per_run_network_policy)
+                            store_policy_port=args.per_run_network_policy,
+                            node_signals=node_signals(args), topology_keys=args.topology_keys)
+    watch_nodes(controller.node_signals, controller.topology_keys)
     if candidate is not None:
         candidate.on_lead, candidate.on_follow = controller.lead, controller.follow
 

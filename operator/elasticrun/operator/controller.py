@@ -20,6 +20,7 @@ import time
 from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any
 
+from elasticrun.api import untrusted
 from elasticrun.api.kube import KubeClient
 from elasticrun.api.leases import LeaseState, RenewalClock, lease_run, lease_state, owned_by
 from elasticrun.api.model import ElasticRun, InvalidRunError, now, parse_run
@@ -28,6 +29,14 @@ from elasticrun.operator.apihealth import ApiAvailability
 from elasticrun.operator.executor import PlanExecutor
 from elasticrun.operator.liveness import Loss, pod_loss, restart_count
 from elasticrun.operator.metrics import Metrics
+from elasticrun.operator.nodesignals import (
+    Shown,
+    Signal,
+    SignalMemory,
+    counts,
+    read_node,
+    shown,
+)
 from elasticrun.operator.observer import COMPONENT, Observer
 from elasticrun.operator.ownerreader import OwnerReader
 from elasticrun.operator.owners import (
@@ -39,6 +48,7 @@ from elasticrun.operator.owners import (
     pod_view,
 )
 from elasticrun.operator.reconcile import Members, missing_leases, reconcile
+from elasticrun.operator.topology import node_topology
 from elasticrun.operator.workqueue import Key, WorkQueue
 
 __all__ = ["COMPONENT", "Controller", "Key"]
@@ -65,7 +75,9 @@ def release_freed_memory() -> None:
 
 class Controller:
     def __init__(self, client: KubeClient, metrics: Metrics, workers: int = 2,
-                 per_run_rbac: bool = False, store_policy_port: int | None = None) -> None:
+                 per_run_rbac: bool = False, store_policy_port: int | None = None,
+                 node_signals: tuple[Signal, ...] | None = None,
+                 topology_keys: tuple[str, ...] = ()) -> None:
         self.client = client
         self.metrics = metrics
         self.runs: dict[Key, dict[str, Any]] = {}
@@ -98,8 +110,27 @@ class Controller:
         self.executor = PlanExecutor(client, self.observer, self._accept_written, self.enqueue,
                                      per_run_rbac, store_policy_port)
         self.api = ApiAvailability(client, on_change=metrics.api_changed)
+        #: The configured node signals; None when the operator does not read Nodes.
+        self.node_signals = node_signals
+        #: What each Node shows, held against flapping (only Nodes showing something).
+        self.signal_memory = SignalMemory()
+        #: The configured topology keys (``--topology-keys``); () when off.
+        self.topology_keys = topology_keys
+        #: The topology values of each Node that has any, by Node name.
+        self.node_topology: dict[str, tuple[str, ...]] = {}
+        #: The Node of each of the run's pods (``spec.nodeName``), by pod name: what
+        #: ties a member (its ``pod``) to a Node.  Kept only while Nodes are read.
+        self.pod_nodes: dict[Key, dict[str, str]] = {}
+        #: The uid of each of those pods, by pod name: a waiting entry of another Pod
+        #: of that name gets none of this Pod's topology.
+        self.pod_uids: dict[Key, dict[str, str]] = {}
         #: Side tasks that live as long as the controller: the API probe, the caBundle check.
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def reads_nodes(self) -> bool:
+        """Whether the operator watches Nodes: for node signals, for topology keys, or both."""
+        return self.node_signals is not None or bool(self.topology_keys)
 
     def start(self, decide: bool = True) -> None:
         """Start observing; and deciding too unless ``decide`` is False (a replica under
@@ -164,6 +195,8 @@ class Controller:
             self._round_marks.pop(key, None)
             self.pod_losses.pop(key, None)
             self.renewals.pop(key, None)
+            self.pod_nodes.pop(key, None)
+            self.pod_uids.pop(key, None)
             self._missing = {k: v for k, v in self._missing.items() if k[0] != key}
             self.observer.forget(key)
             self.executor.forget(key)
@@ -188,6 +221,7 @@ class Controller:
         uid = meta.get("uid") if isinstance(meta.get("uid"), str) and meta.get("uid") else None
         pod_key = (pod, uid)
         self._track_pod(key, event_type, uid or pod, body)
+        self._track_node(key, event_type, pod, uid, body)
         first = self.pod_restarts.setdefault((namespace, uid or pod), restart_count(body))
         loss = pod_loss(body, event_type, first)
         if event_type == "DELETED":
@@ -230,6 +264,109 @@ class Controller:
         if old is None or view is None or old.owner != view.owner or old.live != view.live:
             self.owners.invalidate(key)
         self.enqueue(key)
+
+    def _track_node(self, key: Key, event_type: str, pod: str, uid: str | None,
+                    body: Mapping[str, Any]) -> None:
+        """Keep the pod's Node (``spec.nodeName``) and uid while Nodes are read; a pod
+        that moved to another Node has its run looked at again."""
+        if not self.reads_nodes or not pod:
+            return
+        uids = self.pod_uids.setdefault(key, {})
+        if event_type == "DELETED" or uid is None:
+            uids.pop(pod, None)
+        else:
+            uids[pod] = uid
+        if not uids:
+            del self.pod_uids[key]
+        nodes = self.pod_nodes.setdefault(key, {})
+        spec = untrusted.mapping(body.get("spec"))
+        node = None if event_type == "DELETED" else untrusted.text(spec.get("nodeName"))
+        if nodes.get(pod) == node:
+            if not nodes:
+                del self.pod_nodes[key]
+            return
+        if node is None:
+            nodes.pop(pod, None)
+        else:
+            nodes[pod] = node
+        if not nodes:
+            del self.pod_nodes[key]
+        self.enqueue(key)
+
+    def node_event(self, event_type: str, body: Mapping[str, Any]) -> None:
+        """A Node changed: its topology values are kept, what it shows is held
+        (:class:`SignalMemory`), and the runs with a pod on it are looked at again when
+        either changed."""
+        name = untrusted.text(untrusted.mapping(body.get("metadata")).get("name"))
+        if name is None or not self.reads_nodes:
+            return
+        changed = False
+        if self.topology_keys:
+            values = () if event_type == "DELETED" else node_topology(body, self.topology_keys)
+            changed = self.node_topology.get(name, ()) != values
+            if values:
+                self.node_topology[name] = values
+            else:
+                self.node_topology.pop(name, None)
+        if self.node_signals is not None:
+            signals = () if event_type == "DELETED" else shown(self.node_signals,
+                                                               read_node(body))
+            changed = self.signal_memory.observe(name, signals, now()) or changed
+        if not changed:
+            return
+        for key, nodes in self.pod_nodes.items():
+            if name in nodes.values():
+                self.enqueue(key)
+
+    def _shown(self, key: Key) -> dict[str, Shown] | None:
+        """What the Node of each of the run's pods shows, by pod (pods on a Node that
+        shows nothing are left out)."""
+        if self.node_signals is None:
+            return None
+        at = now()
+        found: dict[str, Shown] = {}
+        for pod, node in self.pod_nodes.get(key, {}).items():
+            signals = self.signal_memory.showing(node, at)
+            if signals:
+                found[pod] = Shown(node, signals)
+        return found
+
+    def _topology(self, key: Key) -> dict[str, tuple[str | None, tuple[str, ...]]] | None:
+        """Per pod of the run, its uid and its Node's topology values (pods on a Node
+        without any are left out); None when no topology keys are configured."""
+        if not self.topology_keys:
+            return None
+        uids = self.pod_uids.get(key, {})
+        return {pod: (uids.get(pod), values) for pod, node in self.pod_nodes.get(key, {}).items()
+                if (values := self.node_topology.get(node))}
+
+    async def _report_signals(self, run: ElasticRun, found: Mapping[str, Shown],
+                              leases: Mapping[str, LeaseState]) -> None:
+        """One Warning Event per (pod, signal) while it shows, naming the member or
+        waiting node on that pod, and the run's signal gauge."""
+        key = (run.namespace, run.name)
+        entries = {p.pod or p.name: f"member {p.name}" for p in run.status.participants}
+        for joining in [w for w in run.status.waiting] + [
+                s.join for s in leases.values() if s.join is not None]:
+            entries.setdefault(joining.pod or joining.name, f"waiting node {joining.name}")
+        subjects: set[str] = set()
+        for pod, entry in sorted(found.items()):
+            who = entries.get(pod, "no node yet")
+            for signal in entry.signals:
+                subject = f"{pod} {signal.name}"
+                subjects.add(subject)
+                await self.observer.report_once(
+                    run, subject, "NodeSignal",
+                    f"pod {pod} ({who}) on Node {entry.node} shows {signal.name} "
+                    f"({signal.policy})")
+        self.observer.retain_problems(key, "NodeSignal", subjects)
+        self.metrics.node_signals(run.namespace, run.name, counts(found))
+
+    def _signal_wake(self, found: Mapping[str, Shown]) -> dt.datetime | None:
+        """When a held signal of the run's Nodes stops counting (the run is looked at then)."""
+        at = now()
+        ends = [e for s in found.values() if (e := self.signal_memory.expires(s.node, at))]
+        return min(ends) if ends else None
 
     async def _ownership(self, key: Key) -> Ownership:
         """What the owners of the run's live pods say (read by name, cached per run)."""
@@ -301,7 +438,10 @@ class Controller:
         return leases
 
     def _members(self, key: Key, run: ElasticRun, leases: dict[str, LeaseState],
-                 owned: Ownership = NO_OWNER) -> Members:
+                 owned: Ownership = NO_OWNER,
+                 node_signals: Mapping[str, Shown] | None = None,
+                 topology: Mapping[str, tuple[str | None, tuple[str, ...]]] | None = None
+                 ) -> Members:
         """What the operator knows of the run's members, timed by its own clock.
 
         Every Lease goes through :attr:`renewals` (one not seen before counts
@@ -326,7 +466,8 @@ class Controller:
                                           if uid is not None},
                        missing_since={name: self._missing.get((key, name), at)
                                       for name in missing},
-                       lease_clock_start=self.api.lease_clock_start(at), ownership=owned)
+                       lease_clock_start=self.api.lease_clock_start(at), ownership=owned,
+                       node_signals=node_signals, topology=topology)
 
     async def reconcile(self, key: Key) -> None:
         raw = self.runs.get(key)
@@ -348,7 +489,11 @@ class Controller:
             await self.observer.report_once(run, node, "UnreadableJoin", state.problem)
         self.observer.retain_problems(key, "UnreadableJoin", set(indexed))
         owned = await self._ownership(key)
-        members = self._members(key, run, indexed, owned)
+        found = self._shown(key)
+        if found is not None:
+            await self._report_signals(run, found, indexed)
+        placed = self._topology(key)
+        members = self._members(key, run, indexed, owned, found, placed)
         plan = reconcile(run, members, now())
         if plan.sealed or plan.delete_leases:
             # The Lease index comes from another watch than the run and may lag
@@ -356,7 +501,7 @@ class Controller:
             # removing a member acts on Lease data, so decide again from a
             # consistent LIST, which is at least as new as the run we hold.
             listed = await self._listed_leases(key, run)
-            members = self._members(key, run, listed, owned)
+            members = self._members(key, run, listed, owned, found, placed)
             plan = reconcile(run, members, now())
             indexed.update(listed)
         if key in self.renewals:
@@ -370,6 +515,9 @@ class Controller:
         if refresh is not None:
             owners_at = now() + dt.timedelta(seconds=refresh)
             wake = owners_at if wake is None else min(wake, owners_at)
+        signals_at = self._signal_wake(found) if found else None
+        if signals_at is not None:
+            wake = signals_at if wake is None else min(wake, signals_at)
         if wake is not None:
             self.schedule(key, wake)
 

@@ -69,3 +69,9 @@ async def run_changed(*, type: str, body: kopf.Body, memo: kopf.Memo, **kwargs: 
 @kopf.on.event("", "v1", "pods", labels={crd.RUN_LABEL: kopf.PRESENT})
 async def pod_changed(*, type: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     _controller(memo).pod_event(type or "", body)
+
+
+async def node_changed(*, type: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A Node changed (registered by ``__main__`` only with ``--node-signals`` or
+    ``--topology-keys``)."""
+    _controller(memo).node_event(type or "", body)

@@ -20,7 +20,7 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0,
 REASONS = frozenset({
     "PodDeleted", "PodDisrupted", "PodFailed", "PodSucceeded", "ContainerTerminated",
     "ContainerRestarted", "LeaseExpired", "LeaseMissing", "StoreUnreachable", "Left",
-    "Drained"})
+    "Drained", "NodeDraining"})
 OTHER = "Other"
 
 
@@ -67,6 +67,12 @@ class Metrics:
             "elasticrun_operator_leader",
             "1 while this replica holds the leader Lease and reconciles (always 1 without "
             "--leader-elect).", registry=self.registry)
+        self.signals = Gauge(
+            "elasticrun_node_signals",
+            "Members and waiting nodes of the run whose Node shows the signal (--node-signal).",
+            ("namespace", "run", "signal"), registry=self.registry)
+        #: The signal series set per run, so that one whose count fell to nothing is removed.
+        self._signal_series: dict[tuple[str, str], frozenset[str]] = {}
         self.api_reachable.set(1)
         self.leader.set(1)
 
@@ -100,8 +106,26 @@ class Metrics:
             self.phase.labels(namespace=namespace, run=run, phase=known).set(
                 1 if known == phase else 0)
 
+    def node_signals(self, namespace: str, run: str, counts: dict[str, int]) -> None:
+        """Set the run's signal series; a signal no node shows any more loses its series.
+
+        The ``signal`` label is the name of a configured signal (the operator's own
+        flags), never a string read from a Node, so the series stay bounded.
+        """
+        key = (namespace, run)
+        for gone in self._signal_series.get(key, frozenset()) - counts.keys():
+            with contextlib.suppress(KeyError):
+                self.signals.remove(namespace, run, gone)
+        for signal, count in counts.items():
+            self.signals.labels(namespace=namespace, run=run, signal=signal).set(count)
+        if counts:
+            self._signal_series[key] = frozenset(counts)
+        else:
+            self._signal_series.pop(key, None)
+
     def forget(self, namespace: str, run: str) -> None:
         """Remove every series of a deleted run."""
+        self.node_signals(namespace, run, {})
         for metric in (self.members, self.waiting, self.round, self.rounds,
                        self.round_duration):
             with contextlib.suppress(KeyError):

@@ -26,6 +26,7 @@ from elasticrun.api.model import (
     capped,
     next_signal,
 )
+from elasticrun.operator import nodesignals, topology
 from elasticrun.operator.liveness import Loss
 from elasticrun.operator.owners import NO_OWNER, Ownership, coming
 
@@ -76,6 +77,14 @@ class Members:
     #: What the owners of the run's pods say (:mod:`elasticrun.operator.owners`):
     #: the source of ``status.desired``.
     ownership: Ownership = NO_OWNER
+    #: What the Node of each of the run's pods shows, by pod name (only pods whose
+    #: Node shows a signal); None when node signals are off (``status.excludedPods``
+    #: is then left as it is).
+    node_signals: Mapping[str, nodesignals.Shown] | None = None
+    #: Per pod name, the Pod's uid and the topology values of its Node
+    #: (:func:`elasticrun.operator.topology.node_topology`); None when no topology
+    #: keys are configured (the waiting entries then carry none).
+    topology: Mapping[str, tuple[str | None, tuple[str, ...]]] | None = None
 
 
 @dataclass
@@ -230,9 +239,11 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
     new = _reopen(run, now, plan)
     new = new.replace(waiting=pending_joins(members.leases.values(), new, now, run.uid,
                                             run.spec.heartbeat_timeout))
+    new = _topology(new, members)  # before the seal: ranks read it
     new = _remove_lost(run, new, members, now, plan)
     _collect_dead_leases(run, new, members, now, plan)
     new = _drain(run, new, now)
+    new = _node_signals(run, new, members, now)
     new = _forced_round(run, new, plan)
     if _all_members_finished(new):
         return _succeed(run, new, now, plan)
@@ -341,6 +352,60 @@ def _drain(run: ElasticRun, new: RunStatus, now: dt.datetime) -> RunStatus:
         if removed is not None:
             new = removed
     return new
+
+
+#: The run condition saying which of its nodes' Nodes show a configured signal.
+NODE_SIGNALS_CONDITION = "NodeSignals"
+#: At most this many entries are named in the condition's message.
+NODE_SIGNALS_NAMED = 8
+
+
+def _node_signals(run: ElasticRun, new: RunStatus, members: Members,
+                  now: dt.datetime) -> RunStatus:
+    """What the Nodes of the run's pods show: ``excludedPods`` (exclude and drain),
+    members on a draining Node leave (``NodeDraining``), and the ``NodeSignals``
+    condition naming the members and waiting nodes concerned.
+
+    The exclusion is by pod, so a pod on an excluded Node is held back from the
+    moment the operator sees it there, before its node joins; and it is written
+    with the removal, in one status write, so a node sealing the survivors'
+    round already holds the drained member back.
+    """
+    shown = members.node_signals
+    if shown is None:
+        return new
+    pods = {pod: s for pod, s in shown.items() if s.signals}
+    entries = [(p.name, p.pod or p.name) for p in new.participants]
+    entries += [(w.name, w.pod or w.name) for w in new.waiting]
+    relevant = {name: pods[pod] for name, pod in entries if pod in pods}
+    new = new.replace(excluded_pods=nodesignals.excluded_pods(pods))
+    for name in nodesignals.draining(pods, ((p.name, p.pod or p.name)
+                                            for p in new.participants)):
+        member = new.participant(name)
+        pod = (member.pod if member else None) or name
+        removed = rounds.remove_member(new, name, nodesignals.NODE_DRAINING, now,
+                                       message=f"pod {pod}: {pods[pod].describe()}")
+        if removed is not None:
+            new = removed
+    if not relevant and new.condition(NODE_SIGNALS_CONDITION) is None:
+        return new
+    named = sorted(relevant)[:NODE_SIGNALS_NAMED]
+    message = "; ".join(f"{name}: {relevant[name].describe()}" for name in named)
+    if len(relevant) > len(named):
+        message += f"; and {len(relevant) - len(named)} more"
+    reason, text = ("NodeSignalsShown", message) if relevant else (
+        "NoNodeSignals", "no member's or waiting node's Node shows a configured signal")
+    return new.replace(conditions=set_condition(new.conditions, NODE_SIGNALS_CONDITION,
+                                                bool(relevant), reason, text, now,
+                                                run.generation))
+
+
+def _topology(new: RunStatus, members: Members) -> RunStatus:
+    """The waiting summary with each entry's topology values, as the operator read them
+    from the Node of the entry's Pod; untouched when no topology keys are configured."""
+    if members.topology is None:
+        return new
+    return new.replace(waiting=topology.with_pod_topology(new.waiting, members.topology))
 
 
 def _forced_round(run: ElasticRun, new: RunStatus, plan: Plan) -> RunStatus:

@@ -225,6 +225,24 @@ def desired_env(opt_in: OptIn) -> list[dict[str, Any]]:
     return env
 
 
+#: The label a StatefulSet's controller puts on each of its Pods (Kubernetes 1.28+): its ordinal.
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+
+
+def index_env(labels: Any) -> list[dict[str, Any]]:
+    """``ELASTICRUN_POD_INDEX`` from the Pod's :data:`POD_INDEX_LABEL`, when it has one.
+
+    The handler ranks newcomers by their Pod's index
+    (``elasticrun.handler.settings.pod_index``); an Indexed Job's Pods carry
+    it as ``JOB_COMPLETION_INDEX`` already, a StatefulSet's only as a label,
+    which a container reads through the downward API.
+    """
+    if not isinstance(labels, Mapping) or POD_INDEX_LABEL not in labels:
+        return []
+    return [{"name": "ELASTICRUN_POD_INDEX",
+             **_field(f"metadata.labels['{POD_INDEX_LABEL}']")}]
+
+
 def plan_mutation(pod: Mapping[str, Any]) -> Mutation:
     """JSON patch ops that add the missing variables to every container.
 
@@ -245,7 +263,7 @@ def plan_mutation(pod: Mapping[str, Any]) -> Mutation:
     opt_in = read_opt_in(meta.get("labels"), meta.get("annotations"))
     if opt_in is None:
         return Mutation([], [])
-    wanted = desired_env(opt_in)
+    wanted = desired_env(opt_in) + index_env(meta.get("labels"))
     ops: list[dict[str, Any]] = []
     warnings: list[str] = []
     if opt_in.run_from_workload:
@@ -447,10 +465,11 @@ def setup_webhook(settings: kopf.OperatorSettings, args: argparse.Namespace,
 
 
 __all__: Sequence[str] = (
-    "HANDLER_ID", "NNODES_ANNOTATION", "NPROC_ANNOTATION", "RUN_LABEL", "WEBHOOK_PATH",
+    "HANDLER_ID", "NNODES_ANNOTATION", "NPROC_ANNOTATION", "POD_INDEX_LABEL", "RUN_LABEL",
+    "WEBHOOK_PATH",
     "WORKLOAD_LABELS", "Mutation", "OptIn", "OptInError", "add_webhook_arguments",
     "configure_webhook",
-    "desired_env", "mutate_pod", "mutated", "mutation_for", "parse_nnodes",
+    "desired_env", "index_env", "mutate_pod", "mutated", "mutation_for", "parse_nnodes",
     "parse_nproc_per_node", "plan_mutation", "read_opt_in", "register_handler",
     "run_from_workload",
     "setup_webhook",
