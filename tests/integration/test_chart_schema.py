@@ -2,14 +2,14 @@
 
 Helm validates the merged values against the schema before it renders or talks
 to the cluster, for install, upgrade, template and lint alike; ``helm install``
-is run here against the real API server to show that nothing is created. Keys
-other charts' features add (``metrics``, ``operator.leaderElection``) are
-objects the schema leaves open.
+is run here against the real API server to show that nothing is created. The
+free maps (labels, annotations, relabelings, resources, affinity) take any keys.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import tarfile
 from pathlib import Path
 
@@ -40,6 +40,58 @@ MISTYPED = [
     ("webhook.failurPolicy=Fail", "/webhook", "additional properties 'failurPolicy' not allowed"),
     ("certManager.duration=90days", "/certManager/duration",
      "'90days' does not match pattern"),
+    # The operator block, its leader election, PodDisruptionBudget and NetworkPolicy.
+    ("operator.replica=2", "/operator", "additional properties 'replica' not allowed"),
+    ("operator.livenessProbe.periodSeconds=0", "/operator/livenessProbe/periodSeconds",
+     "minimum: got 0, want 1"),
+    ("operator.leaderElection.leaseDuration=fifteen", "/operator/leaderElection/leaseDuration",
+     "'fifteen' does not match pattern"),
+    ("operator.leaderElection.renewDeadline=7200", "/operator/leaderElection/renewDeadline",
+     "maximum: got 7,200, want 3,600"),
+    ("operator.leaderElection.enable=true", "/operator/leaderElection",
+     "additional properties 'enable' not allowed"),
+    ("operator.podDisruptionBudget.minAvailable=half",
+     "/operator/podDisruptionBudget/minAvailable", "'half' does not match pattern"),
+    ("operator.podDisruptionBudget.minAvailable=-1",
+     "/operator/podDisruptionBudget/minAvailable", "minimum: got -1, want 0"),
+    ("operator.networkPolicy.enabled=on", "/operator/networkPolicy/enabled",
+     "got string, want boolean"),
+    ("operator.networkPolicy.metricsFrom[0].podSelecter.x=y",
+     "/operator/networkPolicy/metricsFrom/0", "additional properties 'podSelecter' not allowed"),
+    # Node warnings.
+    ("nodeSignals.enabled=yes", "/nodeSignals/enabled", "got string, want boolean"),
+    ("nodeSignals.signals[0].kind=annotation", "/nodeSignals/signals/0/kind",
+     "value must be one of 'taint', 'label', 'condition'"),
+    ("nodeSignals.signals[0].kind=taint", "/nodeSignals/signals/0",
+     "missing properties 'key', 'policy'"),
+    # Ranks by topology.
+    ("rankOrder.topologyKeys={a,b,c,d,e}", "/rankOrder/topologyKeys", "maxItems: got 5, want 4"),
+    ("rankOrder.topologyKey=zone", "/rankOrder",
+     "additional properties 'topologyKey' not allowed"),
+    # The monitoring kit.
+    ("metrics.prometheus.enabled=true", "/metrics",
+     "additional properties 'prometheus' not allowed"),
+    ("metrics.service.port=0", "/metrics/service/port", "minimum: got 0, want 1"),
+    ("metrics.serviceMonitor.enabled=yes", "/metrics/serviceMonitor/enabled",
+     "got string, want boolean"),
+    ("metrics.serviceMonitor.interval=30", "/metrics/serviceMonitor/interval",
+     "got number, want string"),
+    ("metrics.podMonitor.scrapeTimeout=10 s", "/metrics/podMonitor/scrapeTimeout",
+     "'10 s' does not match pattern"),
+    ("metrics.podMonitor.honorLabels=maybe", "/metrics/podMonitor/honorLabels",
+     "got string, want boolean"),
+    ("metrics.prometheusRule.stalledFor=ten", "/metrics/prometheusRule/stalledFor",
+     "'ten' does not match pattern"),
+    ("metrics.prometheusRule.membersLost.threshold=-1",
+     "/metrics/prometheusRule/membersLost/threshold", "minimum: got -1, want 0"),
+    ("metrics.prometheusRule.runbookBaseURL=docs", "/metrics/prometheusRule/runbookBaseURL",
+     "'docs' does not match pattern"),
+    ("metrics.prometheusRule.additionalRules[0].alert=X",
+     "/metrics/prometheusRule/additionalRules/0", "missing property 'expr'"),
+    ("metrics.dashboard.enabld=true", "/metrics/dashboard",
+     "additional properties 'enabld' not allowed"),
+    ("metrics.dashboard.label=a/b/c", "/metrics/dashboard/label",
+     "'a/b/c' does not match pattern"),
 ]
 
 
@@ -74,6 +126,38 @@ def test_the_committed_values_meet_the_schema(helm: Helm, values: Path) -> None:
     helm.run("template", "r", str(CHART), "-f", str(values))
 
 
+#: Documents whose ```yaml blocks of chart values (a top-level key of values.yaml) are examples.
+DOCUMENTED = ["charts/elasticrun/README.md", "README.md", "docs/integrations.md"]
+
+
+def documented_values() -> list[tuple[str, str]]:
+    """Every ```yaml block of DOCUMENTED whose keys are all top-level keys of values.yaml."""
+    keys = set(yaml.safe_load((CHART / "values.yaml").read_text()))
+    found = []
+    for name in DOCUMENTED:
+        for block in re.findall(r"^```yaml\n(.*?)^```", (ROOT / name).read_text(), re.M | re.S):
+            loaded = yaml.safe_load(block)
+            if isinstance(loaded, dict) and loaded and set(loaded) <= keys:
+                found.append((name, block))
+    return found
+
+
+def test_the_documented_values_are_found() -> None:
+    """The monitoring and node-signal examples are among the blocks checked below."""
+    tops = {next(iter(yaml.safe_load(block))) for _, block in documented_values()}
+    assert {"metrics", "nodeSignals"} <= tops
+
+
+@pytest.mark.parametrize(("document", "block"), documented_values(),
+                         ids=[f"{d}:{next(iter(yaml.safe_load(b)))}"
+                              for d, b in documented_values()])
+def test_the_documented_values_meet_the_schema(helm: Helm, tmp_path: Path, document: str,
+                                               block: str) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text(block)
+    helm.run("template", "r", str(CHART), "-f", str(values))
+
+
 def test_every_documented_key_is_in_the_schema() -> None:
     """values.yaml and the schema name the same keys (the open objects aside)."""
     schema = json.loads((CHART / "values.schema.json").read_text())
@@ -90,9 +174,14 @@ def test_every_documented_key_is_in_the_schema() -> None:
     walk(values, schema, "values")
 
 
-def test_the_open_keys_take_what_other_features_add(helm: Helm) -> None:
-    helm.run("template", "r", str(CHART), "--set", "metrics.anything.enabled=true",
-             "--set", "operator.leaderElection.leaseDuration=15")
+def test_the_free_maps_take_any_key(helm: Helm) -> None:
+    helm.run("template", "r", str(CHART),
+             "--set", "metrics.serviceMonitor.enabled=true",
+             "--set", "metrics.serviceMonitor.labels.release=kube-prometheus-stack",
+             "--set", "metrics.serviceMonitor.relabelings[0].action=drop",
+             "--set", "operator.resources.limits.cpu=1",
+             "--set", "operator.affinity.nodeAffinity.x=y",
+             "--set", "operator.leaderElection.retryPeriod=1.5")
 
 
 def test_helm_package_carries_the_schema_and_real_files_and_warns_of_nothing(

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from owned import create_job, create_owned_pod
+from test_node_signals import pod_on
 
 from elasticrun.api import crd
 from elasticrun.api.model import Desired
@@ -38,7 +39,7 @@ from chartkit import (
 )
 from conftest import ROOT, Cluster, Kubelet, ProcessGroup, wait_for
 from controlplane.localcluster import clean_env, free_port
-from rdzv import read_run, rendezvous_all, run_deleted
+from rdzv import read_run, rendezvous_all, run_deleted, start_rendezvous
 
 pytest_plugins = ("chartfixtures",)
 
@@ -421,6 +422,7 @@ def test_node_signals_read_nodes_through_the_charts_cluster_role_only_when_enabl
         _closed_run_is_reported_and_deleted(cluster, namespace)
         text = log_path.read_text(errors="replace")
         assert refusals(text) == [] and "node signals:" not in text
+        assert "topology keys:" not in text
         return
     assert [r["rules"] for r in node_roles] == [[{
         "apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]]
@@ -453,3 +455,54 @@ def test_node_signals_read_nodes_through_the_charts_cluster_role_only_when_enabl
     text = log_path.read_text(errors="replace")
     assert refusals(text) == [], refusals(text)[:5]
     assert "node signals: taint:example.com/notice (observe)" in text
+
+
+def test_topology_keys_read_nodes_through_the_same_cluster_role_and_fill_the_summary(
+        cluster: Cluster, helm: Helm, namespace: str, processes: ProcessGroup,
+        tmp_path: Path, request: pytest.FixtureRequest, pods: Kubelet,
+        make_handler: Callable[..., Any]) -> None:
+    """scope=namespaces, nodeSignals off, rankOrder.topologyKeys set: the chart renders the
+    one Nodes ClusterRole (get, list, watch) and ``--topology-keys``, and the operator on
+    its token alone watches Nodes without a refusal and writes the zone of a waiting
+    node's Node into its entry."""
+    zone = "topology.kubernetes.io/zone"
+    values: dict[str, Any] = {
+        "trainingNamespaces": [namespace], "operator": {"scope": "namespaces"},
+        "webhook": {"enabled": False}, "rankOrder": {"topologyKeys": [zone]}}
+    docs = install_rbac(cluster, helm, namespace, values, request)
+    operator = service_account(namespace, namespace)
+    node_roles = [d for d in by_kind(docs, "ClusterRole")
+                  if any("nodes" in r.get("resources", []) for r in d["rules"])]
+    assert [r["rules"] for r in node_roles] == [[{
+        "apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "list", "watch"]}]]
+    for verb in ("get", "list", "watch"):
+        assert can_i(cluster, operator, verb, "nodes"), verb
+    for verb in ("update", "patch", "delete"):
+        assert not can_i(cluster, operator, verb, "nodes"), verb
+    args = one(helm.template("rb", namespace, {**values, "fullnameOverride": namespace}),
+               "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    node_args = [a for a in args if "node-signal" in a or "topology" in a]
+    assert node_args == [f"--topology-keys={zone}"], args
+    log_path = _chart_operator(cluster, namespace, processes, tmp_path, "namespaces",
+                               node_args)
+    node = f"rbac-topo-{namespace}"
+    cluster.client.request("POST", "/api/v1/nodes", body={
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": node, "labels": {zone: "zone-rbac"}}})
+    request.addfinalizer(lambda: cluster.client.request("DELETE", f"/api/v1/nodes/{node}"))
+    cluster.apply({"apiVersion": crd.API_VERSION, "kind": crd.KIND,
+                   "metadata": {"name": "placed", "namespace": namespace},
+                   "spec": {"minNodes": 2, "maxNodes": 2}})
+    pod_on(cluster, pods, "placed-0", "placed", node)
+    start_rendezvous(make_handler("placed", "placed-0", min_nodes=2, max_nodes=2,
+                                  pod="placed-0"))
+
+    def entry() -> tuple[str, ...] | None:
+        waiting = read_run(cluster.client, namespace, "placed").status.waiting
+        return next((w.topology for w in waiting if w.name == "placed-0"), None)
+
+    wait_for(lambda: entry() == ("zone-rbac",), 30,
+             f"the waiting entry with its Node's zone (last: {entry()})")
+    text = log_path.read_text(errors="replace")
+    assert refusals(text) == [], refusals(text)[:5]
+    assert f"topology keys: {zone}" in text and "node signals:" not in text

@@ -262,15 +262,20 @@ def test_a_garbage_lease_is_taken_over_without_a_hot_loop() -> None:
     asyncio.run(scenario())
 
 
+def idle_client() -> KubeClient:
+    """A client that never connects: for a Controller whose I/O a test does not reach."""
+    client = KubeClient.__new__(KubeClient)
+    client.credentials, client.timeout, client.user_agent, client._pool = (
+        None, 1.0, "ua", None)  # type: ignore[assignment]
+    return client
+
+
 def test_the_controller_decides_only_between_lead_and_follow() -> None:
     from elasticrun.operator.controller import Controller
     from elasticrun.operator.metrics import Metrics
 
     async def scenario() -> None:
-        inner = KubeClient.__new__(KubeClient)
-        inner.credentials, inner.timeout, inner.user_agent, inner._pool = (
-            None, 1.0, "ua", None)  # type: ignore[assignment]
-        controller = Controller(inner, Metrics())
+        controller = Controller(idle_client(), Metrics())
         reconciled: list[tuple[str, str]] = []
 
         async def reconcile(key: tuple[str, str]) -> None:

@@ -27,6 +27,7 @@ from elasticrun.operator import (  # handlers: importing registers them with kop
     elector,
     handlers,
     nodesignals,
+    topology,
     webhook,
     webhookcert,
 )
@@ -79,6 +80,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "the same kind and key; implies --node-signals")
     parser.add_argument("--no-default-node-signals", action="store_true",
                         help="only the --node-signal ones, not the defaults")
+    parser.add_argument("--topology-keys", type=_topology_keys, default=(), metavar="KEY[,KEY...]",
+                        help="rank newcomers without a pod index by these labels of their "
+                             "Node, broadest domain first (e.g. topology.kubernetes.io/zone,"
+                             "kubernetes.io/hostname; at most 4): a cluster-wide watch of Nodes "
+                             "(docs/integrations.md); empty (the default): off")
     parser.add_argument("--workers", type=int, default=2,
                         help="runs reconciled in parallel (default 2)")
     parser.add_argument("--kubeconfig", default=None,
@@ -108,13 +114,24 @@ def node_signals(args: argparse.Namespace) -> tuple[nodesignals.Signal, ...] | N
         raise SystemExit(f"elasticrun-operator: --node-signal {exc}") from exc
 
 
-def watch_nodes(signals: tuple[nodesignals.Signal, ...] | None) -> None:
-    """Register the Node watch only when node signals are on: without them the operator
-    neither needs nor uses any right on Nodes."""
-    if signals is None:
+def _topology_keys(text: str) -> tuple[str, ...]:
+    try:
+        return topology.parse_keys(text)
+    except topology.TopologyKeyError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def watch_nodes(signals: tuple[nodesignals.Signal, ...] | None,
+                topology_keys: tuple[str, ...] = ()) -> None:
+    """Register the one Node watch only when node signals or topology keys are on:
+    without either the operator neither needs nor uses any right on Nodes."""
+    if signals is None and not topology_keys:
         return
     kopf.on.event("", "v1", "nodes")(handlers.node_changed)
-    log.info("node signals: %s", ", ".join(f"{s.name} ({s.policy})" for s in signals))
+    if signals is not None:
+        log.info("node signals: %s", ", ".join(f"{s.name} ({s.policy})" for s in signals))
+    if topology_keys:
+        log.info("topology keys: %s", ", ".join(topology_keys))
 
 
 def _seconds(text: str) -> float:
@@ -192,8 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     controller = Controller(decider, metrics,
                             workers=args.workers, per_run_rbac=args.per_run_rbac,
                             store_policy_port=args.per_run_network_policy,
-                            node_signals=node_signals(args))
-    watch_nodes(controller.node_signals)
+                            node_signals=node_signals(args), topology_keys=args.topology_keys)
+    watch_nodes(controller.node_signals, controller.topology_keys)
     if candidate is not None:
         candidate.on_lead, candidate.on_follow = controller.lead, controller.follow
 

@@ -48,6 +48,7 @@ from elasticrun.operator.owners import (
     pod_view,
 )
 from elasticrun.operator.reconcile import Members, missing_leases, reconcile
+from elasticrun.operator.topology import node_topology
 from elasticrun.operator.workqueue import Key, WorkQueue
 
 __all__ = ["COMPONENT", "Controller", "Key"]
@@ -75,7 +76,8 @@ def release_freed_memory() -> None:
 class Controller:
     def __init__(self, client: KubeClient, metrics: Metrics, workers: int = 2,
                  per_run_rbac: bool = False, store_policy_port: int | None = None,
-                 node_signals: tuple[Signal, ...] | None = None) -> None:
+                 node_signals: tuple[Signal, ...] | None = None,
+                 topology_keys: tuple[str, ...] = ()) -> None:
         self.client = client
         self.metrics = metrics
         self.runs: dict[Key, dict[str, Any]] = {}
@@ -112,11 +114,23 @@ class Controller:
         self.node_signals = node_signals
         #: What each Node shows, held against flapping (only Nodes showing something).
         self.signal_memory = SignalMemory()
+        #: The configured topology keys (``--topology-keys``); () when off.
+        self.topology_keys = topology_keys
+        #: The topology values of each Node that has any, by Node name.
+        self.node_topology: dict[str, tuple[str, ...]] = {}
         #: The Node of each of the run's pods (``spec.nodeName``), by pod name: what
-        #: ties a member (its ``pod``) to a Node.  Kept only with node signals on.
+        #: ties a member (its ``pod``) to a Node.  Kept only while Nodes are read.
         self.pod_nodes: dict[Key, dict[str, str]] = {}
+        #: The uid of each of those pods, by pod name: a waiting entry of another Pod
+        #: of that name gets none of this Pod's topology.
+        self.pod_uids: dict[Key, dict[str, str]] = {}
         #: Side tasks that live as long as the controller: the API probe, the caBundle check.
         self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def reads_nodes(self) -> bool:
+        """Whether the operator watches Nodes: for node signals, for topology keys, or both."""
+        return self.node_signals is not None or bool(self.topology_keys)
 
     def start(self, decide: bool = True) -> None:
         """Start observing; and deciding too unless ``decide`` is False (a replica under
@@ -182,6 +196,7 @@ class Controller:
             self.pod_losses.pop(key, None)
             self.renewals.pop(key, None)
             self.pod_nodes.pop(key, None)
+            self.pod_uids.pop(key, None)
             self._missing = {k: v for k, v in self._missing.items() if k[0] != key}
             self.observer.forget(key)
             self.executor.forget(key)
@@ -206,7 +221,7 @@ class Controller:
         uid = meta.get("uid") if isinstance(meta.get("uid"), str) and meta.get("uid") else None
         pod_key = (pod, uid)
         self._track_pod(key, event_type, uid or pod, body)
-        self._track_node(key, event_type, pod, body)
+        self._track_node(key, event_type, pod, uid, body)
         first = self.pod_restarts.setdefault((namespace, uid or pod), restart_count(body))
         loss = pod_loss(body, event_type, first)
         if event_type == "DELETED":
@@ -250,12 +265,19 @@ class Controller:
             self.owners.invalidate(key)
         self.enqueue(key)
 
-    def _track_node(self, key: Key, event_type: str, pod: str,
+    def _track_node(self, key: Key, event_type: str, pod: str, uid: str | None,
                     body: Mapping[str, Any]) -> None:
-        """Keep the pod's Node (``spec.nodeName``) when node signals are on; a pod that
-        moved to another Node has its run looked at again."""
-        if self.node_signals is None or not pod:
+        """Keep the pod's Node (``spec.nodeName``) and uid while Nodes are read; a pod
+        that moved to another Node has its run looked at again."""
+        if not self.reads_nodes or not pod:
             return
+        uids = self.pod_uids.setdefault(key, {})
+        if event_type == "DELETED" or uid is None:
+            uids.pop(pod, None)
+        else:
+            uids[pod] = uid
+        if not uids:
+            del self.pod_uids[key]
         nodes = self.pod_nodes.setdefault(key, {})
         spec = untrusted.mapping(body.get("spec"))
         node = None if event_type == "DELETED" else untrusted.text(spec.get("nodeName"))
@@ -272,15 +294,25 @@ class Controller:
         self.enqueue(key)
 
     def node_event(self, event_type: str, body: Mapping[str, Any]) -> None:
-        """A Node changed: what it shows is held (:class:`SignalMemory`), and the runs with
-        a pod on it are looked at again when that changed."""
-        if self.node_signals is None:
-            return
+        """A Node changed: its topology values are kept, what it shows is held
+        (:class:`SignalMemory`), and the runs with a pod on it are looked at again when
+        either changed."""
         name = untrusted.text(untrusted.mapping(body.get("metadata")).get("name"))
-        if name is None:
+        if name is None or not self.reads_nodes:
             return
-        signals = () if event_type == "DELETED" else shown(self.node_signals, read_node(body))
-        if not self.signal_memory.observe(name, signals, now()):
+        changed = False
+        if self.topology_keys:
+            values = () if event_type == "DELETED" else node_topology(body, self.topology_keys)
+            changed = self.node_topology.get(name, ()) != values
+            if values:
+                self.node_topology[name] = values
+            else:
+                self.node_topology.pop(name, None)
+        if self.node_signals is not None:
+            signals = () if event_type == "DELETED" else shown(self.node_signals,
+                                                               read_node(body))
+            changed = self.signal_memory.observe(name, signals, now()) or changed
+        if not changed:
             return
         for key, nodes in self.pod_nodes.items():
             if name in nodes.values():
@@ -298,6 +330,15 @@ class Controller:
             if signals:
                 found[pod] = Shown(node, signals)
         return found
+
+    def _topology(self, key: Key) -> dict[str, tuple[str | None, tuple[str, ...]]] | None:
+        """Per pod of the run, its uid and its Node's topology values (pods on a Node
+        without any are left out); None when no topology keys are configured."""
+        if not self.topology_keys:
+            return None
+        uids = self.pod_uids.get(key, {})
+        return {pod: (uids.get(pod), values) for pod, node in self.pod_nodes.get(key, {}).items()
+                if (values := self.node_topology.get(node))}
 
     async def _report_signals(self, run: ElasticRun, found: Mapping[str, Shown],
                               leases: Mapping[str, LeaseState]) -> None:
@@ -398,7 +439,9 @@ class Controller:
 
     def _members(self, key: Key, run: ElasticRun, leases: dict[str, LeaseState],
                  owned: Ownership = NO_OWNER,
-                 node_signals: Mapping[str, Shown] | None = None) -> Members:
+                 node_signals: Mapping[str, Shown] | None = None,
+                 topology: Mapping[str, tuple[str | None, tuple[str, ...]]] | None = None
+                 ) -> Members:
         """What the operator knows of the run's members, timed by its own clock.
 
         Every Lease goes through :attr:`renewals` (one not seen before counts
@@ -424,7 +467,7 @@ class Controller:
                        missing_since={name: self._missing.get((key, name), at)
                                       for name in missing},
                        lease_clock_start=self.api.lease_clock_start(at), ownership=owned,
-                       node_signals=node_signals)
+                       node_signals=node_signals, topology=topology)
 
     async def reconcile(self, key: Key) -> None:
         raw = self.runs.get(key)
@@ -449,7 +492,8 @@ class Controller:
         found = self._shown(key)
         if found is not None:
             await self._report_signals(run, found, indexed)
-        members = self._members(key, run, indexed, owned, found)
+        placed = self._topology(key)
+        members = self._members(key, run, indexed, owned, found, placed)
         plan = reconcile(run, members, now())
         if plan.sealed or plan.delete_leases:
             # The Lease index comes from another watch than the run and may lag
@@ -457,7 +501,7 @@ class Controller:
             # removing a member acts on Lease data, so decide again from a
             # consistent LIST, which is at least as new as the run we hold.
             listed = await self._listed_leases(key, run)
-            members = self._members(key, run, listed, owned, found)
+            members = self._members(key, run, listed, owned, found, placed)
             plan = reconcile(run, members, now())
             indexed.update(listed)
         if key in self.renewals:

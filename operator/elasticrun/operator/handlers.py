@@ -72,5 +72,6 @@ async def pod_changed(*, type: str, body: kopf.Body, memo: kopf.Memo, **_: Any) 
 
 
 async def node_changed(*, type: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """A Node changed (registered by ``__main__`` only with ``--node-signals``)."""
+    """A Node changed (registered by ``__main__`` only with ``--node-signals`` or
+    ``--topology-keys``)."""
     _controller(memo).node_event(type or "", body)

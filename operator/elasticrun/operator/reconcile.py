@@ -26,7 +26,7 @@ from elasticrun.api.model import (
     capped,
     next_signal,
 )
-from elasticrun.operator import nodesignals
+from elasticrun.operator import nodesignals, topology
 from elasticrun.operator.liveness import Loss
 from elasticrun.operator.owners import NO_OWNER, Ownership, coming
 
@@ -81,6 +81,10 @@ class Members:
     #: Node shows a signal); None when node signals are off (``status.excludedPods``
     #: is then left as it is).
     node_signals: Mapping[str, nodesignals.Shown] | None = None
+    #: Per pod name, the Pod's uid and the topology values of its Node
+    #: (:func:`elasticrun.operator.topology.node_topology`); None when no topology
+    #: keys are configured (the waiting entries then carry none).
+    topology: Mapping[str, tuple[str | None, tuple[str, ...]]] | None = None
 
 
 @dataclass
@@ -235,6 +239,7 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
     new = _reopen(run, now, plan)
     new = new.replace(waiting=pending_joins(members.leases.values(), new, now, run.uid,
                                             run.spec.heartbeat_timeout))
+    new = _topology(new, members)  # before the seal: ranks read it
     new = _remove_lost(run, new, members, now, plan)
     _collect_dead_leases(run, new, members, now, plan)
     new = _drain(run, new, now)
@@ -393,6 +398,14 @@ def _node_signals(run: ElasticRun, new: RunStatus, members: Members,
     return new.replace(conditions=set_condition(new.conditions, NODE_SIGNALS_CONDITION,
                                                 bool(relevant), reason, text, now,
                                                 run.generation))
+
+
+def _topology(new: RunStatus, members: Members) -> RunStatus:
+    """The waiting summary with each entry's topology values, as the operator read them
+    from the Node of the entry's Pod; untouched when no topology keys are configured."""
+    if members.topology is None:
+        return new
+    return new.replace(waiting=topology.with_pod_topology(new.waiting, members.topology))
 
 
 def _forced_round(run: ElasticRun, new: RunStatus, plan: Plan) -> RunStatus:
