@@ -348,6 +348,8 @@ def training_job(cluster: Cluster, namespace: str, run: str, nnodes: str, pods: 
     template = job["spec"]["template"]
     template["metadata"]["labels"][RUN_LABEL] = run
     template["metadata"]["annotations"][NNODES] = nnodes
+    # One worker per pod: the workers' world is the round's.
+    template["metadata"]["annotations"]["elasticrun.dev/nproc-per-node"] = "1"
     container = template["spec"]["containers"][0]
     container["command"] = with_args(container["command"], args)
     for env in container["env"]:
@@ -445,7 +447,7 @@ def test_a_job_above_max_nodes_warns_shows_desired_and_its_spare_exits_cleanly(
     body["spec"]["lastCallTimeoutSeconds"] = 20  # the round of 2 is the target's, not min's
     create_run(cluster, ns, body)
     create_job(cluster, ns, training_job(cluster, ns, run, "1:2", 3,
-                                         ["--epochs", "400", "--steps-per-epoch", "10"]))
+                                         ["--epochs", "300", "--steps-per-epoch", "10"]))
     formed = first_round(cluster, ns, run, 180)
     assert formed.status.round == 1 and len(formed.status.participants) == 2, formed.status
     members = {p.pod for p in formed.status.participants}
