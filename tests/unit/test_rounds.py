@@ -74,17 +74,6 @@ def test_all_survivors_back_seal_at_once_but_spares_do_not_replace_them() -> Non
     assert not rounds.decide_seal(run(spare, max_nodes=4), at(5)).seal_now
 
 
-def test_spares_beside_a_full_healthy_round_never_seal_one_of_their_own() -> None:
-    """Run 1:2, round of 2, one spare: enough for minNodes, but the round is full."""
-    spare = sealed("a", "b").replace(waiting=waiting("s"))
-    full = run(spare, min_nodes=1, max_nodes=2, last_call=20)
-    assert not rounds.decide_seal(full, at(60)).seal_now  # long after the last call
-    # A member lost: the spare may take its place once the last call has passed.
-    lost = rounds.remove_member(spare, "b", "PodFailed", at(1))
-    assert rounds.decide_seal(run(lost, min_nodes=1, max_nodes=2, last_call=20),
-                              at(60)).seal_now
-
-
 def test_closed_and_drained_nodes_are_not_sealed() -> None:
     status = RunStatus(waiting=waiting("a", "b", "c", "d"))
     assert not rounds.decide_seal(run(status, closed=True), at(99)).seal_now

@@ -182,8 +182,6 @@ def decide_seal(  # noqa: PLR0911 - one return per rule, in their order
     * every remaining member of the current round is waiting again, and there are
       at least ``minNodes``: seal at once.  Waiting out the last call here would
       only add the whole window to every recovery and scale-up.
-    * a full healthy round (``maxNodes`` members, none lost, none held back):
-      no seal, whatever waits beside it (spares wait, as in torch).
     * no current round (or none of it left) and ``maxNodes`` waiting, or the
       owner's target (:func:`target_size`): seal at once.
     * beside a healthy round whose members are not told of the newcomers yet
@@ -210,12 +208,6 @@ def decide_seal(  # noqa: PLR0911 - one return per rule, in their order
     if members and members <= names:
         return SealDecision(True, f"all {len(members)} remaining members of round "
                                   f"{status.round} are back")
-    if members and len(members) >= spec.max_nodes and not status.degraded \
-            and status.restart_round < status.round:
-        # Spares beside a full, healthy round: sealing one of their own (enough of
-        # them for minNodes once the last call passed) would supersede the members
-        # for nobody's sake, and again at every next last call.
-        return SealDecision(False, f"round {status.round} is full: spares wait")
     if not members and count >= spec.max_nodes:
         return SealDecision(True, f"maxNodes ({spec.max_nodes}) reached")
     target = target_size(run)
