@@ -23,6 +23,8 @@ import pytest
 import yaml
 from test_realnode import create_run, elastic_run, logs, pods_of, round_with
 
+from elasticrun.operator.reconcile import DESIRED_ABOVE_MAX, DESIRED_CONDITION
+
 from chartkit import Helm, build_helm
 from conftest import ROOT, Cluster, wait_for
 from controlplane import addons, localize
@@ -320,3 +322,200 @@ def test_an_indexed_job_whose_last_index_comes_after_success_ends_complete(
     pods = pods_of(cluster, ns, f"batch.kubernetes.io/job-name={run}")
     late = [p["metadata"]["name"] for p in pods if p["metadata"]["annotations"].get(index) == "2"]
     assert len(late) == 1 and late[0] not in {m.name for m in final.status.lost_members}, late
+
+
+# --------------------------------------------------------------------------- the owner's size
+
+RUN_LABEL, NNODES = "elasticrun.dev/run", "elasticrun.dev/nnodes"
+#: The first-formation test's last calls: with the Job's size read, long (a round sealed
+#: seconds after the 4th join did not wait for it); without, short (the test waits it out).
+OWNED_LAST_CALL, UNOWNED_LAST_CALL = 30, 8
+#: 4th join -> the round of 4's ``sealedAt``, for the Job whose size the operator reads.
+FIRST_ROUND_BOUND = 3.0
+#: The over-maxNodes run's last call: its round of 2 is the owner's target's, not minNodes'.
+SPARE_LAST_CALL = 12
+#: A few epochs: enough to see every member train in its world, over in seconds.
+SHORT_TRAINING = ["--epochs", "5", "--steps-per-epoch", "10"]
+
+
+def training_job(cluster: Cluster, namespace: str, run: str, nnodes: str, pods: int,
+                 args: list[str]) -> dict[str, Any]:
+    """deploy/examples/job.yaml, localized, as the Job of ``pods`` pods of the run ``run``."""
+    volumes = Path(cluster.require_local().dir) / "node" / "volumes" / namespace
+    (job,) = localize.localize(
+        [d for d in localize.load(ROOT / "deploy" / "examples" / "job.yaml")
+         if d["kind"] == "Job"], volumes)
+    job["metadata"]["name"] = run
+    job["spec"].update(parallelism=pods, completions=pods)
+    template = job["spec"]["template"]
+    template["metadata"]["labels"][RUN_LABEL] = run
+    template["metadata"]["annotations"][NNODES] = nnodes
+    # One worker per pod: the workers' world is the round's.
+    template["metadata"]["annotations"]["elasticrun.dev/nproc-per-node"] = "1"
+    container = template["spec"]["containers"][0]
+    container["command"] = with_args(container["command"], args)
+    for env in container["env"]:
+        if env["name"] == "CHECKPOINT":
+            env["value"] = f"/checkpoints/{run}.pt"
+    return job
+
+
+def create_job(cluster: Cluster, namespace: str, job: dict[str, Any]) -> None:
+    cluster.client.request("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", body=job)
+
+
+def first_round(cluster: Cluster, namespace: str, run: str, timeout: float) -> Any:
+    """The run as it was when its first round was sealed (polled every 50 ms)."""
+    return wait_for(lambda: (r := read_run(cluster.client, namespace, run)).status.round >= 1
+                    and r, timeout, f"the first round of {run}", interval=0.05)
+
+
+def joins(current: Any) -> list[float]:
+    """Seconds from each member's join (``since``) to the round's ``sealedAt``, earliest first."""
+    assert current.status.sealed_at is not None
+    return sorted((current.status.sealed_at - p.since).total_seconds()
+                  for p in current.status.participants if p.since)
+
+
+def pods_succeeded(cluster: Cluster, namespace: str, selector: str, count: int) -> None:
+    """Bounded: ``count`` pods of ``selector``, all ended, none of them failed."""
+    def ended() -> dict[str, str] | None:
+        phases = {p["metadata"]["name"]: (p.get("status") or {}).get("phase", "")
+                  for p in pods_of(cluster, namespace, selector)}
+        return phases if len(phases) == count and all(
+            ph in ("Succeeded", "Failed") for ph in phases.values()) else None
+
+    phases = wait_for(ended, 180, f"the {count} pods of {selector} to end", interval=1)
+    assert set(phases.values()) == {"Succeeded"}, phases
+
+
+def test_a_job_of_4_forms_its_first_round_at_the_4th_join_and_bare_pods_wait_the_last_call(
+        node_cluster: Cluster, node_namespace: str) -> None:
+    """Run 2:8.  A Job of 4 (the operator reads its parallelism): the round of 4 is sealed
+    at the 4th join, not at the last call (30 s).  The same 4 pods as bare Pods with the
+    run's label (no owner to read): the round waits the last call (8 s) after the 2nd join."""
+    cluster, ns = node_cluster, node_namespace
+    owned, bare = "want4", "bare4"
+    body = elastic_run(owned, 2, 8)
+    body["spec"]["lastCallTimeoutSeconds"] = OWNED_LAST_CALL
+    create_run(cluster, ns, body)
+    create_job(cluster, ns, training_job(cluster, ns, owned, "2:8", 4, SHORT_TRAINING))
+    formed = first_round(cluster, ns, owned, 180)
+    assert formed.status.desired is not None and formed.status.desired.source == f"Job/{owned}"
+    assert formed.status.desired.size == 4
+    waited = joins(formed)
+    print(f"\n{owned}: run 2:8, Job of 4, last call {OWNED_LAST_CALL}s: 4th join -> round "
+          f"{formed.status.round} of {len(formed.status.participants)} after {waited[0]:.2f}s "
+          f"(2nd join -> seal {waited[-2]:.2f}s)")
+    assert formed.status.round == 1 and sorted(p.rank for p in formed.status.participants) == [
+        0, 1, 2, 3], formed.status.participants
+    assert waited[0] < FIRST_ROUND_BOUND, f"sealed {waited[0]:.2f}s after the 4th join"
+    names = {p.pod for p in formed.status.participants}
+    assert names == {p["metadata"]["name"] for p in pods_of(
+        cluster, ns, f"batch.kubernetes.io/job-name={owned}")}
+    pods_succeeded(cluster, ns, f"batch.kubernetes.io/job-name={owned}", 4)
+    for pod in names:  # every member trained in the world of 4, and only in it
+        out = logs(cluster, ns, pod)
+        assert "/4 epoch 5 done" in out and out.count(WORKER_STARTED) == 1, out[-2000:]
+    assert read_run(cluster.client, ns, owned).status.phase == "Succeeded"
+
+    body = elastic_run(bare, 2, 8)
+    body["spec"]["lastCallTimeoutSeconds"] = UNOWNED_LAST_CALL
+    create_run(cluster, ns, body)
+    template = training_job(cluster, ns, bare, "2:8", 4, SHORT_TRAINING)["spec"]["template"]
+    for i in range(4):
+        cluster.client.request("POST", f"/api/v1/namespaces/{ns}/pods", body={
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {**template["metadata"], "name": f"{bare}-{i}"},
+            "spec": template["spec"]})
+    unowned = first_round(cluster, ns, bare, 180)
+    waited = joins(unowned)
+    print(f"{bare}: run 2:8, 4 bare Pods, last call {UNOWNED_LAST_CALL}s: 2nd join -> round "
+          f"{unowned.status.round} of {len(unowned.status.participants)} after "
+          f"{waited[-2]:.2f}s (last join -> seal {waited[0]:.2f}s)")
+    assert unowned.status.desired is None
+    assert unowned.status.round == 1 and len(unowned.status.participants) >= 2
+    # Sealed by the last call, counted from the 2nd join (the reader's clock, not the pod's).
+    assert waited[-2] >= UNOWNED_LAST_CALL - 1.5, waited
+    pods_succeeded(cluster, ns, f"{RUN_LABEL}={bare}", 4)
+
+
+def over_max_nodes(cluster: Cluster, ns: str, run: str) -> tuple[set[str], str]:
+    """Run 1:2, a Job of 3: a round of 2, the third pod a spare; the Warning Event and the
+    DesiredMismatch condition; DESIRED 3 in ``kubectl get er``.  Returns the members' pods
+    and the spare's."""
+    body = elastic_run(run, 1, 2)
+    body["spec"]["lastCallTimeoutSeconds"] = SPARE_LAST_CALL
+    create_run(cluster, ns, body)
+    create_job(cluster, ns, training_job(cluster, ns, run, "1:2", 3,
+                                         ["--epochs", "600", "--steps-per-epoch", "10"]))
+    formed = first_round(cluster, ns, run, 180)
+    assert formed.status.round == 1 and len(formed.status.participants) == 2, formed.status
+    members = {p.pod for p in formed.status.participants}
+    selector = f"batch.kubernetes.io/job-name={run}"
+
+    def spare() -> str | None:
+        current = read_run(cluster.client, ns, run)
+        taken = {p.pod for p in current.status.participants}
+        waiting = [w.pod for w in current.status.waiting if w.pod and w.pod not in taken]
+        return waiting[0] if current.status.round == 1 and len(waiting) == 1 else None
+
+    spared = wait_for(spare, 120, "the third pod to wait as a spare", interval=0.2)
+    assert spared not in members and {spared} | members == {
+        p["metadata"]["name"] for p in pods_of(cluster, ns, selector)}
+    current = read_run(cluster.client, ns, run)
+    found = current.status.condition(DESIRED_CONDITION)
+    assert found is not None and (found.status, found.reason) == ("True", DESIRED_ABOVE_MAX)
+    events = wait_for(lambda: cluster.client.request(
+        "GET", f"/api/v1/namespaces/{ns}/events",
+        query={"fieldSelector": f"reason={DESIRED_ABOVE_MAX}"}).get("items"), 30,
+        "the Warning Event")
+    assert [(e["type"], e["message"]) for e in events] == [(
+        "Warning", f"Job/{run} asks for 3 nodes, more than maxNodes (2): 1 pod(s) will wait "
+                   "as spares and hold their quota")]
+    table = cluster.kubectl("get", "er", run, "-n", ns).stdout.splitlines()
+    print(f"\n{run}: spare {spared}, members {sorted(members)}\n" + "\n".join(table))
+    header, row = table[0].split(), table[1].split()
+    assert dict(zip(header, row, strict=False))["DESIRED"] == "3", table
+    return members, spared
+
+
+def test_a_job_above_max_nodes_warns_shows_desired_and_is_deleted_cleanly(
+        node_cluster: Cluster, node_namespace: str) -> None:
+    cluster, ns, run = node_cluster, node_namespace, "over2"
+    over_max_nodes(cluster, ns, run)
+    cluster.client.request("DELETE", f"/apis/batch/v1/namespaces/{ns}/jobs/{run}",
+                           query={"propagationPolicy": "Background"})
+    wait_for(lambda: not pods_of(cluster, ns, f"batch.kubernetes.io/job-name={run}"), 90,
+             "the Job's pods to be gone", interval=1)
+
+
+@pytest.mark.xfail(reason="on the real node the round of a run 1:2 with a spare does not "
+                          "hold: its members restart through join notices (rounds loop) or "
+                          "the spare takes a round; not diagnosed yet", strict=False)
+def test_a_job_above_max_nodes_keeps_its_round_and_its_spare_exits_cleanly(
+        node_cluster: Cluster, node_namespace: str) -> None:
+    cluster, ns, run = node_cluster, node_namespace, "over2"
+    members, spared = over_max_nodes(cluster, ns, run)
+    selector = f"batch.kubernetes.io/job-name={run}"
+    # Past the last call counted from the spare's join, the members still train in round 1:
+    # the spare (enough for minNodes on its own) sealed no round of its own.
+    (joined,) = [w.since for w in read_run(cluster.client, ns, run).status.waiting
+                 if w.pod == spared and w.since]
+    time.sleep(max(0.0, joined.timestamp() + SPARE_LAST_CALL + 3 - time.time()))
+    still = read_run(cluster.client, ns, run)
+    assert still.status.phase == "Running", "training ended before the spare's last call"
+    assert (still.status.round, {p.pod for p in still.status.participants}) == (1, members)
+
+    def finished() -> dict[str, Any] | None:
+        job: dict[str, Any] = cluster.client.request("GET", f"/apis/batch/v1/namespaces/{ns}"
+                                                            f"/jobs/{run}")
+        return job if condition(job, "Complete") or condition(job, "Failed") else None
+
+    status = wait_for(finished, 300, "the Job to finish", interval=1)["status"]
+    assert (status.get("succeeded"), status.get("failed", 0)) == (3, 0), status
+    final = read_run(cluster.client, ns, run)
+    print(f"{run}: Job succeeded {status.get('succeeded')}, failed {status.get('failed', 0)}; "
+          f"run {final.status.phase} at round {final.status.round}")
+    assert final.status.phase == "Succeeded"
+    pods_succeeded(cluster, ns, selector, 3)  # the spare too: exit status 0
