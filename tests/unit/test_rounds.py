@@ -56,6 +56,28 @@ def test_max_nodes_seals_at_once_without_waiting_for_last_call() -> None:
     assert decision.seal_now and "maxNodes" in decision.reason
 
 
+def test_spares_beside_a_full_healthy_round_never_seal_one_of_their_own() -> None:
+    """A run 1:2 with a third pod (desired above maxNodes): the spare waits past every
+    last call; sealing would make a round of the spare alone and supersede both
+    healthy members, whose rejoin would supersede the spare, round after round."""
+    full = sealed("a", "b").replace(store=StoreAddress("10.0.0.0", 29400),
+                                    waiting=waiting("c", since=0))
+    for spares in (full, full.replace(waiting=waiting("c", "d", since=0))):
+        decision = rounds.decide_seal(run(spares, min_nodes=1, max_nodes=2, last_call=5),
+                                      at(999))
+        assert not decision.seal_now and decision.deadline is None
+        assert "full and healthy" in decision.reason
+        assert rounds.nodes_waiting(run(spares, min_nodes=1, max_nodes=2), 1, now=at(999)) == 0
+    # Once the round re-forms (a member lost), the spare is admitted beside the survivor.
+    degraded = rounds.remove_member(full, "b", "PodDeleted", at(10))
+    assert degraded is not None
+    back = degraded.replace(waiting=(*waiting("a", since=11), *degraded.waiting))
+    decision = rounds.decide_seal(run(back, min_nodes=1, max_nodes=2, last_call=5), at(12))
+    assert decision.seal_now
+    sealed_ = rounds.seal_round(run(back, min_nodes=1, max_nodes=2), at(12))
+    assert [(p.name, p.rank) for p in sealed_.participants] == [("a", 0), ("c", 1)]
+
+
 def test_last_call_counts_from_the_min_nodes_th_arrival() -> None:
     status = RunStatus(waiting=waiting("a", "b", "c"))  # arrivals at 0, 1, 2 s
     early = rounds.decide_seal(run(status, last_call=30), at(30))

@@ -187,6 +187,8 @@ def decide_seal(  # noqa: PLR0911 - one return per rule, in their order
     * beside a healthy round whose members are not told of the newcomers yet
       (:func:`announce_due`): no seal before they are; from then on a last call
       of its own, so members who restart at the announcement keep their places.
+      Spares beside a full, healthy round never seal one of their own: they
+      wait for it to re-form.
     * otherwise, with ``minNodes`` waiting: seal once the last-call window, counted
       from the moment the ``minNodes``-th node arrived, has passed.  While members
       of the current round are still on their way back, spares do not take their
@@ -219,6 +221,13 @@ def decide_seal(  # noqa: PLR0911 - one return per rule, in their order
         if now < announced:
             return SealDecision(False, "newcomers held for the desired size", announced)
         deadline = max(deadline, announced + dt.timedelta(seconds=spec.last_call_timeout))
+    if members and not status.degraded and len(status.participants) >= spec.max_nodes:
+        # A full, healthy round is never told of spares (nodes_waiting), so its members
+        # are training, not on their way back: a round sealed now would be the spares
+        # alone, superseding every healthy member, whose rejoin would in turn
+        # supersede the spares, round after round.
+        return SealDecision(False, f"round {status.round} is full and healthy: spares wait "
+                                   "for it to re-form")
     if now >= deadline:
         return SealDecision(True, f"last call ({spec.last_call_timeout}s) passed with {count} "
                                   "nodes")
