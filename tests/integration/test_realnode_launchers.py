@@ -448,7 +448,7 @@ def over_max_nodes(cluster: Cluster, ns: str, run: str) -> tuple[set[str], str]:
     body["spec"]["lastCallTimeoutSeconds"] = SPARE_LAST_CALL
     create_run(cluster, ns, body)
     create_job(cluster, ns, training_job(cluster, ns, run, "1:2", 3,
-                                         ["--epochs", "600", "--steps-per-epoch", "10"]))
+                                         ["--epochs", "2400", "--steps-per-epoch", "10"]))
     formed = first_round(cluster, ns, run, 180)
     assert formed.status.round == 1 and len(formed.status.participants) == 2, formed.status
     members = {p.pod for p in formed.status.participants}
@@ -490,9 +490,6 @@ def test_a_job_above_max_nodes_warns_shows_desired_and_is_deleted_cleanly(
              "the Job's pods to be gone", interval=1)
 
 
-@pytest.mark.xfail(reason="on the real node the round of a run 1:2 with a spare does not "
-                          "hold: its members restart through join notices (rounds loop) or "
-                          "the spare takes a round; not diagnosed yet", strict=False)
 def test_a_job_above_max_nodes_keeps_its_round_and_its_spare_exits_cleanly(
         node_cluster: Cluster, node_namespace: str) -> None:
     cluster, ns, run = node_cluster, node_namespace, "over2"
