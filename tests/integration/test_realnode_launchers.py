@@ -391,15 +391,18 @@ def pods_succeeded(cluster: Cluster, namespace: str, selector: str, count: int) 
 
 def test_a_job_of_4_forms_its_first_round_at_the_4th_join_and_bare_pods_wait_the_last_call(
         node_cluster: Cluster, node_namespace: str) -> None:
-    """Run 2:8.  A Job of 4 (the operator reads its parallelism): the round of 4 is sealed
-    at the 4th join, not at the last call (30 s).  The same 4 pods as bare Pods with the
-    run's label (no owner to read): the round waits the last call (8 s) after the 2nd join."""
+    """Run 2:8.  An Indexed Job of 4 (the operator reads its parallelism): the round of 4
+    is sealed at the 4th join, not at the last call (30 s), ranked by completion index.
+    The same 4 pods as bare Pods with the run's label (no owner to read): the round waits
+    the last call (8 s) after the 2nd join."""
     cluster, ns = node_cluster, node_namespace
     owned, bare = "want4", "bare4"
     body = elastic_run(owned, 2, 8)
     body["spec"]["lastCallTimeoutSeconds"] = OWNED_LAST_CALL
     create_run(cluster, ns, body)
-    create_job(cluster, ns, training_job(cluster, ns, owned, "2:8", 4, SHORT_TRAINING))
+    indexed = training_job(cluster, ns, owned, "2:8", 4, SHORT_TRAINING)
+    indexed["spec"]["completionMode"] = "Indexed"
+    create_job(cluster, ns, indexed)
     formed = first_round(cluster, ns, owned, 180)
     assert formed.status.desired is not None and formed.status.desired.source == f"Job/{owned}"
     assert formed.status.desired.size == 4
@@ -410,9 +413,11 @@ def test_a_job_of_4_forms_its_first_round_at_the_4th_join_and_bare_pods_wait_the
     assert formed.status.round == 1 and sorted(p.rank for p in formed.status.participants) == [
         0, 1, 2, 3], formed.status.participants
     assert waited[0] < FIRST_ROUND_BOUND, f"sealed {waited[0]:.2f}s after the 4th join"
-    names = {p.pod for p in formed.status.participants}
-    assert names == {p["metadata"]["name"] for p in pods_of(
-        cluster, ns, f"batch.kubernetes.io/job-name={owned}")}
+    # Ranks follow the completion index, whatever order the kubelet started the pods in.
+    indexes = {p["metadata"]["name"]: int(p["metadata"]["annotations"][COMPLETION_INDEX])
+               for p in pods_of(cluster, ns, f"batch.kubernetes.io/job-name={owned}")}
+    assert {p.pod: p.rank for p in formed.status.participants} == indexes
+    names = set(indexes)
     pods_succeeded(cluster, ns, f"batch.kubernetes.io/job-name={owned}", 4)
     for pod in names:  # every member trained in the world of 4, and only in it
         out = logs(cluster, ns, pod)
