@@ -68,6 +68,11 @@ def test_spares_beside_a_full_healthy_round_never_seal_one_of_their_own() -> Non
         assert not decision.seal_now and decision.deadline is None
         assert "full and healthy" in decision.reason
         assert rounds.nodes_waiting(run(spares, min_nodes=1, max_nodes=2), 1, now=at(999)) == 0
+    # A member back (its workers failed: the round is re-forming, with no operator to
+    # see the other one die): the last call bounds the wait for the rest, as before.
+    rejoining = full.replace(waiting=(*waiting("a", since=1), *full.waiting))
+    late = rounds.decide_seal(run(rejoining, min_nodes=1, max_nodes=2, last_call=5), at(999))
+    assert late.seal_now and "last call" in late.reason
     # Once the round re-forms (a member lost), the spare is admitted beside the survivor.
     degraded = rounds.remove_member(full, "b", "PodDeleted", at(10))
     assert degraded is not None

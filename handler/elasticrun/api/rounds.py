@@ -221,11 +221,13 @@ def decide_seal(  # noqa: PLR0911 - one return per rule, in their order
         if now < announced:
             return SealDecision(False, "newcomers held for the desired size", announced)
         deadline = max(deadline, announced + dt.timedelta(seconds=spec.last_call_timeout))
-    if members and not status.degraded and len(status.participants) >= spec.max_nodes:
-        # A full, healthy round is never told of spares (nodes_waiting), so its members
-        # are training, not on their way back: a round sealed now would be the spares
-        # alone, superseding every healthy member, whose rejoin would in turn
-        # supersede the spares, round after round.
+    if members and not members & names and not status.degraded \
+            and len(status.participants) >= spec.max_nodes:
+        # A full, healthy round is never told of spares (nodes_waiting), so while none
+        # of its members is back its members are training: a round sealed now would be
+        # the spares alone, superseding every healthy member, whose rejoin would in
+        # turn supersede the spares, round after round.  Once a member is back the
+        # round is re-forming, and the last call below bounds the wait for the rest.
         return SealDecision(False, f"round {status.round} is full and healthy: spares wait "
                                    "for it to re-form")
     if now >= deadline:
