@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from elasticrun.api import crd
+from elasticrun.api import crd, rounds
 from elasticrun.api.kube import (
     APPLY_PATCH,
     ApiConnectionError,
@@ -131,7 +131,7 @@ class Story:
 
     rounds: list[dict[str, Any]] = field(default_factory=list)
     lost: list[dict[str, Any]] = field(default_factory=list)
-    #: Members that left after finishing (reason Left), in order.
+    #: Members that left on their own (finished or shut down), in order.
     left: list[str] = field(default_factory=list)
     epochs_done: int = 0
     final_loss: float | None = None
@@ -334,7 +334,7 @@ class Demo:
         for m in s.lost_members:
             if (m.name, m.round, m.reason) in seen:
                 continue
-            if m.reason == "Left":  # finished and shut down: a departure, not a loss
+            if m.reason in rounds.DEPARTURES:  # shut down on its own: not a loss
                 c.line("round", f"{m.name} left round {m.round} ({m.message or 'shut down'})")
                 self.story.left.append(m.name)
                 continue

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elasticrun.api.kube import ApiError, KubeClient, run_path
+from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, run_path, runs_path
 from elasticrun.api.model import ElasticRun, parse_run
 
 from bench.apiserver import AuditEntry, AuditLog, count_writes, metric
@@ -60,6 +61,43 @@ def start_rendezvous(handler: Any) -> tuple[threading.Thread, dict[str, Any]]:
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, box
+
+
+class RoundLog:
+    """Watches the run and records when each round was sealed and with whom."""
+
+    def __init__(self, client: KubeClient, namespace: str, run: str) -> None:
+        self.client, self.namespace, self.run = client, namespace, run
+        self.rounds: dict[int, tuple[float, frozenset[str]]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        rv = ""
+        while not self._stop.is_set():
+            try:
+                for event in self.client.watch(
+                        runs_path(self.namespace),
+                        {"fieldSelector": f"metadata.name={self.run}", "resourceVersion": rv},
+                        5):
+                    if event.get("type") in ("ADDED", "MODIFIED"):
+                        run = parse_run(event["object"])
+                        rv = run.resource_version
+                        if run.status.participants and run.status.round not in self.rounds:
+                            self.rounds[run.status.round] = (time.monotonic(),
+                                                             run.status.member_names)
+            except (ApiError, ApiConnectionError):
+                self._stop.wait(0.2)
+
+    def first_round_after(self, moment: float, without: str) -> tuple[int, float] | None:
+        for number, (sealed, members) in sorted(self.rounds.items()):
+            if sealed > moment and without not in members:
+                return number, sealed - moment
+        return None
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def read_run(client: KubeClient, namespace: str, name: str) -> ElasticRun:

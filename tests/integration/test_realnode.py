@@ -170,7 +170,10 @@ def test_job_example_trains_through_a_deleted_pod(node_cluster: Cluster,
     final = read_run(node_cluster.client, ns, run)
     summary = [(m.name, m.round, m.reason, m.message) for m in final.status.lost_members]
     assert final.status.phase == "Succeeded", (final.status.conditions, summary)
-    assert {m.reason for m in final.status.lost_members if m.name != victim} == {"Left"}, summary
+    # The first member out found its round past torch's exit barrier and marked the run
+    # Succeeded; the others left a finished run as it was.
+    assert [m.reason for m in final.status.lost_members if m.name != victim] == ["Finished"], \
+        summary
 
 
 def start_statefulset(cluster: Cluster, namespace: str, run: str) -> ElasticRun:

@@ -504,10 +504,18 @@ def test_a_job_above_max_nodes_keeps_its_round_and_its_spare_exits_cleanly(
     # the spare (enough for minNodes on its own) sealed no round of its own.
     (joined,) = [w.since for w in read_run(cluster.client, ns, run).status.waiting
                  if w.pod == spared and w.since]
-    time.sleep(max(0.0, joined.timestamp() + SPARE_LAST_CALL + 3 - time.time()))
-    still = read_run(cluster.client, ns, run)
-    assert still.status.phase == "Running", "training ended before the spare's last call"
-    assert (still.status.round, {p.pod for p in still.status.participants}) == (1, members)
+
+    def round_1_trains() -> bool:
+        still = read_run(cluster.client, ns, run)
+        return (still.status.phase, still.status.round,
+                {p.pod for p in still.status.participants}) == ("Running", 1, members)
+
+    window = joined.timestamp() + SPARE_LAST_CALL + 3 - time.time()
+    holds = time.monotonic() + window
+    while time.monotonic() < holds:
+        assert round_1_trains(), f"round 1 did not hold past the spare's last call: " \
+                                 f"{read_run(cluster.client, ns, run).status}"
+        time.sleep(0.2)
 
     def finished() -> dict[str, Any] | None:
         job: dict[str, Any] = cluster.client.request("GET", f"/apis/batch/v1/namespaces/{ns}"
@@ -515,9 +523,15 @@ def test_a_job_above_max_nodes_keeps_its_round_and_its_spare_exits_cleanly(
         return job if condition(job, "Complete") or condition(job, "Failed") else None
 
     status = wait_for(finished, 300, "the Job to finish", interval=1)["status"]
-    assert (status.get("succeeded"), status.get("failed", 0)) == (3, 0), status
+    pod_logs = {name: cluster.kubectl("logs", name, "-n", ns, check=False).stdout
+                for name in (*sorted(members), spared)}
+    every_log = "\n".join(f"--- {name}\n{text[-3000:]}" for name, text in pod_logs.items())
+    assert (status.get("succeeded"), status.get("failed", 0)) == (3, 0), \
+        f"{status}\n{every_log}"
     final = read_run(cluster.client, ns, run)
     print(f"{run}: Job succeeded {status.get('succeeded')}, failed {status.get('failed', 0)}; "
           f"run {final.status.phase} at round {final.status.round}")
-    assert final.status.phase == "Succeeded"
+    assert (final.status.phase, final.status.round) == ("Succeeded", 1), every_log
+    assert "the run already succeeded" in pod_logs[spared], every_log
+    assert "starting at epoch" not in pod_logs[spared], every_log  # no worker of the spare
     pods_succeeded(cluster, ns, selector, 3)  # the spare too: exit status 0

@@ -10,59 +10,23 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from elasticrun.api.kube import ApiConnectionError, ApiError, runs_path
+from elasticrun.api.kube import runs_path
 from elasticrun.api.model import parse_run
+from elasticrun.api.rounds import FINISHED
 
 from conftest import ROOT, Cluster, ProcessGroup, wait_for
 from controlplane.localcluster import clean_env, kill_tree
+from rdzv import RoundLog
 
 pytestmark = pytest.mark.torchrun
 TRAIN = ROOT / "deploy" / "examples" / "train.py"
 EPOCHS = 30
-
-
-class RoundLog:
-    """Watches the run and records when each round was sealed and with whom."""
-
-    def __init__(self, cluster: Cluster, namespace: str, run: str) -> None:
-        self.cluster, self.namespace, self.run = cluster, namespace, run
-        self.rounds: dict[int, tuple[float, frozenset[str]]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        rv = ""
-        while not self._stop.is_set():
-            try:
-                for event in self.cluster.client.watch(
-                        runs_path(self.namespace),
-                        {"fieldSelector": f"metadata.name={self.run}", "resourceVersion": rv},
-                        5):
-                    if event.get("type") in ("ADDED", "MODIFIED"):
-                        run = parse_run(event["object"])
-                        rv = run.resource_version
-                        if run.status.participants and run.status.round not in self.rounds:
-                            self.rounds[run.status.round] = (time.monotonic(),
-                                                             run.status.member_names)
-            except (ApiError, ApiConnectionError):
-                self._stop.wait(0.2)
-
-    def first_round_after(self, moment: float, without: str) -> tuple[int, float] | None:
-        for number, (sealed, members) in sorted(self.rounds.items()):
-            if sealed > moment and without not in members:
-                return number, sealed - moment
-        return None
-
-    def stop(self) -> None:
-        self._stop.set()
 
 
 def start_agent(processes: ProcessGroup, cluster: Cluster, namespace: str, node: str,
@@ -92,7 +56,7 @@ def last_epoch(workdir: Path) -> int:
 
 def test_three_agents_train_lose_one_and_admit_a_fresh_one(
         cluster: Cluster, namespace: str, processes: ProcessGroup, tmp_path: Path) -> None:
-    rounds = RoundLog(cluster, namespace, "e2e")
+    rounds = RoundLog(cluster.client, namespace, "e2e")
     try:
         agents = {f"node-{i}": start_agent(processes, cluster, namespace, f"node-{i}", tmp_path)
                   for i in range(3)}
@@ -130,6 +94,11 @@ def test_three_agents_train_lose_one_and_admit_a_fresh_one(
     final = parse_run(cluster.client.request("GET", f"{runs_path(namespace)}/e2e"))
     assert final.status.round >= 3
     assert rounds.rounds[admitted][1] == frozenset(agents) - {victim} | {"node-3"}
-    left = {m.name for m in final.status.lost_members if m.round == final.status.round}
-    assert left == frozenset(agents) - {victim} | {"node-3"}
+    # The first member out found its round past torch's exit barrier: the run succeeded,
+    # and the others left a finished run as it was.
+    assert final.status.phase == "Succeeded"
+    left = [(m.name, m.reason) for m in final.status.lost_members
+            if m.round == final.status.round]
+    assert [reason for _, reason in left] == [FINISHED], left
+    assert left[0][0] in frozenset(agents) - {victim} | {"node-3"}
     assert not final.spec.closed  # the agents' shutdown left the run open for others

@@ -103,6 +103,22 @@ def test_closing_by_spec_closes_the_status_and_signals_everyone() -> None:
     assert closed is not None and closed.status == "True" and closed.observed_generation == 3
 
 
+def test_a_run_a_member_marked_succeeded_gets_its_conditions_once_and_no_new_signal() -> None:
+    finished = rounds.leave(running_run().status, "a", T0, finished=True)
+    assert finished is not None
+    run = running_run(**{f.name: getattr(finished, f.name)
+                         for f in dataclasses.fields(finished)})
+    plan = reconcile(run, Members(), T0 + dt.timedelta(seconds=1))
+    assert plan.status is not None and plan.status.phase == "Succeeded"
+    assert plan.status.signal == run.status.signal  # the member already told everyone
+    succeeded = plan.status.condition("Succeeded")
+    assert succeeded is not None and (succeeded.status, succeeded.reason) == (
+        "True", "ExitBarrierPassed")
+    assert [e[1] for e in plan.events] == ["Succeeded"]
+    again = reconcile(run.replace_status(plan.status), Members(), T0 + dt.timedelta(seconds=2))
+    assert again.status is None and not again.events
+
+
 def test_a_member_whose_pod_failed_is_removed_and_the_round_marked() -> None:
     run = running_run()
     loss = Loss("PodFailed", "pod b failed", T0 - dt.timedelta(seconds=2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from dataclasses import replace
 
@@ -83,11 +84,71 @@ def test_spares_beside_a_full_healthy_round_never_seal_one_of_their_own() -> Non
     assert [(p.name, p.rank) for p in sealed_.participants] == [("a", 0), ("c", 1)]
 
 
+def test_after_a_loss_survivors_keep_their_places_for_a_last_call_from_the_loss() -> None:
+    """A member lost beside a spare that waited since long ago: the survivor, whose
+    workers restart on the news, gets the last call from the loss to ask again; a
+    spare sealing alone at once would supersede it one round later."""
+    full = sealed("a", "b").replace(waiting=waiting("c", since=0))
+    degraded = rounds.remove_member(full, "b", "PodDeleted", at(100))
+    assert degraded is not None
+    early = rounds.decide_seal(run(degraded, min_nodes=1, max_nodes=2, last_call=5), at(101))
+    assert not early.seal_now and early.deadline == at(105)
+    back = degraded.replace(waiting=(*waiting("a", since=102), *degraded.waiting))
+    both = rounds.decide_seal(run(back, min_nodes=1, max_nodes=2, last_call=5), at(102))
+    assert both.seal_now and "remaining members" in both.reason
+    # The survivor never came back: the spare seals once the grace has passed.
+    alone = rounds.decide_seal(run(degraded, min_nodes=1, max_nodes=2, last_call=5), at(105))
+    assert alone.seal_now and alone.last_call == at(105)
+    # A loss time from a clock in the future grants nothing: today's rule.
+    ahead = degraded.replace(lost_members=tuple(
+        dataclasses.replace(m, time=at(10_000)) for m in degraded.lost_members))
+    assert rounds.decide_seal(run(ahead, min_nodes=1, max_nodes=2, last_call=5),
+                              at(101)).seal_now
+
+
+def test_a_member_back_before_any_loss_is_seen_gives_the_others_a_last_call() -> None:
+    """No operator saw the loss yet: one member is back (its collective failed), the other
+    is on its way (or dead); the spare waits a last call from the first return."""
+    full = sealed("a", "b").replace(waiting=waiting("c", since=0))
+    back = full.replace(waiting=(*waiting("a", since=200), *full.waiting))
+    early = rounds.decide_seal(run(back, min_nodes=1, max_nodes=2, last_call=5), at(201))
+    assert not early.seal_now and early.deadline == at(205)
+    both = back.replace(waiting=(*back.waiting, *waiting("b", since=202)))
+    assert rounds.decide_seal(run(both, min_nodes=1, max_nodes=2, last_call=5),
+                              at(202)).seal_now
+    late = rounds.decide_seal(run(back, min_nodes=1, max_nodes=2, last_call=5), at(205))
+    assert late.seal_now
+    assert [p.name for p in rounds.seal_round(run(back, min_nodes=1, max_nodes=2),
+                                              at(205)).participants] == ["a", "c"]
+
+
+def test_a_finished_member_ends_the_run_a_left_one_re_forms_it() -> None:
+    full = sealed("a", "b").replace(waiting=waiting("c", since=0))
+    done = rounds.leave(full, "a", at(50), finished=True)
+    assert done is not None and done.phase == "Succeeded" and done.finished_at == at(50)
+    assert done.signal > full.signal and done.restart_round == 0
+    assert [(m.name, m.reason) for m in done.lost_members] == [("a", rounds.FINISHED)]
+    # The rest leave a finished run as it is; the spare is told by the signal.
+    assert rounds.leave(done, "b", at(51), finished=True) is None
+    assert rounds.leave(done, "b", at(51), finished=False) is None
+    assert rounds.decide_seal(run(done, min_nodes=1, max_nodes=2), at(99)).seal_now is False
+    # Without the exit barrier's proof it is a departure: the round re-forms.
+    left = rounds.leave(full, "a", at(50), finished=False)
+    assert left is not None and left.phase == "Degraded" and left.restart_round == 1
+    assert [(m.name, m.reason) for m in left.lost_members] == [("a", rounds.LEFT)]
+    # A spare (not a member) has nothing to prove: its leaving is a withdrawal.
+    spare = rounds.leave(full, "c", at(50), finished=True)
+    assert spare is not None and spare.phase == "Running" and not spare.waiting
+
+
 def test_last_call_counts_from_the_min_nodes_th_arrival() -> None:
     status = RunStatus(waiting=waiting("a", "b", "c"))  # arrivals at 0, 1, 2 s
     early = rounds.decide_seal(run(status, last_call=30), at(30))
     assert not early.seal_now and early.deadline == at(31)  # 2nd arrival + 30 s
-    assert rounds.decide_seal(run(status, last_call=30), at(31)).seal_now
+    late = rounds.decide_seal(run(status, last_call=30), at(31))
+    assert late.seal_now and late.last_call == at(31)  # the sealer lists after it
+    fast = rounds.decide_seal(run(RunStatus(waiting=waiting("a", "b", "c", "d"))), at(0))
+    assert fast.seal_now and fast.last_call is None
 
 
 def test_all_survivors_back_seal_at_once_but_spares_do_not_replace_them() -> None:

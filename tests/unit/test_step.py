@@ -136,10 +136,27 @@ def test_the_last_call_never_waits_past_the_join_deadline() -> None:
     assert next_action(known, at(1), CLOCK) == step.Wait(until=CLOCK + JOIN_TIMEOUT)
 
 
-def test_a_passed_last_call_seals() -> None:
-    known = knows(RunStatus(), pending=waiting("a", "b"))
+def test_a_passed_last_call_seals_from_a_listing_made_after_it() -> None:
+    known = knows(RunStatus(), pending=waiting("a", "b")).replace(listed_at=at(31))
     action = next_action(known, at(31), CLOCK)
     assert isinstance(action, step.Seal) and action.reason.startswith("last call (30s)")
+
+
+def test_a_listing_made_during_the_last_call_is_listed_again_before_the_seal() -> None:
+    # Joins write Leases, not the run: a node that slept through the window on an
+    # unchanged run holds the listing it made when the window opened, which misses
+    # the nodes that asked later within it (they must be in the round: torch's promise).
+    during = knows(RunStatus(), pending=waiting("a", "b")).replace(listed_at=at(1))
+    assert next_action(during, at(31.5), CLOCK + 30.5) == step.List()
+    after = during.replace(pending=waiting("a", "b", "c"), listed_at=at(31.5))
+    action = next_action(after, at(31.5), CLOCK + 30.5)
+    assert isinstance(action, step.Seal) and "with 3 nodes" in action.reason
+
+
+def test_fast_seals_need_no_second_listing() -> None:
+    # maxNodes and every survivor back are decided by who is there, not by a window.
+    full = knows(RunStatus(), pending=waiting("a", "b", "c", "d")).replace(listed_at=at(0))
+    assert isinstance(next_action(full, at(40), CLOCK + 40), step.Seal)
 
 
 def test_a_newcomer_beside_a_round_with_room_announces_itself_once() -> None:
@@ -181,7 +198,8 @@ def test_every_state_gets_one_consistent_action(names: list[str], me: str, elaps
                                                 min_nodes: int, extra: int,
                                                 last_call: int) -> None:
     known = knows(RunStatus(), node=me, pending=waiting(*names), min_nodes=min_nodes,
-                  max_nodes=min_nodes + extra, last_call=last_call)
+                  max_nodes=min_nodes + extra, last_call=last_call
+                  ).replace(listed_at=at(elapsed))
     clock = CLOCK + elapsed
     action = next_action(known, at(elapsed), clock)
     if me not in names:

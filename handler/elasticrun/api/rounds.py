@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from elasticrun.api import untrusted
 from elasticrun.api.model import (
+    FINISHED_PHASES,
     LOST_MEMBERS_KEPT,
     ElasticRun,
     LostMember,
@@ -87,7 +88,13 @@ class SealDecision:
 
     seal_now: bool
     reason: str
+    #: When to look again (no seal yet).
     deadline: dt.datetime | None = None
+    #: For a seal that rests on the last call: when that call ended.  torch's
+    #: promise is that every node that asked within it is in the round, so a
+    #: sealer counts the requests it listed at or after this moment, never an
+    #: older listing (:func:`elasticrun.handler.step.next_action`).
+    last_call: dt.datetime | None = None
 
 
 Waiting = Sequence[WaitingNode] | None
@@ -192,7 +199,8 @@ def decide_seal(  # noqa: PLR0911 - one return per rule, in their order
     * otherwise, with ``minNodes`` waiting: seal once the last-call window, counted
       from the moment the ``minNodes``-th node arrived, has passed.  While members
       of the current round are still on their way back, spares do not take their
-      places just because they were quicker: survivors keep priority.
+      places just because they were quicker: survivors keep priority, for a last
+      call counted from when the round began to re-form (:func:`_reforming_since`).
     """
     spec, status = run.spec, run.status
     if run.closed:
@@ -221,6 +229,9 @@ def decide_seal(  # noqa: PLR0911 - one return per rule, in their order
         if now < announced:
             return SealDecision(False, "newcomers held for the desired size", announced)
         deadline = max(deadline, announced + dt.timedelta(seconds=spec.last_call_timeout))
+    reforming = _reforming_since(status, [w for w in eligible if w.name in members], now)
+    if members and reforming is not None:
+        deadline = max(deadline, reforming + dt.timedelta(seconds=spec.last_call_timeout))
     if members and not members & names and not status.degraded \
             and len(status.participants) >= spec.max_nodes:
         # A full, healthy round is never told of spares (nodes_waiting), so while none
@@ -232,8 +243,29 @@ def decide_seal(  # noqa: PLR0911 - one return per rule, in their order
                                    "for it to re-form")
     if now >= deadline:
         return SealDecision(True, f"last call ({spec.last_call_timeout}s) passed with {count} "
-                                  "nodes")
+                                  "nodes", last_call=deadline)
     return SealDecision(False, "last call", deadline)
+
+
+def _reforming_since(status: RunStatus, back: Sequence[WaitingNode], now: dt.datetime
+                     ) -> dt.datetime | None:
+    """When the running round began to re-form: its first loss, or the first of its
+    members to ask again, whichever came first; None when neither happened.
+
+    The members learn of it then (a loss moves the signal; a member whose
+    workers failed took the others' collective down with it), and their agents
+    ask again within a moment.  Spares waiting since long before must not seal
+    in their place just because the spares' own last call passed long ago, or
+    the members' return would supersede that round at once.  A loss's time is
+    the remover's clock (the operator's or a member's): one in the future
+    counts as no time at all, so a skewed clock can shorten the members'
+    grace, never hold a round back.
+    """
+    losses = [m.time for m in status.lost_members
+              if status.degraded and m.round == status.round
+              and m.time is not None and m.time <= now]
+    returns = _arrivals(back, now)
+    return min([*losses, *returns[:1]], default=None)
 
 
 def arrival_key(node: WaitingNode) -> tuple[dt.datetime, str]:
@@ -350,6 +382,46 @@ def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None,
     )
 
 
+#: A member's agent shut down without proof that its round finished training
+#: (its workers failed for good, or it stopped before the round's exit barrier).
+LEFT = "Left"
+#: A member's agent shut down after its round's exit barrier: torch's agents pass
+#: it only once every member's workers succeeded, so the run succeeded.
+FINISHED = "Finished"
+#: Reasons of a member that went away on its own, not lost to a failure.
+DEPARTURES = (LEFT, FINISHED, "PodSucceeded")
+
+
+def leave(status: RunStatus, name: str, now: dt.datetime, *, finished: bool
+          ) -> RunStatus | None:
+    """The status after member ``name``'s agent shut down; None when nothing changes.
+
+    A finished run stays as it is: the members that leave after the first
+    one's success leave nothing to re-form.  A member that passed its round's
+    exit barrier (``finished``) proves that every member's workers succeeded,
+    so the run is ``Succeeded`` at once, its signal moved: a spare still
+    waiting exits without running a round, and no member is told to restart.
+    Otherwise the member is removed (:data:`LEFT`) like any loss, and its
+    round re-forms.
+    """
+    if status.phase in FINISHED_PHASES:
+        return None
+    if not finished or status.participant(name) is None:
+        return remove_member(status, name, LEFT, now, message="the agent shut down")
+    member = status.participant(name)
+    assert member is not None
+    done = LostMember(name=name, round=status.round, reason=FINISHED, time=now,
+                      since=member.since,
+                      message="the agent shut down after its round's exit barrier")
+    return status.replace(
+        phase="Succeeded",
+        participants=tuple(p for p in status.participants if p.name != name),
+        signal=next_signal(status.signal),
+        finished_at=now,
+        lost_members=(*status.lost_members, done)[-LOST_MEMBERS_KEPT:],
+    )
+
+
 def remove_member(status: RunStatus, name: str, reason: str, now: dt.datetime,
                   message: str | None = None,
                   detection_seconds: float | None = None) -> RunStatus | None:
@@ -402,9 +474,10 @@ def nodes_waiting(run: ElasticRun, my_round: int, waiting: Waiting = None, *,
     so the members restart once for all of them.
     """
     status = run.status
-    if my_round > status.round:
+    if my_round > status.round or run.closed:
         # Told of its round on its Lease: this copy predates the round, and
         # anything that happened to the round since would have moved the signal.
+        # A closed or finished run admits nobody: a restart would only fail.
         return 0
     eligible = eligible_waiting(run, waiting)
     if my_round and (status.round > my_round or status.restart_round >= my_round

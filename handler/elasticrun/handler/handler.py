@@ -39,7 +39,7 @@ import random
 import threading
 import time
 
-from torch.distributed import PrefixStore
+from torch.distributed import PrefixStore, Store
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousError,
@@ -65,8 +65,8 @@ from elasticrun.api.model import (
 )
 from elasticrun.api.policy import RETRY_DELAYS, retry_delay
 from elasticrun.api.stores import store_problem
+from elasticrun.handler import exitbarrier, step
 from elasticrun.handler import settings as settings_mod
-from elasticrun.handler import step
 from elasticrun.handler.calls import ElasticRunForbiddenError, connect_client, who
 from elasticrun.handler.lease import LeaseKeeper, NodeNameInUseError
 from elasticrun.handler.mailbox import AssignmentWatch
@@ -123,6 +123,8 @@ class K8sRendezvousHandler(RendezvousHandler):
         self._mailbox: AssignmentWatch | None = None
         self.stores = RoundStores()
         self._round = 0
+        #: The store handed to torch for that round (where its exit barrier is kept).
+        self._round_store: Store | None = None
         self._lock = threading.Lock()
         self._closing = False
 
@@ -221,7 +223,7 @@ class K8sRendezvousHandler(RendezvousHandler):
                 lease.release(self.settings.close_timeout)
                 lease = None
             try:
-                self._leave_membership()
+                self._leave_membership(self._round_finished())
             except RendezvousError as exc:
                 log.warning("%s: leaving the membership failed: %s", self._who(), exc)
             if lease is not None:
@@ -267,7 +269,8 @@ class K8sRendezvousHandler(RendezvousHandler):
                 self._watch_assignments(session)
             return known.replace(joined=True, own=own, listed=False)
         if isinstance(action, step.List):
-            return known.replace(pending=session.pending(run), listed=True)
+            listed_at = now()
+            return known.replace(pending=session.pending(run), listed=True, listed_at=listed_at)
         if isinstance(action, step.Seal):
             run = self._seal(session, known, action.reason) or session.read_or_raise()
             return known.replace(run=run, listed=False)
@@ -368,7 +371,12 @@ class K8sRendezvousHandler(RendezvousHandler):
         except RendezvousError as exc:
             log.debug("leaving the waiting list: %s", exc)
 
-    def _leave_membership(self) -> None:
+    def _round_finished(self) -> bool:
+        """Whether this node's round passed torch's exit barrier (see :mod:`.exitbarrier`)."""
+        store, self._round_store = self._round_store, None
+        return store is not None and exitbarrier.passed(store)
+
+    def _leave_membership(self, finished: bool) -> None:
         session = self._session
         if session is None:
             return
@@ -378,8 +386,7 @@ class K8sRendezvousHandler(RendezvousHandler):
             run = session.read()
             if run is None:
                 return
-            status = rounds.remove_member(run.status, self.settings.node_name, "Left", now(),
-                                          message="the agent shut down")
+            status = rounds.leave(run.status, self.settings.node_name, now(), finished=finished)
             if status is None:
                 return
             if session.replace_status(run, status) is not None:
@@ -409,6 +416,7 @@ class K8sRendezvousHandler(RendezvousHandler):
             return None
         self._round = round_number
         store = PrefixStore(f"torch.rendezvous.{self.settings.run_name}.{round_number}", base)
+        self._round_store = store
         log.info("%s: round %d, rank %d of %d, store %s:%d", self._who(), round_number, rank,
                  assignment.world_size, host, port)
         return RendezvousInfo(store, rank, assignment.world_size,

@@ -40,6 +40,8 @@ class Knowledge:
     joined: bool = False
     #: Whether ``pending`` was listed since ``run`` last changed.
     listed: bool = False
+    #: When (wall time) the listing of ``pending`` began.
+    listed_at: dt.datetime | None = None
     #: Until when (monotonic) this node leaves sealing to the operator and does
     #: not list the Leases; None when it seals itself
     #: (:func:`~elasticrun.api.rounds.nodes_defer_seal`).
@@ -137,7 +139,8 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
     sure a running round hears of it and waits; otherwise it lists the pending
     requests once per change of the run, makes a request that vanished (its
     Lease removed or expired) again, and applies torch's sealing rules
-    (:func:`~elasticrun.api.rounds.decide_seal`) to the listed requests; a
+    (:func:`~elasticrun.api.rounds.decide_seal`) to the listed requests (a
+    seal at the end of the last call from a listing made after it); a
     running round hears of us once; past the deadline the call fails; otherwise
     it waits for a change or for the last call (staggered by arrival).
     """
@@ -157,6 +160,11 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
         return Join()
     decision = rounds.decide_seal(run, now, pending)
     if decision.seal_now:
+        if decision.last_call is not None and (
+                known.listed_at is None or known.listed_at < decision.last_call):
+            # Joins write Leases, not the run, so a listing made while the window
+            # was open misses the nodes that asked later within it.
+            return List()
         return Seal(decision.reason)
     if rounds.announce_needed(run, now, pending):
         return Announce()

@@ -20,7 +20,7 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0,
 REASONS = frozenset({
     "PodDeleted", "PodDisrupted", "PodFailed", "PodSucceeded", "ContainerTerminated",
     "ContainerRestarted", "LeaseExpired", "LeaseMissing", "StoreUnreachable", "Left",
-    "Drained", "NodeDraining"})
+    "Finished", "Drained", "NodeDraining"})
 OTHER = "Other"
 
 

@@ -8,7 +8,7 @@ import socket
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
-from elasticrun.api import crd
+from elasticrun.api import crd, rounds
 from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient
 from elasticrun.api.model import (
     ElasticRun,
@@ -112,7 +112,8 @@ class Observer:
             self._sealed(run, labels)
         for lost in lost_since(old, status):
             self.metrics.lost_member(*key, lost.reason, lost.detection_seconds)
-            self.post_soon(run, "Warning" if lost.reason != "Left" else "Normal", "MemberLost",
+            kind = "Normal" if lost.reason in rounds.DEPARTURES else "Warning"
+            self.post_soon(run, kind, "MemberLost",
                            f"round {lost.round}: {lost.name} removed ({lost.reason}"
                            f"{': ' + lost.message if lost.message else ''})")
 

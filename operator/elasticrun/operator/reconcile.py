@@ -233,6 +233,8 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
     """
     plan = Plan()
     if _is_finished(run.status, run.spec.closed):
+        if run.status.phase == "Succeeded" and run.status.condition("Succeeded") is None:
+            return _record_success(run, now, plan)
         return _expire(run, now, plan)
     if run.spec.closed:
         return _close(run, now, plan)
@@ -424,22 +426,35 @@ def _forced_round(run: ElasticRun, new: RunStatus, plan: Plan) -> RunStatus:
 def _all_members_finished(new: RunStatus) -> bool:
     current_lost = [m for m in new.lost_members if m.round == new.round]
     return (new.round > 0 and not new.participants and not new.waiting and bool(current_lost)
-            and all(m.reason in ("Left", "PodSucceeded") for m in current_lost))
+            and all(m.reason in rounds.DEPARTURES for m in current_lost))
 
 
 def _succeed(run: ElasticRun, new: RunStatus, now: dt.datetime, plan: Plan) -> Plan:
     """Every member of the round left after finishing: the run succeeded."""
-    generation = run.generation
     count = len([m for m in new.lost_members if m.round == new.round])
     new = new.replace(phase="Succeeded", finished_at=now, signal=next_signal(new.signal))
-    conditions = set_condition(new.conditions, "Succeeded", True, "AllMembersLeft",
-                               f"all {count} members of round {new.round} finished", now,
+    return _succeeded(run, new, "AllMembersLeft",
+                      f"all {count} members of round {new.round} finished", now, plan)
+
+
+def _record_success(run: ElasticRun, now: dt.datetime, plan: Plan) -> Plan:
+    """A member marked the run Succeeded on its way out (its round passed torch's exit
+    barrier, :func:`rounds.leave`): the conditions say so, once."""
+    status = run.status
+    return _succeeded(run, status, "ExitBarrierPassed",
+                      f"every member of round {status.round} passed the exit barrier", now,
+                      plan)
+
+
+def _succeeded(run: ElasticRun, new: RunStatus, reason: str, message: str,
+               now: dt.datetime, plan: Plan) -> Plan:
+    generation = run.generation
+    conditions = set_condition(new.conditions, "Succeeded", True, reason, message, now,
                                generation)
     conditions = set_condition(conditions, "RoundComplete", False, "Finished",
                                "the run finished", now, generation)
     plan.status = _finish(new.replace(conditions=conditions), generation)
-    plan.events.append(("Normal", "Succeeded", f"all members of round {new.round} left "
-                        "after finishing"))
+    plan.events.append(("Normal", "Succeeded", message))
     plan.wake(now)
     return plan
 

@@ -1,0 +1,165 @@
+"""A hot spare's whole life: real torchrun agents on a run 1:2, the operator, no node.
+
+Three agents on a run of at most two: two members train, the third waits as a
+spare.  What a user choosing a hot spare is promised:
+
+* beside the full, healthy round the spare waits, listed as waiting; it never
+  seals a round, the members never restart, round 1 keeps its number for as
+  long as they train (checked for longer than the spare's last call);
+* when the members finish, their round has passed torch's exit barrier, the
+  first member out marks the run ``Succeeded``, and the spare exits 0 without
+  a worker ever starting (``RunSucceededError``);
+* when a member is lost, the spare takes its place in the next round and the
+  survivor restarts once.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elasticrun.api import rounds
+from elasticrun.api.model import ElasticRun
+
+from conftest import ROOT, Cluster, OperatorProcess, ProcessGroup, wait_for
+from controlplane.localcluster import clean_env, kill_tree
+from rdzv import RoundLog, read_run
+
+pytestmark = pytest.mark.torchrun
+TRAIN = ROOT / "deploy" / "examples" / "train.py"
+RUN = "spare"
+LAST_CALL = 3
+#: Long enough to outlast the spare's last call by a wide margin on a loaded machine
+#: (each epoch ends with a barrier and a log line; the test checks the premise).
+EPOCHS = 40
+STEPS = 150
+WORKER_STARTED = "starting at epoch"
+
+
+def start_agent(processes: ProcessGroup, cluster: Cluster, namespace: str, node: str,
+                workdir: Path) -> subprocess.Popen[Any]:
+    env = {**clean_env(), "KUBECONFIG": str(cluster.kubeconfig), "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1"}
+    conf = (f"namespace={namespace},node_name={node},last_call_timeout={LAST_CALL},"
+            "heartbeat_timeout=10,lease_interval=2")
+    argv = [str(Path(sys.executable).parent / "torchrun"), "--nnodes=1:2", "--nproc-per-node=1",
+            "--rdzv-backend=k8s", f"--rdzv-id={RUN}", f"--rdzv-conf={conf}", "--max-restarts=3",
+            "--monitor-interval=0.1", "--local-addr=127.0.0.1", str(TRAIN),
+            "--epochs", str(EPOCHS), "--steps-per-epoch", str(STEPS),
+            "--checkpoint", str(workdir / "checkpoint.pt")]
+    log = open(workdir / f"{node}.log", "wb")  # noqa: SIM115 - closed with the process
+    return processes.start(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+
+
+def log_of(workdir: Path, node: str) -> str:
+    return (workdir / f"{node}.log").read_text(errors="replace")
+
+
+def last_epoch(workdir: Path) -> int:
+    best = 0
+    for line in "\n".join(log_of(workdir, n) for n in ("m0", "m1", "s")
+                          if (workdir / f"{n}.log").exists()).splitlines():
+        if " epoch " in line and " done, loss " in line and "rank 0/" in line:
+            best = max(best, int(line.split(" epoch ")[1].split()[0]))
+    return best
+
+
+def holds_for(condition: Callable[[], Any], seconds: float, what: str,
+              interval: float = 0.1) -> None:
+    """``condition()`` stays true for ``seconds`` (checked every ``interval``)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert condition(), f"{what} stopped holding"
+        time.sleep(interval)
+
+
+def logs(workdir: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                     for p in sorted(workdir.glob("*.log")))
+
+
+def start_members_and_spare(processes: ProcessGroup, cluster: Cluster, namespace: str,
+                            workdir: Path) -> tuple[dict[str, subprocess.Popen[Any]],
+                                                    ElasticRun]:
+    """Round 1 of m0 and m1 training, then the spare listed as waiting beside it."""
+    agents = {n: start_agent(processes, cluster, namespace, n, workdir) for n in ("m0", "m1")}
+    wait_for(lambda: last_epoch(workdir) >= 1, 120, "round 1 to train an epoch", 0.2)
+    agents["s"] = start_agent(processes, cluster, namespace, "s", workdir)
+
+    def spare_waits() -> ElasticRun | None:
+        run = read_run(cluster.client, namespace, RUN)
+        return run if any(w.name == "s" for w in run.status.waiting) else None
+
+    waiting = wait_for(spare_waits, 60, "the spare to be listed as waiting")
+    return agents, waiting
+
+
+def test_a_spare_beside_a_healthy_round_waits_and_exits_0_when_the_members_finish(
+        cluster: Cluster, namespace: str, processes: ProcessGroup, operator: OperatorProcess,
+        tmp_path: Path) -> None:
+    rounds_seen = RoundLog(cluster.client, namespace, RUN)
+    try:
+        agents, waiting = start_members_and_spare(processes, cluster, namespace, tmp_path)
+        assert (waiting.status.round, waiting.status.member_names) == (1, {"m0", "m1"})
+
+        def healthy() -> bool:
+            run = read_run(cluster.client, namespace, RUN)
+            return (run.status.round, run.status.phase, run.status.member_names) == \
+                (1, "Running", {"m0", "m1"}) and any(w.name == "s" for w in run.status.waiting)
+
+        # Past the spare's last call (counted from its join) with margin, round 1 trains on.
+        holds_for(healthy, LAST_CALL + 4, "round 1 of m0 and m1 with the spare waiting")
+        assert last_epoch(tmp_path) < EPOCHS, "training ended inside the window: premise"
+        codes = {n: p.wait(timeout=300) for n, p in agents.items()}
+        assert codes == {"m0": 0, "m1": 0, "s": 0}, logs(tmp_path)
+    finally:
+        rounds_seen.stop()
+    assert last_epoch(tmp_path) == EPOCHS
+    final = read_run(cluster.client, namespace, RUN)
+    assert (final.status.phase, final.status.round) == ("Succeeded", 1), final.status
+    assert sorted(rounds_seen.rounds) == [1], "a round other than the members' ran"
+    finished = [(m.name, m.reason) for m in final.status.lost_members]
+    assert len(finished) == 1 and finished[0][1] == rounds.FINISHED, finished
+    spare = log_of(tmp_path, "s")
+    assert "the run already succeeded" in spare, spare[-2000:]
+    assert WORKER_STARTED not in spare, "a worker of the spare started"
+    for member in ("m0", "m1"):  # one start each: no restart for the spare's sake
+        assert log_of(tmp_path, member).count(WORKER_STARTED) == 1, logs(tmp_path)
+
+    def recorded() -> bool:
+        condition = read_run(cluster.client, namespace, RUN).status.condition("Succeeded")
+        return condition is not None and condition.reason == "ExitBarrierPassed"
+
+    wait_for(recorded, 30, "the operator's Succeeded condition")
+
+
+def test_a_lost_member_is_replaced_by_the_spare_with_one_restart_of_the_survivor(
+        cluster: Cluster, namespace: str, processes: ProcessGroup, operator: OperatorProcess,
+        tmp_path: Path) -> None:
+    rounds_seen = RoundLog(cluster.client, namespace, RUN)
+    try:
+        agents, _ = start_members_and_spare(processes, cluster, namespace, tmp_path)
+        run = read_run(cluster.client, namespace, RUN)
+        victim = max(run.status.participants, key=lambda p: p.rank).name
+        survivor = ({"m0", "m1"} - {victim}).pop()
+        kill_tree(agents.pop(victim).pid, signal.SIGKILL)
+        second = wait_for(lambda: rounds_seen.rounds.get(2), 120, "round 2")
+        assert second[1] == {survivor, "s"}, second
+        codes = {n: p.wait(timeout=300) for n, p in agents.items()}
+        assert codes == {survivor: 0, "s": 0}, logs(tmp_path)
+    finally:
+        rounds_seen.stop()
+    assert last_epoch(tmp_path) == EPOCHS
+    final = read_run(cluster.client, namespace, RUN)
+    assert (final.status.phase, final.status.round) == ("Succeeded", 2), final.status
+    assert sorted(rounds_seen.rounds) == [1, 2]
+    # The survivor's workers started twice: at round 1 and once for round 2.
+    assert log_of(tmp_path, survivor).count(WORKER_STARTED) == 2, logs(tmp_path)
+    assert log_of(tmp_path, "s").count(WORKER_STARTED) == 1, logs(tmp_path)
