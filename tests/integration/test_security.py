@@ -602,7 +602,7 @@ def test_the_training_account_writes_only_elasticrun_leases(
              "ValidatingAdmissionPolicyBinding"}
     docs = [d for d in helm.template("tr", namespace, {
         "trainingNamespaces": [namespace], "fullnameOverride": namespace}) if d["kind"] in kinds]
-    assert len(by_kind(docs, "ValidatingAdmissionPolicy")) == 2
+    assert len(by_kind(docs, "ValidatingAdmissionPolicy")) == 3  # and the Lease names' (row 47)
     request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
     apply(cluster, docs)
     kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, "elasticrun-trainer"),
@@ -806,6 +806,66 @@ def test_an_unlabelled_squat_on_a_nodes_lease_name_is_an_error_naming_it(
     assert "not a Lease of ElasticRun sq" in message
     assert "holder: squatter" in message and "written by: squatter-tool" in message
     assert time.monotonic() - started < 10  # an error at once, not a wait
+
+
+def test_no_account_may_take_a_nodes_lease_name_with_an_unlabelled_lease(
+        cluster: Cluster, helm: Helm, namespace: str, make_handler: Any, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    """Issue 35, case C: an account no policy lists, holding only ``create`` on Leases,
+    took node sq-0's Lease name with an unlabelled Lease, and the node failed with
+    "the Lease name ... is taken".  With the chart's ``<release>-lease-names`` policy
+    it is refused, in both shapes of the name; its other Leases are not."""
+    kinds = {"ServiceAccount", "Role", "RoleBinding", "ValidatingAdmissionPolicy",
+             "ValidatingAdmissionPolicyBinding"}
+    docs = [d for d in helm.template("ln", namespace, {
+        "trainingNamespaces": [namespace], "fullnameOverride": namespace}) if d["kind"] in kinds]
+    names = {d["metadata"]["name"] for d in by_kind(docs, "ValidatingAdmissionPolicy")}
+    assert any(name.endswith("-lease-names") for name in names), names
+    request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
+    apply(cluster, docs)
+    trainer = token_kubeconfig(cluster, request_token(cluster, namespace, "elasticrun-trainer"),
+                               tmp_path / "trainer.kubeconfig", namespace)
+    _service_account(cluster, namespace, "stranger")
+    cluster.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                   "metadata": {"name": "stranger", "namespace": namespace},
+                   "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "verbs": ["create", "get", "delete"]}]})
+    cluster.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                   "metadata": {"name": "stranger", "namespace": namespace},
+                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                               "name": "stranger"},
+                   "subjects": [{"kind": "ServiceAccount", "name": "stranger",
+                                 "namespace": namespace}]})
+    stranger = _client(token_kubeconfig(cluster, request_token(cluster, namespace, "stranger"),
+                                        tmp_path / "stranger.kubeconfig", namespace))
+
+    def squat(name: str, dry_run: bool = False) -> str:
+        return _refusal(lambda: stranger.request(
+            "POST", leases_path(namespace), query={"dryRun": "All"} if dry_run else None,
+            body={"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                  "metadata": {"name": name}, "spec": {"holderIdentity": "squatter"}}))
+
+    wait_for(lambda: "may not update ElasticRun" in squat(lease_name("sq", "sq-0"), True), 30,
+             "the Lease-name policy to be enforced", interval=0.3)
+    plain = squat(lease_name("sq", "sq-0"))
+    assert f"may not update ElasticRun {namespace}/sq, so it may not create a Lease under " \
+        "sq.sq-0" in plain
+    # The hashed shape (a dotted node, a dotted run): the run part unescaped is the run.
+    hashed = lease_name("sq", "host.example.org")
+    assert hashed.count(".") == 2
+    assert f"ElasticRun {namespace}/sq, so" in squat(hashed)
+    dotted = lease_name("team.b", "b-0")
+    assert dotted.startswith("team-1b.")
+    assert f"ElasticRun {namespace}/team.b, so" in squat(dotted)
+    # Positive control: the same account's Leases of other shapes are not elasticrun's.
+    for other in ("stranger-lock", "80807133.tutorial.kubebuilder.io", "a.b.c"):
+        assert squat(other) == "", other
+        stranger.request("DELETE", lease_path(namespace, other))
+    # The node takes its own name and forms its round on the trainer's token.
+    node = make_handler("sq", "sq-0", min_nodes=1, kubeconfig=trainer, last_call_timeout=0)
+    assert_all_ok(rendezvous_all([node]))
+    held = cluster.client.request("GET", lease_path(namespace, lease_name("sq", "sq-0")))
+    assert held["metadata"]["labels"][crd.RUN_LABEL] == "sq"
 
 
 def test_one_crafted_lease_costs_the_operator_a_few_requests_not_a_loop(
