@@ -61,6 +61,7 @@ from chartkit import (
     token_kubeconfig,
 )
 from conftest import Cluster, ProcessGroup, wait_for
+from controlplane.kubelet import Kubelet
 from controlplane.operatorproc import OperatorProcess, free_port
 from rdzv import AuditLog, read_run, rendezvous_all
 
@@ -866,6 +867,52 @@ def test_no_account_may_take_a_nodes_lease_name_with_an_unlabelled_lease(
     assert_all_ok(rendezvous_all([node]))
     held = cluster.client.request("GET", lease_path(namespace, lease_name("sq", "sq-0")))
     assert held["metadata"]["labels"][crd.RUN_LABEL] == "sq"
+
+
+def test_another_accounts_pod_named_like_a_podless_member_removes_nobody(
+        chart_operator: OperatorProcess, make_handler: Any, pods: Kubelet, cluster: Cluster,
+        namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 35, case A, on the chart's roles: the operator on its chart token, the run's
+    nodes on the run's own ServiceAccount, another account that may only make Pods.
+
+    pl-1 started without ``pod``/``POD_NAME``: a Pod ``pl-1`` with the run's label,
+    created and deleted by that account, removed it (``PodDeleted``).  Now nobody is
+    removed, after twice the run's heartbeat; deleting pl-0's own Pod still removes
+    pl-0 (the positive control, the same kind of loss).
+    """
+    monkeypatch.delenv("POD_NAME", raising=False)
+    monkeypatch.delenv("POD_UID", raising=False)
+    config = _account(cluster, namespace, tmp_path, "pl", "sa-pl")
+    wait_for(lambda: _status_ok(cluster, namespace, "pl"), 20, "the per-run Role")
+    uid = pods.create("pl-0", "pl")["metadata"]["uid"]
+    conf = {"min_nodes": 2, "kubeconfig": config, "heartbeat_timeout": 4,
+            "lease_renew_interval": 1, "last_call_timeout": 1}
+    nodes = [make_handler("pl", "pl-0", pod="pl-0", pod_uid=uid, **conf),
+             make_handler("pl", "pl-1", **conf)]
+    assert_all_ok(rendezvous_all(nodes))
+    sealed = read_run(cluster.client, namespace, "pl")
+    assert {(p.name, p.pod) for p in sealed.status.participants} == {
+        ("pl-0", "pl-0"), ("pl-1", None)}
+    maker = account_client(cluster, namespace, "pod-maker",
+                           [{"apiGroups": [""], "resources": ["pods"],
+                             "verbs": ["create", "delete"]}], tmp_path)
+    maker.request("POST", f"/api/v1/namespaces/{namespace}/pods", body={
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "pl-1", "labels": {crd.RUN_LABEL: "pl"}},
+        "spec": {"schedulerName": "nobody", "containers": [
+            {"name": "x", "image": "busybox", "command": ["sleep", "1"]}]}})
+    maker.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/pl-1",
+                  query={"gracePeriodSeconds": 0})
+    time.sleep(2 * 4 + 2)  # twice the heartbeat, the timer pl-1's liveness rests on
+    after = read_run(cluster.client, namespace, "pl")
+    assert after.status.lost_members == ()
+    assert after.status.member_names == {"pl-0", "pl-1"}
+    assert after.status.round == sealed.status.round
+    pods.delete("pl-0")
+    wait_for(lambda: read_run(cluster.client, namespace, "pl").status.lost_members != (),
+             10, "pl-0's loss")
+    lost = read_run(cluster.client, namespace, "pl").status.lost_members
+    assert [(m.name, m.reason) for m in lost] == [("pl-0", "PodDeleted")]
 
 
 def test_one_crafted_lease_costs_the_operator_a_few_requests_not_a_loop(
