@@ -27,6 +27,7 @@ from elasticrun.api import crd
 from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import (
     MERGE_PATCH,
+    ApiError,
     KubeClient,
     lease_path,
     leases_path,
@@ -237,6 +238,67 @@ def test_a_namesake_pod_of_another_user_removes_no_member(
              10, "p1's loss")
     lost = read_run(cluster.client, namespace, run_name).status.lost_members
     assert [(m.name, m.reason) for m in lost] == [("p1", "PodDeleted")]
+
+
+def _gone(client: KubeClient, namespace: str, pod: str) -> bool:
+    try:
+        client.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
+    except ApiError as exc:
+        return exc.status == 404
+    return False
+
+
+def test_a_namesake_pod_removes_no_member_that_named_no_pod(
+        operator: OperatorProcess, make_handler: Any, pods: Kubelet, cluster: Cluster,
+        namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node started without ``pod``/``POD_NAME`` has no Pod (issue 35, case A).
+
+    q1 runs outside any Pod: its node name was read as a pod name, so another
+    user who may create Pods made one named ``q1`` with the run's label and
+    deleted it, and the operator removed q1 (``PodDeleted``).  Now no Pod is
+    q1's: nobody is removed, even after the heartbeat (the Lease timer q1's
+    liveness rests on) has passed several times.  The positive control is the
+    same kind of loss for a member that named its Pod: deleting q0's own Pod
+    removes q0 with ``PodDeleted`` at once.
+    """
+    monkeypatch.delenv("POD_NAME", raising=False)
+    monkeypatch.delenv("POD_UID", raising=False)
+    run_name = "nopod"
+    q0_uid = pods.create("q0", run_name)["metadata"]["uid"]
+    conf = {"min_nodes": 2, "max_nodes": 2, "heartbeat_timeout": HEARTBEAT,
+            "lease_renew_interval": 1, "last_call_timeout": 1}
+    nodes = [make_handler(run_name, "q0", pod="q0", pod_uid=q0_uid, **conf),
+             make_handler(run_name, "q1", **conf)]
+    assert_all_ok(rendezvous_all(nodes, timeout=30))
+    sealed = read_run(cluster.client, namespace, run_name)
+    assert {(p.name, p.pod, p.pod_uid) for p in sealed.status.participants} == {
+        ("q0", "q0", q0_uid), ("q1", None, None)}
+    other = _pod_maker(cluster, namespace, tmp_path)
+    for phase in ("created and deleted", "created, failed and deleted"):
+        made = other.request("POST", f"/api/v1/namespaces/{namespace}/pods", body={
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "q1", "labels": {crd.RUN_LABEL: run_name}},
+            "spec": {"schedulerName": "nobody", "containers": [
+                {"name": "x", "image": "busybox", "command": ["sleep", "1"]}]}})
+        assert made["metadata"]["name"] == "q1", phase
+        if "failed" in phase:  # the kubelet's word, as a node's kubelet could say it
+            pods.set_status("q1", {"phase": "Failed", "reason": "Evicted"})
+            time.sleep(1)
+        other.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/q1",
+                      query={"gracePeriodSeconds": 0})
+        wait_for(lambda: _gone(other, namespace, "q1"), 10, "the namesake Pod to go")
+    # Longer than every timer the member's liveness now depends on: its Lease's heartbeat
+    # (6 s), with the operator's reconcile after it.
+    time.sleep(2 * HEARTBEAT + 2)
+    after = read_run(cluster.client, namespace, run_name)
+    assert after.status.lost_members == ()
+    assert after.status.member_names == {"q0", "q1"}
+    assert after.status.round == sealed.status.round
+    pods.delete("q0")
+    wait_for(lambda: read_run(cluster.client, namespace, run_name).status.lost_members != (),
+             10, "q0's loss")
+    lost = read_run(cluster.client, namespace, run_name).status.lost_members
+    assert [(m.name, m.reason) for m in lost] == [("q0", "PodDeleted")]
 
 
 # --------------------------------------------------------------------------- junk Leases

@@ -61,6 +61,7 @@ from chartkit import (
     token_kubeconfig,
 )
 from conftest import Cluster, ProcessGroup, wait_for
+from controlplane.kubelet import Kubelet
 from controlplane.operatorproc import OperatorProcess, free_port
 from rdzv import AuditLog, read_run, rendezvous_all
 
@@ -602,7 +603,7 @@ def test_the_training_account_writes_only_elasticrun_leases(
              "ValidatingAdmissionPolicyBinding"}
     docs = [d for d in helm.template("tr", namespace, {
         "trainingNamespaces": [namespace], "fullnameOverride": namespace}) if d["kind"] in kinds]
-    assert len(by_kind(docs, "ValidatingAdmissionPolicy")) == 2
+    assert len(by_kind(docs, "ValidatingAdmissionPolicy")) == 3  # and the Lease names' (row 47)
     request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
     apply(cluster, docs)
     kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, "elasticrun-trainer"),
@@ -806,6 +807,112 @@ def test_an_unlabelled_squat_on_a_nodes_lease_name_is_an_error_naming_it(
     assert "not a Lease of ElasticRun sq" in message
     assert "holder: squatter" in message and "written by: squatter-tool" in message
     assert time.monotonic() - started < 10  # an error at once, not a wait
+
+
+def test_no_account_may_take_a_nodes_lease_name_with_an_unlabelled_lease(
+        cluster: Cluster, helm: Helm, namespace: str, make_handler: Any, tmp_path: Path,
+        request: pytest.FixtureRequest) -> None:
+    """Issue 35, case C: an account no policy lists, holding only ``create`` on Leases,
+    took node sq-0's Lease name with an unlabelled Lease, and the node failed with
+    "the Lease name ... is taken".  With the chart's ``<release>-lease-names`` policy
+    it is refused, in both shapes of the name; its other Leases are not."""
+    kinds = {"ServiceAccount", "Role", "RoleBinding", "ValidatingAdmissionPolicy",
+             "ValidatingAdmissionPolicyBinding"}
+    docs = [d for d in helm.template("ln", namespace, {
+        "trainingNamespaces": [namespace], "fullnameOverride": namespace}) if d["kind"] in kinds]
+    names = {d["metadata"]["name"] for d in by_kind(docs, "ValidatingAdmissionPolicy")}
+    assert any(name.endswith("-lease-names") for name in names), names
+    request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
+    apply(cluster, docs)
+    trainer = token_kubeconfig(cluster, request_token(cluster, namespace, "elasticrun-trainer"),
+                               tmp_path / "trainer.kubeconfig", namespace)
+    _service_account(cluster, namespace, "stranger")
+    cluster.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                   "metadata": {"name": "stranger", "namespace": namespace},
+                   "rules": [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+                              "verbs": ["create", "get", "delete"]}]})
+    cluster.apply({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                   "metadata": {"name": "stranger", "namespace": namespace},
+                   "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                               "name": "stranger"},
+                   "subjects": [{"kind": "ServiceAccount", "name": "stranger",
+                                 "namespace": namespace}]})
+    stranger = _client(token_kubeconfig(cluster, request_token(cluster, namespace, "stranger"),
+                                        tmp_path / "stranger.kubeconfig", namespace))
+
+    def squat(name: str, dry_run: bool = False) -> str:
+        return _refusal(lambda: stranger.request(
+            "POST", leases_path(namespace), query={"dryRun": "All"} if dry_run else None,
+            body={"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                  "metadata": {"name": name}, "spec": {"holderIdentity": "squatter"}}))
+
+    wait_for(lambda: "may not update ElasticRun" in squat(lease_name("sq", "sq-0"), True), 30,
+             "the Lease-name policy to be enforced", interval=0.3)
+    plain = squat(lease_name("sq", "sq-0"))
+    assert f"may not update ElasticRun {namespace}/sq, so it may not create a Lease under " \
+        "sq.sq-0" in plain
+    # The hashed shape (a dotted node, a dotted run): the run part unescaped is the run.
+    hashed = lease_name("sq", "host.example.org")
+    assert hashed.count(".") == 2
+    assert f"ElasticRun {namespace}/sq, so" in squat(hashed)
+    dotted = lease_name("team.b", "b-0")
+    assert dotted.startswith("team-1b.")
+    assert f"ElasticRun {namespace}/team.b, so" in squat(dotted)
+    # Positive control: the same account's Leases of other shapes are not elasticrun's.
+    for other in ("stranger-lock", "80807133.tutorial.kubebuilder.io", "a.b.c"):
+        assert squat(other) == "", other
+        stranger.request("DELETE", lease_path(namespace, other))
+    # The node takes its own name and forms its round on the trainer's token.
+    node = make_handler("sq", "sq-0", min_nodes=1, kubeconfig=trainer, last_call_timeout=0)
+    assert_all_ok(rendezvous_all([node]))
+    held = cluster.client.request("GET", lease_path(namespace, lease_name("sq", "sq-0")))
+    assert held["metadata"]["labels"][crd.RUN_LABEL] == "sq"
+
+
+def test_another_accounts_pod_named_like_a_podless_member_removes_nobody(
+        chart_operator: OperatorProcess, make_handler: Any, pods: Kubelet, cluster: Cluster,
+        namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 35, case A, on the chart's roles: the operator on its chart token, the run's
+    nodes on the run's own ServiceAccount, another account that may only make Pods.
+
+    pl-1 started without ``pod``/``POD_NAME``: a Pod ``pl-1`` with the run's label,
+    created and deleted by that account, removed it (``PodDeleted``).  Now nobody is
+    removed, after twice the run's heartbeat; deleting pl-0's own Pod still removes
+    pl-0 (the positive control, the same kind of loss).
+    """
+    monkeypatch.delenv("POD_NAME", raising=False)
+    monkeypatch.delenv("POD_UID", raising=False)
+    config = _account(cluster, namespace, tmp_path, "pl", "sa-pl")
+    wait_for(lambda: _status_ok(cluster, namespace, "pl"), 20, "the per-run Role")
+    uid = pods.create("pl-0", "pl")["metadata"]["uid"]
+    conf = {"min_nodes": 2, "kubeconfig": config, "heartbeat_timeout": 4,
+            "lease_renew_interval": 1, "last_call_timeout": 1}
+    nodes = [make_handler("pl", "pl-0", pod="pl-0", pod_uid=uid, **conf),
+             make_handler("pl", "pl-1", **conf)]
+    assert_all_ok(rendezvous_all(nodes))
+    sealed = read_run(cluster.client, namespace, "pl")
+    assert {(p.name, p.pod) for p in sealed.status.participants} == {
+        ("pl-0", "pl-0"), ("pl-1", None)}
+    maker = account_client(cluster, namespace, "pod-maker",
+                           [{"apiGroups": [""], "resources": ["pods"],
+                             "verbs": ["create", "delete"]}], tmp_path)
+    maker.request("POST", f"/api/v1/namespaces/{namespace}/pods", body={
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "pl-1", "labels": {crd.RUN_LABEL: "pl"}},
+        "spec": {"schedulerName": "nobody", "containers": [
+            {"name": "x", "image": "busybox", "command": ["sleep", "1"]}]}})
+    maker.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/pl-1",
+                  query={"gracePeriodSeconds": 0})
+    time.sleep(2 * 4 + 2)  # twice the heartbeat, the timer pl-1's liveness rests on
+    after = read_run(cluster.client, namespace, "pl")
+    assert after.status.lost_members == ()
+    assert after.status.member_names == {"pl-0", "pl-1"}
+    assert after.status.round == sealed.status.round
+    pods.delete("pl-0")
+    wait_for(lambda: read_run(cluster.client, namespace, "pl").status.lost_members != (),
+             10, "pl-0's loss")
+    lost = read_run(cluster.client, namespace, "pl").status.lost_members
+    assert [(m.name, m.reason) for m in lost] == [("pl-0", "PodDeleted")]
 
 
 def test_one_crafted_lease_costs_the_operator_a_few_requests_not_a_loop(

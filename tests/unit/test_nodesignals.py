@@ -163,6 +163,23 @@ def test_drain_removes_the_member_at_once_and_holds_it_back_with_the_exclusion()
     assert sealed.waiting_names == {"b"}
 
 
+def test_a_namesake_pod_on_a_signalled_node_drains_or_holds_back_no_node_without_a_pod(
+) -> None:
+    """A member or spare that named no Pod is on no Node: a Pod of its node name, made
+    by anyone who may create Pods on a draining or excluded Node, changes nothing."""
+    podless = tuple(dataclasses.replace(p, pod=None) for p in running_run().status.participants)
+    spare = WaitingNode("d", "10.0.0.4", 4, since=T0)
+    run = running_run(participants=podless, waiting=(spare,))
+    shown = {"b": ns.Shown("node-b", (SPOT,)), "d": ns.Shown("node-d", (SPOT,))}
+    plan = reconcile(run, Members(node_signals=shown), T0)
+    assert plan.status is not None
+    assert plan.status.member_names == {"a", "b", "c"} and plan.status.lost_members == ()
+    assert run.replace_status(plan.status).held_back(plan.status.waiting) == frozenset()
+    # The excluded pods are still the Pods' (a node that named pod "d" is held back).
+    named = WaitingNode("e", "10.0.0.5", 5, since=T0, pod="d")
+    assert run.replace_status(plan.status).held_back((spare, named)) == {"e"}
+
+
 def test_exclude_keeps_a_spare_waiting_while_another_is_admitted() -> None:
     members = running_run().status.participants[:2]
     back = tuple(WaitingNode(p.name, "10.0.0.1", 1 + p.rank, since=T0, pod=p.name)

@@ -21,7 +21,7 @@ from elasticrun.api.model import (
     WaitingNode,
     format_time,
 )
-from elasticrun.operator.liveness import Loss, pod_loss
+from elasticrun.operator.liveness import Loss, member_pod_loss, pod_loss
 from elasticrun.operator.reconcile import Members, missing_leases, reconcile
 
 T0 = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
@@ -201,6 +201,52 @@ def test_a_member_without_a_recorded_pod_uid_is_still_lost_by_its_pods_name() ->
     plan = reconcile(run, Members(leases=_alive(T0),
                                   pod_losses={"b": Loss("PodDeleted", "pod b was deleted")}), T0)
     assert plan.status is not None and plan.status.member_names == {"a", "c"}
+
+
+def test_a_member_is_tied_to_a_pod_only_when_it_named_one_and_by_uid_when_it_gave_one(
+) -> None:
+    """The one rule (issue 35, case A): no pod named, no Pod; a uid given, that uid only."""
+    lost = Loss("PodDeleted", "pod b was deleted", pod_uid="uid-b")
+    by_name, by_uid = {"b": lost}, {"uid-b": lost}
+    # A node started outside a Pod (no pod, no POD_NAME): its node name is no pod name.
+    assert member_pod_loss(None, None, by_name, by_uid) is None
+    assert member_pod_loss("", None, by_name, by_uid) is None
+    # A uid given: only that uid, whatever Pod of its name was lost.
+    assert member_pod_loss("b", "uid-b", by_name, by_uid) is lost
+    assert member_pod_loss("b", "uid-other", by_name, by_uid) is None
+    assert member_pod_loss("renamed", "uid-b", {}, by_uid) is lost
+    # A pod named without a uid (a handler older than podUID): by its pod's name.
+    assert member_pod_loss("b", None, by_name, by_uid) is lost
+    assert member_pod_loss("c", None, by_name, by_uid) is None
+
+
+def test_a_namesake_pods_loss_removes_no_member_that_named_no_pod() -> None:
+    """A node without ``pod`` is never lost through a Pod that shares its node name."""
+    members = tuple(Participant(name=n, rank=i, address="10.0.0.1", store_port=29400)
+                    for i, n in enumerate(("a", "b", "c")))
+    status = RunStatus(phase="Running", round=1, signal=1, participants=members,
+                       waiting=(WaitingNode("d", "10.0.0.4", 4, since=T0),),
+                       store=StoreAddress("10.0.0.1", 29400), sealed_at=T0)
+    run = ElasticRun("r", "ns", RunSpec(min_nodes=2, max_nodes=3, heartbeat_timeout=HEARTBEAT),
+                     status, "7", uid=UID)
+    alive = {**_alive(T0), "d": lease_state(_lease("d", T0, 1, join_since=T0), seen=T0)}
+    for event in ("DELETED", None):
+        namesake = {"metadata": {"name": "b", "uid": "uid-evil"}, "status": {"phase": "Failed"}}
+        spare = {"metadata": {"name": "d", "uid": "uid-evil-d"}, "status": {"phase": "Failed"}}
+        losses = [loss for loss in (pod_loss(namesake, event), pod_loss(spare, event)) if loss]
+        assert len(losses) == 2
+        plan = reconcile(run, Members(leases=alive, pod_losses={"b": losses[0], "d": losses[1]},
+                                      pod_losses_by_uid={"uid-evil": losses[0],
+                                                         "uid-evil-d": losses[1]}), T0)
+        assert plan.status is None or (plan.status.member_names == {"a", "b", "c"}
+                                       and plan.status.waiting_names == {"d"}
+                                       and plan.status.lost_members == ())
+    # The same member is still lost when its Lease stops: only the Pod tie is gone.
+    late = _at(HEARTBEAT + 1)
+    plan = reconcile(run, Members(leases={n: lease_state(_lease(n, T0, 1), seen=T0 if n == "b"
+                                                        else late) for n in "abcd"}), late)
+    assert plan.status is not None and "b" not in plan.status.member_names
+    assert plan.status.lost_members[-1].reason == "LeaseExpired"
 
 
 def test_the_pods_uid_travels_from_the_join_request_into_the_roster() -> None:

@@ -734,10 +734,14 @@ class ElasticRun:
 
     def held_back(self, entries: Iterable[Participant | WaitingNode]) -> frozenset[str]:
         """The names of ``entries`` that stay waiting, unadmitted: drained by the user's
-        annotation, or on a pod the operator excluded (``status.excludedPods``)."""
+        annotation, or on a pod the operator excluded (``status.excludedPods``).
+
+        Only an entry that named its Pod is on a pod: a node name is never read
+        as a pod name, or a namesake Pod on an excluded Node would hold back a
+        node that has no Pod at all."""
         drained, excluded = self.drained, frozenset(self.status.excluded_pods)
         return frozenset(e.name for e in entries
-                         if e.name in drained or (e.pod or e.name) in excluded)
+                         if e.name in drained or (e.pod is not None and e.pod in excluded))
 
 
 def parse_run(obj: Mapping[str, Any]) -> ElasticRun:

@@ -345,10 +345,11 @@ class Controller:
         """One Warning Event per (pod, signal) while it shows, naming the member or
         waiting node on that pod, and the run's signal gauge."""
         key = (run.namespace, run.name)
-        entries = {p.pod or p.name: f"member {p.name}" for p in run.status.participants}
+        entries = {p.pod: f"member {p.name}" for p in run.status.participants if p.pod}
         for joining in [w for w in run.status.waiting] + [
                 s.join for s in leases.values() if s.join is not None]:
-            entries.setdefault(joining.pod or joining.name, f"waiting node {joining.name}")
+            if joining.pod:
+                entries.setdefault(joining.pod, f"waiting node {joining.name}")
         subjects: set[str] = set()
         for pod, entry in sorted(found.items()):
             who = entries.get(pod, "no node yet")
@@ -526,8 +527,8 @@ class Controller:
         if not losses:
             return
         status = run.status
-        pods = [(p.pod or p.name, p.pod_uid) for p in status.participants]
-        pods += [(w.pod or w.name, w.pod_uid) for w in status.waiting]
+        pods = [(p.pod, p.pod_uid) for p in status.participants if p.pod]
+        pods += [(w.pod, w.pod_uid) for w in status.waiting if w.pod]
         referenced = {pod for pod, _ in pods}
         uids = {uid for _, uid in pods if uid is not None}
         for pod, uid in list(losses):

@@ -78,6 +78,25 @@ def _pod_loss(  # noqa: PLR0911 - one return per kind of loss, in the order they
     return None
 
 
+def member_pod_loss(pod: str | None, pod_uid: str | None,
+                    by_name: Mapping[str, Loss], by_uid: Mapping[str, Loss]) -> Loss | None:
+    """The Pod loss that is this member's, if any: the one rule that ties a member to a Pod.
+
+    A member is tied to a Pod only when it named one (``pod``, from ``POD_NAME``
+    or ``--rdzv-conf pod``): its node name is never read as a pod name, because
+    a node started outside a Pod (or outside the webhook) has no Pod, and anyone
+    who may create Pods could make and delete one of that name with the run's
+    label.  A member that gave its Pod's uid is matched by that uid only (Pod
+    names are reused, uids never are); the name alone counts only for a member
+    that gave no uid (a handler older than ``podUID``), as weak as it always was.
+    """
+    if not pod:
+        return None
+    if pod_uid is not None:
+        return by_uid.get(pod_uid)
+    return by_name.get(pod)
+
+
 def restart_count(pod: Mapping[str, Any]) -> int:
     statuses = (pod.get("status") or {}).get("containerStatuses") or []
     return sum(int(c.get("restartCount") or 0) for c in statuses)

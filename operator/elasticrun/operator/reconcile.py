@@ -27,7 +27,7 @@ from elasticrun.api.model import (
     next_signal,
 )
 from elasticrun.operator import nodesignals, topology
-from elasticrun.operator.liveness import Loss
+from elasticrun.operator.liveness import Loss, member_pod_loss
 from elasticrun.operator.owners import NO_OWNER, Ownership, coming
 
 #: The handlers seal within milliseconds of the write that made a round
@@ -62,8 +62,8 @@ class Members:
     #: current renewal (:class:`~elasticrun.api.leases.RenewalClock`).
     leases: Mapping[str, LeaseState] = field(default_factory=dict)
     #: Losses seen on Pods, by pod name: they count only for a member that
-    #: recorded no Pod uid (a handler older than ``podUID``), because a Pod's
-    #: name is anyone's to take.
+    #: named its Pod and recorded no Pod uid (a handler older than ``podUID``),
+    #: because a Pod's name is anyone's to take (:func:`member_pod_loss`).
     pod_losses: Mapping[str, Loss] = field(default_factory=dict)
     #: Losses seen on Pods, by the Pod's uid: a member that recorded its Pod's
     #: uid when it joined is lost only through that very Pod.
@@ -132,8 +132,8 @@ def _losses(run: ElasticRun, members: Members, now: dt.datetime
     grace = _missing_grace(spec.heartbeat_timeout)
     for name, pod, pod_uid in entries:
         since = members.missing_since.get(name)
-        pod_loss = members.pod_losses_by_uid.get(pod_uid) if pod_uid is not None \
-            else members.pod_losses.get(pod or name)
+        pod_loss = member_pod_loss(pod, pod_uid, members.pod_losses,
+                                   members.pod_losses_by_uid)
         if pod_loss is not None:
             found.append((name, pod_loss))
             continue
@@ -377,12 +377,12 @@ def _node_signals(run: ElasticRun, new: RunStatus, members: Members,
     if shown is None:
         return new
     pods = {pod: s for pod, s in shown.items() if s.signals}
-    entries = [(p.name, p.pod or p.name) for p in new.participants]
-    entries += [(w.name, w.pod or w.name) for w in new.waiting]
+    entries = [(p.name, p.pod) for p in new.participants if p.pod]
+    entries += [(w.name, w.pod) for w in new.waiting if w.pod]
     relevant = {name: pods[pod] for name, pod in entries if pod in pods}
     new = new.replace(excluded_pods=nodesignals.excluded_pods(pods))
-    for name in nodesignals.draining(pods, ((p.name, p.pod or p.name)
-                                            for p in new.participants)):
+    for name in nodesignals.draining(pods, ((p.name, p.pod)
+                                            for p in new.participants if p.pod)):
         member = new.participant(name)
         pod = (member.pod if member else None) or name
         removed = rounds.remove_member(new, name, nodesignals.NODE_DRAINING, now,
@@ -563,10 +563,11 @@ def _coming(new: RunStatus, members: Members) -> RunStatus:
     """
     if new.desired is None:
         return new
-    entries = [(p.pod or p.name, p.pod_uid) for p in new.participants]
-    entries += [(w.pod or w.name, w.pod_uid) for w in new.waiting]
-    entries += [(lease.join.pod or lease.join.name, lease.join.pod_uid)
-                for lease in members.leases.values() if lease.join is not None]
+    entries = [(p.pod, p.pod_uid) for p in new.participants if p.pod]
+    entries += [(w.pod, w.pod_uid) for w in new.waiting if w.pod]
+    entries += [(lease.join.pod, lease.join.pod_uid)
+                for lease in members.leases.values()
+                if lease.join is not None and lease.join.pod]
     uids = {uid for _, uid in entries if uid is not None}
     names = {pod for pod, uid in entries if uid is None}
     return new.replace(desired=dataclasses.replace(

@@ -63,7 +63,8 @@ def with_pod_topology(waiting: Sequence[WaitingNode],
     """The waiting entries, each with the topology values of its Pod's Node.
 
     ``by_pod`` is what the operator saw: per pod name, the Pod's uid and the
-    values of the Node it is bound to.  An entry names its pod (``pod``, else
+    values of the Node it is bound to.  An entry names its pod (``pod``; an
+    entry that named none has no Pod and gets no values, whatever Pod shares
     its node name) and that Pod's uid; when both the entry and the watch know a
     uid and they differ, the entry is of another Pod of that name and gets no
     values.  The operator's values replace whatever the entry held: a node
@@ -71,7 +72,7 @@ def with_pod_topology(waiting: Sequence[WaitingNode],
     """
     filled = []
     for entry in waiting:
-        uid, values = by_pod.get(entry.pod or entry.name, (None, ()))
+        uid, values = by_pod.get(entry.pod, (None, ())) if entry.pod else (None, ())
         if uid is not None and entry.pod_uid is not None and uid != entry.pod_uid:
             values = ()
         filled.append(entry if entry.topology == values else
