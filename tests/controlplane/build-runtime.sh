@@ -56,7 +56,7 @@ gcc -Os -static -DVERSION="elasticrun" -o "$OUT.tmp/pause" "$K8S_DIR/build/pause
 strip "$OUT.tmp/pause"
 
 "$OUT.tmp/containerd" --version >&2
-"$OUT.tmp/runc" --version | head -n1 >&2
+"$OUT.tmp/runc" --version | sed -n 1p >&2  # not head: SIGPIPE under pipefail
 echo "build-runtime.sh: built in $((SECONDS - start)) s" >&2
 rm -rf "$OUT"
 mv "$OUT.tmp" "$OUT"

@@ -48,7 +48,7 @@ for b in "${MISSING[@]}"; do
   echo "build.sh: $b built in $((SECONDS - t)) s" >&2
 done
 "$OUT.tmp/kube-apiserver" --version >&2
-"$OUT.tmp/etcd" --version | head -n1 >&2
+"$OUT.tmp/etcd" --version | sed -n 1p >&2  # not head: SIGPIPE under pipefail
 echo "build.sh: built ${MISSING[*]} in $((SECONDS - start)) s" >&2
 rm -rf "$OUT"
 mv "$OUT.tmp" "$OUT"

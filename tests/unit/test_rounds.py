@@ -123,11 +123,18 @@ def test_a_member_back_before_any_loss_is_seen_gives_the_others_a_last_call() ->
 
 
 def test_a_finished_member_ends_the_run_a_left_one_re_forms_it() -> None:
-    full = sealed("a", "b").replace(waiting=waiting("c", since=0))
+    full = sealed("a", "b").replace(waiting=waiting("c", since=0),
+                                    store=StoreAddress("10.0.0.0", 29400))
     done = rounds.leave(full, "a", at(50), finished=True)
     assert done is not None and done.phase == "Succeeded" and done.finished_at == at(50)
     assert done.signal > full.signal and done.restart_round == 0
     assert [(m.name, m.reason) for m in done.lost_members] == [("a", rounds.FINISHED)]
+    assert done.member_names == {"a", "b"}  # the finished round keeps its roster
+    # Whichever rank proves it (here rank 0), the status stays one the model accepts.
+    for leaver in ("a", "b"):
+        proved = rounds.leave(full, leaver, at(50), finished=True)
+        assert proved is not None
+        assert RunStatus.from_dict(proved.to_dict()).member_names == {"a", "b"}
     # The rest leave a finished run as it is; the spare is told by the signal.
     assert rounds.leave(done, "b", at(51), finished=True) is None
     assert rounds.leave(done, "b", at(51), finished=False) is None

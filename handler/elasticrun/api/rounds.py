@@ -401,6 +401,8 @@ def leave(status: RunStatus, name: str, now: dt.datetime, *, finished: bool
     exit barrier (``finished``) proves that every member's workers succeeded,
     so the run is ``Succeeded`` at once, its signal moved: a spare still
     waiting exits without running a round, and no member is told to restart.
+    The finished round keeps its roster (what ``kubectl get er`` shows of a
+    finished run); the member that proved it is recorded as :data:`FINISHED`.
     Otherwise the member is removed (:data:`LEFT`) like any loss, and its
     round re-forms.
     """
@@ -415,7 +417,6 @@ def leave(status: RunStatus, name: str, now: dt.datetime, *, finished: bool
                       message="the agent shut down after its round's exit barrier")
     return status.replace(
         phase="Succeeded",
-        participants=tuple(p for p in status.participants if p.name != name),
         signal=next_signal(status.signal),
         finished_at=now,
         lost_members=(*status.lost_members, done)[-LOST_MEMBERS_KEPT:],

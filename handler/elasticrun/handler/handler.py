@@ -254,8 +254,10 @@ class K8sRendezvousHandler(RendezvousHandler):
         if isinstance(action, step.Closed):
             self._leave_waiting()
             if run.status.phase == "Succeeded":
-                log.info("%s: the run already succeeded; nothing to do, exiting with status 0",
-                         self._who())
+                # A warning, so that torchrun's default log level shows why a node (a
+                # spare, a late replacement) ran no worker and still exited 0.
+                log.warning("%s: the run already succeeded; nothing to do, exiting with "
+                            "status 0", self._who())
                 raise RunSucceededError(f"{self._who()}: the run already succeeded "
                                        f"(round {run.status.round})")
             raise RendezvousClosedError(f"{self._who()}: the run is closed "
