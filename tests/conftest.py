@@ -30,6 +30,7 @@ import yaml
 from elasticrun.api import crd
 from elasticrun.api.kube import APPLY_PATCH, ApiError, KubeClient, load_credentials
 
+import timings
 from controlplane.kubelet import Kubelet
 from controlplane.localcluster import (
     LocalControlPlane,
@@ -113,6 +114,33 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str,
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def consistently(condition: Callable[[], Any], duration: float, what: str,
+                 interval: float = 0.1) -> None:
+    """Poll ``condition()`` for the whole of ``duration``; fail with ``what`` as soon as it
+    is falsy.
+
+    The other half of ``wait_for``: a bounded check that something does *not*
+    happen (nobody is removed, no second Event is posted).  Such a check proves
+    nothing unless the window is longer than the timer it checks (a heartbeat,
+    a last call, a reconcile period): a wrong removal after a 15 s heartbeat
+    never shows in a 2 s window.  Shorten the timer in the test where the rule
+    under test allows, rather than waiting long.  And it passes just as well
+    when the thing under test is not running at all, so pair it with a positive
+    control: show that the event does happen when it should (with the same
+    operator and timings), or that the premise held (the operator saw the state
+    the check relies on) before the window starts.
+    """
+    started = time.monotonic()
+    deadline = started + duration
+    while True:
+        if not condition():
+            raise AssertionError(
+                f"{what} (failed {time.monotonic() - started:.1f}s into a {duration}s window)")
+        if time.monotonic() >= deadline:
+            return
         time.sleep(interval)
 
 
@@ -212,9 +240,12 @@ def processes() -> Iterator[ProcessGroup]:
 # --------------------------------------------------------------------------- handlers
 
 
-#: The timing of test nodes unless a test says otherwise: short, so tests stay quick.
-TEST_NODE_CONF = {"join_timeout": 60, "last_call_timeout": 1, "heartbeat_timeout": 15,
-                  "lease_interval": 5, "api_timeout": 20, "close_timeout": 10}
+#: The timing of test nodes unless a test says otherwise (``timings``): short, so tests
+#: stay quick.
+TEST_NODE_CONF = {"join_timeout": timings.JOIN_TIMEOUT, "last_call_timeout": timings.LAST_CALL,
+                  "heartbeat_timeout": timings.HEARTBEAT,
+                  "lease_interval": timings.LEASE_INTERVAL, "api_timeout": timings.API_TIMEOUT,
+                  "close_timeout": timings.CLOSE_TIMEOUT}
 
 
 @pytest.fixture
