@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,10 +48,46 @@ _VENV_KUBECTL = Path(sys.executable).parent / "kubectl"
 KUBECTL = str(_VENV_KUBECTL) if _VENV_KUBECTL.exists() else (shutil.which("kubectl") or "kubectl")
 
 
+#: Markers that put a test in the end-to-end tier: real torchrun agents, the chaos and
+#: scale tests and the benchmark smoke runs (``slow``), the real node and its add-ons.
+E2E_MARKERS = frozenset({"torchrun", "slow", "node", "addons"})
+#: Markers of tests that claim something about the real node: under CI as root (where
+#: the node can run) a skip of one is a claim not checked, so it fails the run.
+NODE_MARKERS = frozenset({"node", "addons"})
+
+
+def tier(path: Path, markers: Iterable[str]) -> str:
+    """The tier a test belongs to, in the Kubernetes style (``make test-unit``,
+    ``test-integration``, ``test-e2e``): ``unit`` without a server, ``integration``
+    against the suite's API server, ``e2e`` for ``E2E_MARKERS``.  The make targets
+    select by the markers this adds; ``tests/durations.py`` reads it from the report."""
+    if "unit" in path.parts:
+        return "unit"
+    return "e2e" if E2E_MARKERS & set(markers) else "integration"
+
+
+def skip_fails_run(markers: Iterable[str], env: Mapping[str, str], euid: int) -> bool:
+    """Whether a skip of a test with ``markers`` must fail the run.
+
+    Under CI (``CI=true``) as root the real node can run, so a node or add-on test
+    that skips there (something not built, a port taken) would pass the run by
+    checking nothing.  Elsewhere, or without root, a skip stays a skip: a laptop
+    without root cannot run the node.
+    """
+    return (env.get("CI", "").lower() == "true" and euid == 0
+            and bool(NODE_MARKERS & set(markers)))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "/integration/" in str(item.path):
             item.add_marker(pytest.mark.integration)
+        markers = {m.name for m in item.iter_markers()}
+        which = tier(item.path, markers)
+        if which == "e2e":
+            item.add_marker(pytest.mark.e2e)
+        # In the JUnit report (make test), for make durations.
+        item.user_properties.append(("tier", which))
 
 
 @dataclass
@@ -309,6 +345,15 @@ def operator(cluster: Cluster, namespace: str, tmp_path: Path,
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
+    # A node or add-on test that skips under CI as root fails the run (skip_fails_run);
+    # an expected failure (xfail) is reported as a skip too and is left as it is.
+    markers = {m.name for m in item.iter_markers()}
+    if (report.skipped and not hasattr(report, "wasxfail")
+            and skip_fails_run(markers, os.environ, os.geteuid())):
+        reason = (report.longrepr[2] if isinstance(report.longrepr, tuple)
+                  else str(report.longrepr))
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI as root, where it must run: {reason}"
     setattr(item, f"rep_{report.when}", report)
     return report
 
