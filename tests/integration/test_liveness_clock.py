@@ -331,9 +331,15 @@ def test_junk_leases_bound_the_operators_events_and_memory(
 
     wait_for(lambda: unreadable_events() >= PROBLEM_EVENTS_PER_RUN + 1, 60,
              "the capped UnreadableJoin Events and their summary")
+    def capped() -> bool:
+        got = unreadable_events()
+        assert got == PROBLEM_EVENTS_PER_RUN + 1, (
+            f"{got} UnreadableJoin Events: more than {PROBLEM_EVENTS_PER_RUN} and the summary")
+        return True
+
     # The cap holds while the operator works through the rest of the 2,000 Leases.
-    consistently(lambda: unreadable_events() == PROBLEM_EVENTS_PER_RUN + 1,
-                 outlasting(RECONCILES), "more UnreadableJoin Events than the cap", interval=0.5)
+    consistently(capped, outlasting(RECONCILES), "more UnreadableJoin Events than the cap",
+                 interval=0.5)
     events = unreadable_events()
     admin.request("DELETE", leases_path(namespace),
                   query={"labelSelector": crd.RUN_LABEL})
