@@ -1,7 +1,15 @@
 # elasticrun — the targets users know from kubebuilder projects.
 #
 #   make demo     set up, start a local control plane + operator, run the elastic demo job
-#   make test     set up (venv, torch, local cluster) and run the whole test suite
+#   make test     set up (venv, torch, local cluster) and run the whole test suite: the three
+#                 tiers below in one session; its JUnit report goes to .reports/junit.xml
+#   make test-unit        tier 1: tests/unit, pure, no server
+#   make test-integration tier 2: tests/integration against the suite's own API server
+#                 (not torchrun, slow, node or addons)
+#   make test-e2e         tier 3: torchrun agents, chaos and scale (slow), the bench smoke
+#                 runs, the real node and its add-ons (node, addons: root)
+#   make durations  docs/test-durations.md from the last make test's report (per tier, the
+#                 30 slowest tests)
 #   make bench    benchmarks against torch's c10d and etcd-v2 backends (docs/benchmarks.md);
 #                 ARGS='--only resize --column after' measures the Resize section alone
 #                 (k8s beside c10d, a few minutes) and merges it into docs/benchmarks.json
@@ -24,12 +32,16 @@ CLUSTER_MODE ?= node
 CONTROLPLANE_BIN = $$(bash tests/controlplane/build.sh --node)
 RUNTIME_BIN = $$(bash tests/controlplane/build-runtime.sh)
 PYTEST_ARGS ?=
+# The JUnit report of make test, which make durations reads; each tier writes its own beside it.
+REPORTS ?= .reports
+JUNIT ?= $(REPORTS)/junit.xml
 ARGS ?=
 
 CLUSTER_ADDONS ?=
 export CLUSTER_ADDONS
 
-.PHONY: help setup controlplane node helm addons test test-fast lint chart-files dist actionlint demo bench bench-quick bench-scale cluster cluster-down clean
+.PHONY: help setup controlplane node helm addons test test-unit test-integration test-e2e \
+	durations test-fast lint chart-files dist actionlint demo bench bench-quick bench-scale cluster cluster-down clean
 
 help:
 	@grep -E '^#   make' Makefile | sed 's/^#   //'
@@ -72,8 +84,31 @@ addons:
 monitoring:
 	@bash tests/controlplane/build-monitoring.sh >/dev/null
 
+# Tiers in the Kubernetes style: conftest marks every torchrun, slow, node and addons test
+# `e2e` (tests/conftest.py, tier); the rest of tests/integration is the integration tier.
+# One session, no parallel workers: the report measures the suite as CI runs it.
 test: setup node helm addons monitoring actionlint
-	CONTROLPLANE_BIN="$(CONTROLPLANE_BIN)" RUNTIME_BIN="$(RUNTIME_BIN)" $(PY) -m pytest $(PYTEST_ARGS)
+	@mkdir -p $(dir $(JUNIT))
+	CONTROLPLANE_BIN="$(CONTROLPLANE_BIN)" RUNTIME_BIN="$(RUNTIME_BIN)" $(PY) -m pytest \
+	  --junitxml=$(JUNIT) $(PYTEST_ARGS)
+
+test-unit: setup actionlint
+	@mkdir -p $(REPORTS)
+	$(PY) -m pytest tests/unit --junitxml=$(REPORTS)/junit-unit.xml $(PYTEST_ARGS)
+
+test-integration: setup controlplane helm monitoring
+	@mkdir -p $(REPORTS)
+	CONTROLPLANE_BIN="$$(bash tests/controlplane/build.sh)" $(PY) -m pytest tests/integration \
+	  -m "not e2e" --junitxml=$(REPORTS)/junit-integration.xml $(PYTEST_ARGS)
+
+test-e2e: setup node helm addons monitoring
+	@mkdir -p $(REPORTS)
+	CONTROLPLANE_BIN="$(CONTROLPLANE_BIN)" RUNTIME_BIN="$(RUNTIME_BIN)" $(PY) -m pytest \
+	  tests/integration -m e2e --junitxml=$(REPORTS)/junit-e2e.xml $(PYTEST_ARGS)
+
+# Standard library only: no venv needed.  JUNIT=... reads another report (a tier's).
+durations:
+	$(PYTHON) tests/durations.py --report $(JUNIT) --out docs/test-durations.md
 
 test-fast: setup controlplane
 	CONTROLPLANE_BIN="$$(bash tests/controlplane/build.sh)" $(PY) -m pytest -m "not slow and not torchrun and not node" $(PYTEST_ARGS)
@@ -115,4 +150,4 @@ cluster-down:
 	@test ! -x $(PY) || $(PY) -m controlplane.localcluster down --dir $(CLUSTER_DIR)
 
 clean: cluster-down
-	rm -rf $(CLUSTER_DIR) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(CLUSTER_DIR) $(REPORTS) .pytest_cache .mypy_cache .ruff_cache

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ import yaml
 from elasticrun.api import crd
 from elasticrun.api.kube import APPLY_PATCH, ApiError, KubeClient, load_credentials
 
+import timings
 from controlplane.kubelet import Kubelet
 from controlplane.localcluster import (
     LocalControlPlane,
@@ -47,10 +48,46 @@ _VENV_KUBECTL = Path(sys.executable).parent / "kubectl"
 KUBECTL = str(_VENV_KUBECTL) if _VENV_KUBECTL.exists() else (shutil.which("kubectl") or "kubectl")
 
 
+#: Markers that put a test in the end-to-end tier: real torchrun agents, the chaos and
+#: scale tests and the benchmark smoke runs (``slow``), the real node and its add-ons.
+E2E_MARKERS = frozenset({"torchrun", "slow", "node", "addons"})
+#: Markers of tests that claim something about the real node: under CI as root (where
+#: the node can run) a skip of one is a claim not checked, so it fails the run.
+NODE_MARKERS = frozenset({"node", "addons"})
+
+
+def tier(path: Path, markers: Iterable[str]) -> str:
+    """The tier a test belongs to, in the Kubernetes style (``make test-unit``,
+    ``test-integration``, ``test-e2e``): ``unit`` without a server, ``integration``
+    against the suite's API server, ``e2e`` for ``E2E_MARKERS``.  The make targets
+    select by the markers this adds; ``tests/durations.py`` reads it from the report."""
+    if "unit" in path.parts:
+        return "unit"
+    return "e2e" if E2E_MARKERS & set(markers) else "integration"
+
+
+def skip_fails_run(markers: Iterable[str], env: Mapping[str, str], euid: int) -> bool:
+    """Whether a skip of a test with ``markers`` must fail the run.
+
+    Under CI (``CI=true``) as root the real node can run, so a node or add-on test
+    that skips there (something not built, a port taken) would pass the run by
+    checking nothing.  Elsewhere, or without root, a skip stays a skip: a laptop
+    without root cannot run the node.
+    """
+    return (env.get("CI", "").lower() == "true" and euid == 0
+            and bool(NODE_MARKERS & set(markers)))
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "/integration/" in str(item.path):
             item.add_marker(pytest.mark.integration)
+        markers = {m.name for m in item.iter_markers()}
+        which = tier(item.path, markers)
+        if which == "e2e":
+            item.add_marker(pytest.mark.e2e)
+        # In the JUnit report (make test), for make durations.
+        item.user_properties.append(("tier", which))
 
 
 @dataclass
@@ -113,6 +150,33 @@ def wait_for(condition: Callable[[], Any], timeout: float, what: str,
             return value
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def consistently(condition: Callable[[], Any], duration: float, what: str,
+                 interval: float = 0.1) -> None:
+    """Poll ``condition()`` for the whole of ``duration``; fail with ``what`` as soon as it
+    is falsy.
+
+    The other half of ``wait_for``: a bounded check that something does *not*
+    happen (nobody is removed, no second Event is posted).  Such a check proves
+    nothing unless the window is longer than the timer it checks (a heartbeat,
+    a last call, a reconcile period): a wrong removal after a 15 s heartbeat
+    never shows in a 2 s window.  Shorten the timer in the test where the rule
+    under test allows, rather than waiting long.  And it passes just as well
+    when the thing under test is not running at all, so pair it with a positive
+    control: show that the event does happen when it should (with the same
+    operator and timings), or that the premise held (the operator saw the state
+    the check relies on) before the window starts.
+    """
+    started = time.monotonic()
+    deadline = started + duration
+    while True:
+        if not condition():
+            raise AssertionError(
+                f"{what} (failed {time.monotonic() - started:.1f}s into a {duration}s window)")
+        if time.monotonic() >= deadline:
+            return
         time.sleep(interval)
 
 
@@ -212,9 +276,12 @@ def processes() -> Iterator[ProcessGroup]:
 # --------------------------------------------------------------------------- handlers
 
 
-#: The timing of test nodes unless a test says otherwise: short, so tests stay quick.
-TEST_NODE_CONF = {"join_timeout": 60, "last_call_timeout": 1, "heartbeat_timeout": 15,
-                  "lease_interval": 5, "api_timeout": 20, "close_timeout": 10}
+#: The timing of test nodes unless a test says otherwise (``timings``): short, so tests
+#: stay quick.
+TEST_NODE_CONF = {"join_timeout": timings.JOIN_TIMEOUT, "last_call_timeout": timings.LAST_CALL,
+                  "heartbeat_timeout": timings.HEARTBEAT,
+                  "lease_interval": timings.LEASE_INTERVAL, "api_timeout": timings.API_TIMEOUT,
+                  "close_timeout": timings.CLOSE_TIMEOUT}
 
 
 @pytest.fixture
@@ -278,6 +345,15 @@ def operator(cluster: Cluster, namespace: str, tmp_path: Path,
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     report = yield
+    # A node or add-on test that skips under CI as root fails the run (skip_fails_run);
+    # an expected failure (xfail) is reported as a skip too and is left as it is.
+    markers = {m.name for m in item.iter_markers()}
+    if (report.skipped and not hasattr(report, "wasxfail")
+            and skip_fails_run(markers, os.environ, os.geteuid())):
+        reason = (report.longrepr[2] if isinstance(report.longrepr, tuple)
+                  else str(report.longrepr))
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI as root, where it must run: {reason}"
     setattr(item, f"rep_{report.when}", report)
     return report
 

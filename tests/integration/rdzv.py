@@ -146,3 +146,15 @@ def run_deleted(client: KubeClient, namespace: str, run: str) -> bool:
             return True
         raise
     return False
+
+
+def spec_observed(client: KubeClient, namespace: str, run: str) -> bool:
+    """Whether the operator has reconciled the run's latest spec (``status.observedGeneration``):
+    the premise of a check that a spec change does nothing more."""
+    current = read_run(client, namespace, run)
+    return current.status.observed_generation == current.generation
+
+
+def operator_round(operator: Any, run: str) -> float:
+    """The round the operator last saw for ``run`` (its ``elasticrun_round`` gauge)."""
+    return metric(operator.metrics(), "elasticrun_round", run=run)

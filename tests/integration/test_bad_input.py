@@ -28,8 +28,17 @@ from elasticrun.api.model import InvalidRunError
 from elasticrun.api.naming import lease_name
 
 from chaoskit import assert_all_ok, raw_run, record
-from conftest import Cluster, OperatorProcess, wait_for
-from rdzv import Outcome, is_waiting, read_run, rendezvous_all, start_rendezvous
+from conftest import Cluster, OperatorProcess, consistently, wait_for
+from rdzv import (
+    Outcome,
+    is_waiting,
+    operator_round,
+    read_run,
+    rendezvous_all,
+    spec_observed,
+    start_rendezvous,
+)
+from timings import RECONCILES
 
 pytestmark = pytest.mark.slow
 
@@ -259,10 +268,13 @@ def test_max_nodes_lowered_below_the_members_takes_effect_next_round(
     assert "maxNodes must be greater than or equal to minNodes" in refused.stderr
     cluster.kubectl("patch", "er", "shrink", "-n", namespace, "--type=merge", "-p",
                     '{"spec":{"maxNodes":2}}')
-    # The running round is not torn down by a spec change ...
-    time.sleep(1.5)  # a reconcile or two: a wrong restart would show now
-    assert all(h.num_nodes_waiting() == 0 for h in nodes)
-    assert read_run(cluster.client, namespace, "shrink").status.round == 1
+    # The running round is not torn down by a spec change: the operator has seen it, and
+    # a few reconciles later nobody was asked to re-join ...
+    wait_for(lambda: spec_observed(cluster.client, namespace, "shrink"), 10,
+             "the operator to see maxNodes 2")
+    consistently(lambda: all(h.num_nodes_waiting() == 0 for h in nodes)
+                 and read_run(cluster.client, namespace, "shrink").status.round == 1,
+                 RECONCILES, "the spec change restarted the running round")
     # ... the next round takes two: the old ranks 0 and 1, and the third waits as a spare.
     changed = time.monotonic()
     cluster.kubectl("annotate", "er", "shrink", "-n", namespace, f"{crd.RESTART_ANNOTATION}=now")
@@ -451,14 +463,21 @@ def test_a_poisoned_round_is_bounded_and_an_admins_reset_is_kept(
     assert poisoned.returncode == 0, poisoned.stderr
     wait_for(lambda: all(h.watcher.latest.status.round == top - 1 for h in (a, b)), 10,
              "the members to see the poisoned round")
-    time.sleep(1.0)  # the operator sees it too (its mark holds it)
+    # The operator sees it too (its round mark holds it from its next reconcile on): the
+    # reset below is then one the operator must take, not a round it never saw go up.
+    wait_for(lambda: operator_round(operator, "poisoned") == top - 1, 10,
+             "the operator to see the poisoned round")
     reset = _patch_status(cluster, namespace, "poisoned", {"round": 5, "signal": signal + 2})
     assert reset.returncode == 0, reset.stderr
     wait_for(lambda: all(h.watcher.latest.status.round == 5 for h in (a, b)), 10,
              "the members to take the reset")
-    time.sleep(1.5)  # a reconcile or two: a "repair" back to the poisoned round would show
-    assert read_run(cluster.client, namespace, "poisoned").status.round == 5
-    assert _repair_events(cluster, namespace, "poisoned") == []
+    wait_for(lambda: operator_round(operator, "poisoned") == 5, 10,
+             "the operator to see the reset")
+    # A "repair" back to the poisoned round would show within a few reconciles; the
+    # control is below: a round at the maximum is repaired, by the same operator.
+    consistently(lambda: read_run(cluster.client, namespace, "poisoned").status.round == 5
+                 and _repair_events(cluster, namespace, "poisoned") == [],
+                 RECONCILES, "the operator undid the admin's reset")
     assert all(h.watcher._error is None for h in (a, b))
     c = make_handler("poisoned", "c", min_nodes=2, max_nodes=3, last_call_timeout=10)
     fresh = [a, b, c]

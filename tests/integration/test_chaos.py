@@ -30,8 +30,9 @@ from elasticrun.api.model import now
 from elasticrun.api.naming import lease_name
 
 from chaoskit import assert_all_ok, assert_consistent, raw_run, record, start_node
-from conftest import Cluster, OperatorProcess, ProcessGroup, wait_for
+from conftest import Cluster, OperatorProcess, ProcessGroup, consistently, wait_for
 from rdzv import is_waiting, metric, read_run, rendezvous_all, start_rendezvous
+from timings import outlasting
 
 pytestmark = pytest.mark.slow
 
@@ -199,11 +200,17 @@ def test_operator_sigkilled_mid_round_and_restarted(
     # The restarted operator sees the same members, removes nobody ...
     wait_for(lambda: "elasticrun_members{namespace=" in operator.metrics(), 15,
              "the restarted operator to observe the run")
-    time.sleep(3)  # longer than the heartbeat: a wrong removal would have happened by now
-    after = read_run(cluster.client, namespace, "oprestart")
-    assert after.status.member_names == before.status.member_names
-    assert after.status.round == before.status.round == 1
-    assert after.status.lost_members == ()
+
+    def unchanged() -> bool:
+        after = read_run(cluster.client, namespace, "oprestart")
+        return (after.status.member_names == before.status.member_names
+                and after.status.round == before.status.round == 1
+                and after.status.lost_members == ())
+
+    # Longer than the heartbeat: a wrong removal would show within it (the control
+    # follows: a killed member is removed).
+    consistently(unchanged, outlasting(FAST["heartbeatTimeoutSeconds"]),
+                 "the restarted operator changed the round")
     # ... and does its job again: a silent member is removed and the others re-form.
     victim = next(n for n in (n0, n1, n2) if first[n.node]["rank"] == 2)
     victim.kill()

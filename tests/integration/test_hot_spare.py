@@ -18,8 +18,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +26,10 @@ import pytest
 from elasticrun.api import rounds
 from elasticrun.api.model import ElasticRun
 
-from conftest import ROOT, Cluster, OperatorProcess, ProcessGroup, wait_for
+from conftest import ROOT, Cluster, OperatorProcess, ProcessGroup, consistently, wait_for
 from controlplane.localcluster import clean_env, kill_tree
 from rdzv import RoundLog, read_run
+from timings import outlasting
 
 pytestmark = pytest.mark.torchrun
 TRAIN = ROOT / "deploy" / "examples" / "train.py"
@@ -71,15 +70,6 @@ def last_epoch(workdir: Path) -> int:
     return best
 
 
-def holds_for(condition: Callable[[], Any], seconds: float, what: str,
-              interval: float = 0.1) -> None:
-    """``condition()`` stays true for ``seconds`` (checked every ``interval``)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        assert condition(), f"{what} stopped holding"
-        time.sleep(interval)
-
-
 def logs(workdir: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
                      for p in sorted(workdir.glob("*.log")))
@@ -115,7 +105,8 @@ def test_a_spare_beside_a_healthy_round_waits_and_exits_0_when_the_members_finis
                 (1, "Running", {"m0", "m1"}) and any(w.name == "s" for w in run.status.waiting)
 
         # Past the spare's last call (counted from its join) with margin, round 1 trains on.
-        holds_for(healthy, LAST_CALL + 4, "round 1 of m0 and m1 with the spare waiting")
+        consistently(healthy, outlasting(LAST_CALL) + 2,
+                     "round 1 of m0 and m1 with the spare waiting")
         assert last_epoch(tmp_path) < EPOCHS, "training ended inside the window: premise"
         codes = {n: p.wait(timeout=300) for n, p in agents.items()}
         assert codes == {"m0": 0, "m1": 0, "s": 0}, logs(tmp_path)

@@ -35,13 +35,15 @@ from elasticrun.api.kube import (
 from elasticrun.api.leases import JOIN_ANNOTATION
 from elasticrun.api.model import format_time, now
 from elasticrun.api.naming import label_value, lease_name
+from elasticrun.operator.controller import TRIM_CHECK_SECONDS, TRIM_QUIET_SECONDS
 
 from chaoskit import assert_all_ok
 from chartkit import account_client
-from conftest import Cluster, wait_for
+from conftest import Cluster, consistently, wait_for
 from controlplane.kubelet import Kubelet
 from controlplane.operatorproc import OperatorProcess
-from rdzv import is_waiting, read_run, rendezvous_all, start_rendezvous
+from rdzv import is_waiting, read_run, rendezvous_all, spec_observed, start_rendezvous
+from timings import RECONCILES, outlasting
 
 pytestmark = pytest.mark.slow
 
@@ -185,10 +187,13 @@ def test_a_ghost_lease_renewed_in_2199_is_neither_kept_nor_stalls_the_real_nodes
         lease.get("metadata", {}).get("annotations", {}).get(crd.NODE_ANNOTATION)
         for lease in cluster.client.request("GET", leases_path(namespace))["items"]},
         HEARTBEAT + 5, "the ghost's Lease to be deleted")
-    time.sleep(1)
-    last = read_run(cluster.client, namespace, run_name)
-    assert last.status.round == final.status.round
-    assert "ghost" not in last.status.waiting_names | last.status.member_names
+
+    def settled() -> bool:
+        last = read_run(cluster.client, namespace, run_name)
+        return (last.status.round == final.status.round
+                and "ghost" not in last.status.waiting_names | last.status.member_names)
+
+    consistently(settled, RECONCILES, "the ghost's deletion moved the round or it came back")
 
 
 def _pod_maker(cluster: Cluster, namespace: str, tmp_path: Path) -> KubeClient:
@@ -196,6 +201,16 @@ def _pod_maker(cluster: Cluster, namespace: str, tmp_path: Path) -> KubeClient:
     return account_client(cluster, namespace, "pod-maker",
                           [{"apiGroups": [""], "resources": ["pods"],
                             "verbs": ["create", "delete", "get"]}], tmp_path)
+
+
+def _gone(cluster: Cluster, path: str) -> bool:
+    try:
+        cluster.client.request("GET", path)
+    except ApiError as exc:
+        if exc.not_found:
+            return True
+        raise
+    return False
 
 
 def test_a_namesake_pod_of_another_user_removes_no_member(
@@ -227,11 +242,16 @@ def test_a_namesake_pod_of_another_user_removes_no_member(
             {"name": "x", "image": "busybox", "command": ["sleep", "1"]}]}})
     other.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/m2-pod",
                   query={"gracePeriodSeconds": 0})
-    time.sleep(3)  # the operator saw both events long before this
-    after = read_run(cluster.client, namespace, run_name)
-    assert after.status.lost_members == ()
-    assert after.status.member_names == {"p0", "p1", "m2"}
-    assert after.status.round == sealed.status.round
+    wait_for(lambda: _gone(cluster, pods.path("m2-pod")), 10, "the namesake Pod to be deleted")
+
+    def kept() -> bool:
+        after = read_run(cluster.client, namespace, run_name)
+        return (after.status.lost_members == () and after.status.round == sealed.status.round
+                and after.status.member_names == {"p0", "p1", "m2"})
+
+    # A Pod loss is acted on as its event arrives (the control below shows it): a few
+    # reconciles are longer than that.
+    consistently(kept, RECONCILES, "the namesake Pod's deletion removed a member")
     # The member's own Pod still counts: deleting p1's Pod removes p1 at once.
     pods.delete("p1")
     wait_for(lambda: read_run(cluster.client, namespace, run_name).status.lost_members != (),
@@ -340,7 +360,8 @@ def test_junk_leases_bound_the_operators_events_and_memory(
         "apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": "junkrun"},
         "spec": {"minNodes": 2}})
     run = read_run(admin, namespace, "junkrun")
-    time.sleep(3)
+    # The operator has taken the run up (its status written) before the baseline.
+    wait_for(lambda: spec_observed(admin, namespace, "junkrun"), 10, "the run's status")
     baseline = _settled_rss(operator.pid)
     padding = "p" * 4096
 
@@ -371,14 +392,26 @@ def test_junk_leases_bound_the_operators_events_and_memory(
 
     wait_for(lambda: unreadable_events() >= PROBLEM_EVENTS_PER_RUN + 1, 60,
              "the capped UnreadableJoin Events and their summary")
-    time.sleep(3)
+    def capped() -> bool:
+        got = unreadable_events()
+        assert got == PROBLEM_EVENTS_PER_RUN + 1, (
+            f"{got} UnreadableJoin Events: more than {PROBLEM_EVENTS_PER_RUN} and the summary")
+        return True
+
+    # The cap holds while the operator works through the rest of the 2,000 Leases.
+    consistently(capped, outlasting(RECONCILES), "more UnreadableJoin Events than the cap",
+                 interval=0.5)
     events = unreadable_events()
     admin.request("DELETE", leases_path(namespace),
                   query={"labelSelector": crd.RUN_LABEL})
     wait_for(lambda: not admin.request("GET", leases_path(namespace),
                                        query={"labelSelector": crd.RUN_LABEL})["items"],
              60, "the junk Leases to be deleted")
-    time.sleep(15)  # freed memory is handed back 8-10 s after the last deletion
+    # Freed memory is handed back once no Lease was deleted for TRIM_QUIET_SECONDS,
+    # checked every TRIM_CHECK_SECONDS.
+    wait_for(lambda: _rss_mib(operator.pid) < baseline + 40,
+             outlasting(TRIM_QUIET_SECONDS + TRIM_CHECK_SECONDS) + 10,
+             "the operator to hand the junk Leases' memory back", interval=1)
     after = _settled_rss(operator.pid, 60)
     print(f"\noperator RSS: baseline {baseline:.1f} MiB, with {JUNK} junk Leases {peak:.1f} "
           f"MiB, after deleting them {after:.1f} MiB; UnreadableJoin Events {events}; "

@@ -11,7 +11,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError
 from elasticrun.api import crd
 from elasticrun.api.kube import leases_path
 
-from conftest import Cluster, Kubelet, OperatorProcess, wait_for
+from conftest import Cluster, Kubelet, OperatorProcess, consistently, wait_for
 from rdzv import (
     is_waiting,
     metric,
@@ -20,6 +20,7 @@ from rdzv import (
     run_deleted,
     start_rendezvous,
 )
+from timings import MARGIN, SHORT_HEARTBEAT, SHORT_RENEW, outlasting
 
 
 def _ok(outcomes: dict[str, Any]) -> None:
@@ -114,11 +115,15 @@ def test_expired_lease_removes_a_silent_member(operator: OperatorProcess, make_h
 
 def test_round_completes_with_operator_killed_and_restart_loses_nothing(
         operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str) -> None:
-    nodes = [make_handler("restart", f"n{i}", min_nodes=2, max_nodes=3) for i in range(2)]
+    # A short heartbeat: the window in which the restarted operator must remove nobody
+    # outlasts it, so a wrong LeaseExpired would show inside it.
+    conf = {"min_nodes": 2, "max_nodes": 3, "heartbeat_timeout": SHORT_HEARTBEAT,
+            "lease_renew_interval": SHORT_RENEW}
+    nodes = [make_handler("restart", f"n{i}", **conf) for i in range(2)]
     _ok(rendezvous_all(nodes))
     operator.kill()
     # With the operator gone, a late node still gets a round: the nodes seal it.
-    late = make_handler("restart", "n2", min_nodes=2, max_nodes=3)
+    late = make_handler("restart", "n2", **conf)
     thread, box = start_rendezvous(late)
     wait_for(lambda: all(h.num_nodes_waiting() >= 1 for h in nodes), 10,
              "members to see the late node without an operator")
@@ -130,12 +135,25 @@ def test_round_completes_with_operator_killed_and_restart_loses_nothing(
     # Let the restarted operator see everything; it must not remove anyone.
     wait_for(lambda: metric(operator.metrics(), "elasticrun_members", run="restart") == 3, 15,
              "the restarted operator to report 3 members")
-    time.sleep(2)  # a few lease renewals' worth of reconciles
-    after = read_run(cluster.client, namespace, "restart")
-    assert after.status.member_names == before.status.member_names
-    assert after.status.round == before.status.round == 2
-    assert after.status.lost_members == before.status.lost_members
-    assert all(h.num_nodes_waiting() == 0 for h in [*nodes, late])
+
+    def unchanged() -> bool:
+        after = read_run(cluster.client, namespace, "restart")
+        return (after.status.member_names == before.status.member_names
+                and after.status.round == before.status.round == 2
+                and after.status.lost_members == before.status.lost_members
+                and all(h.num_nodes_waiting() == 0 for h in [*nodes, late]))
+
+    window = outlasting(SHORT_HEARTBEAT)
+    consistently(unchanged, window, "the restarted operator changed the round")
+    # The control: the same operator does remove a member that stops renewing, within
+    # such a window, so the window above would have shown a wrong removal.
+    late._lease._stop.set()
+    silent = time.monotonic()
+    wait_for(lambda: _lost(cluster, namespace, "restart", "n2"), window + MARGIN,
+             "the restarted operator to remove a silent member")
+    print(f"\nthe silent member removed {time.monotonic() - silent:.2f}s after its last "
+          f"renewal (heartbeat {SHORT_HEARTBEAT}s, window {window}s)")
+    assert _lost(cluster, namespace, "restart", "n2").reason == "LeaseExpired"
 
 
 def test_kubectl_close_fails_waiting_and_late_nodes(operator: OperatorProcess,

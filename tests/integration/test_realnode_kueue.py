@@ -23,9 +23,10 @@ import yaml
 from test_realnode import create_run, elastic_run, logs, pods_of, round_with
 from test_realnode_launchers import INTEGRATIONS, TRAINING, condition, with_args
 
-from conftest import Cluster, wait_for
+from conftest import Cluster, consistently, wait_for
 from controlplane import addons, localize
 from rdzv import read_run
+from timings import RECONCILES
 
 pytest_plugins = ("nodefixtures",)
 pytestmark = [pytest.mark.node, pytest.mark.addons, pytest.mark.slow]
@@ -186,9 +187,11 @@ def test_an_elastic_jobs_new_pods_wait_behind_the_gate_until_their_slice_is_admi
 
     slices = wait_for(slice_pending, 60, "the new slice to be pending on quota", interval=0.2)
     assert [pod_count(w) for w in slices] == [2, 4] and admitted(slices[0])
-    time.sleep(2)  # nothing lifts the gate while the quota is held
-    assert all(gates(p) == [GATE] for p in live_pods(cluster, ns, "elastic")
-               if p["metadata"]["name"] not in old)
+    # Nothing lifts the gate while the quota is held (the control follows: freeing the
+    # quota lifts it).
+    consistently(lambda: all(gates(p) == [GATE] for p in live_pods(cluster, ns, "elastic")
+                             if p["metadata"]["name"] not in old),
+                 RECONCILES, "a gate lifted while the quota is held", interval=0.2)
 
     cluster.client.request("DELETE", JOB.format(ns=ns, name="blocker"),
                            query={"propagationPolicy": "Background"})

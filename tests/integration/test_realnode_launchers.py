@@ -26,11 +26,12 @@ from test_realnode import create_run, elastic_run, logs, pods_of, round_with
 from elasticrun.operator.reconcile import DESIRED_ABOVE_MAX, DESIRED_CONDITION
 
 from chartkit import Helm, build_helm
-from conftest import ROOT, Cluster, wait_for
+from conftest import ROOT, Cluster, consistently, wait_for
 from controlplane import addons, localize
 from controlplane.node import NODE_IP
 from nodekit import RELEASE, RELEASE_NAMESPACE
 from rdzv import read_run
+from timings import outlasting
 
 pytest_plugins = ("nodefixtures",)
 pytestmark = [pytest.mark.node, pytest.mark.slow]
@@ -504,18 +505,14 @@ def test_a_job_above_max_nodes_keeps_its_round_and_its_spare_exits_cleanly(
     # the spare (enough for minNodes on its own) sealed no round of its own.
     (joined,) = [w.since for w in read_run(cluster.client, ns, run).status.waiting
                  if w.pod == spared and w.since]
-
-    def round_1_trains() -> bool:
+    def training() -> bool:
         still = read_run(cluster.client, ns, run)
-        return (still.status.phase, still.status.round,
-                {p.pod for p in still.status.participants}) == ("Running", 1, members)
+        assert still.status.phase == "Running", "training ended before the spare's last call"
+        return (still.status.round, {p.pod for p in still.status.participants}) == (1, members)
 
-    window = joined.timestamp() + SPARE_LAST_CALL + 3 - time.time()
-    holds = time.monotonic() + window
-    while time.monotonic() < holds:
-        assert round_1_trains(), f"round 1 did not hold past the spare's last call: " \
-                                 f"{read_run(cluster.client, ns, run).status}"
-        time.sleep(0.2)
+    consistently(training, max(0.0, joined.timestamp() + outlasting(SPARE_LAST_CALL) + 1
+                               - time.time()),
+                 "the spare sealed a round of its own", interval=0.5)
 
     def finished() -> dict[str, Any] | None:
         job: dict[str, Any] = cluster.client.request("GET", f"/apis/batch/v1/namespaces/{ns}"

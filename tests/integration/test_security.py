@@ -60,10 +60,11 @@ from chartkit import (
     request_token,
     token_kubeconfig,
 )
-from conftest import Cluster, ProcessGroup, wait_for
+from conftest import Cluster, ProcessGroup, consistently, wait_for
 from controlplane.kubelet import Kubelet
 from controlplane.operatorproc import OperatorProcess, free_port
-from rdzv import AuditLog, read_run, rendezvous_all
+from rdzv import AuditLog, read_run, rendezvous_all, spec_observed
+from timings import RECONCILES, SHORT_HEARTBEAT, SHORT_RENEW, outlasting
 
 pytest_plugins = ("chartfixtures",)
 pytestmark = pytest.mark.slow
@@ -320,18 +321,21 @@ def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
     # Leases, which they watch by name.
     for run, max_nodes in (("run-a", 2), ("run-b", 256)):
         nodes = [make_handler(run, f"{run}-{i}", min_nodes=2, max_nodes=max_nodes,
-                              kubeconfig=kubeconfigs[run], heartbeat_timeout=4,
-                              lease_renew_interval=1, last_call_timeout=1) for i in range(2)]
+                              kubeconfig=kubeconfigs[run], heartbeat_timeout=SHORT_HEARTBEAT,
+                              lease_renew_interval=SHORT_RENEW, last_call_timeout=1)
+                 for i in range(2)]
         assert_all_ok(rendezvous_all(nodes))
         if run == "run-b":
             assert all(n.mailbox is not None and n.mailbox.latest is not None
                        and n.mailbox.latest.round == 1 for n in nodes)
     formed = time.monotonic() - started
     assert read_run(cluster.client, namespace, "run-b").status.signal == 0  # told on Leases
-    # Renewals keep working by name: no Lease expires in a few renewal periods.
-    time.sleep(3)
-    for run in ("run-a", "run-b"):
-        assert read_run(cluster.client, namespace, run).status.lost_members == ()
+    # Renewals keep working by name: no Lease expires for longer than the heartbeat (the
+    # operator that would remove its node is the one that told run-b's members their
+    # ranks on those Leases: it watches them).
+    consistently(lambda: all(read_run(cluster.client, namespace, run).status.lost_members
+                             == () for run in ("run-a", "run-b")),
+                 outlasting(SHORT_HEARTBEAT), "a member's Lease expired")
     a = KubeClient(load_credentials(str(kubeconfigs["run-a"])), timeout=10)
     raw_b = cluster.client.request("GET", run_path(namespace, "run-b"))
     refused = {
@@ -470,8 +474,16 @@ def test_a_pod_of_run_a_cannot_join_stall_lead_or_close_run_b(
     assert _refusal(lambda: a.request(
         "PATCH", run_path(namespace, "run-b"), body={"spec": {"closed": True}},
         content_type="application/merge-patch+json"))
-    # B goes on as it was: two renewal periods later nobody waits, nobody was lost.
-    time.sleep(2)
+    # B goes on as it was: for a few reconciles (every write above was refused, so there
+    # is nothing for the operator to act on) nobody waits, nobody was lost.
+
+    def untouched() -> bool:
+        now_b = read_run(cluster.client, namespace, "run-b")
+        return (now_b.status.round == before.status.round and not now_b.closed
+                and now_b.status.waiting == () and now_b.status.lost_members == ()
+                and all(node.num_nodes_waiting() == 0 for node in b_nodes))
+
+    consistently(untouched, RECONCILES, "run B changed")
     after = read_run(cluster.client, namespace, "run-b")
     assert after.status.round == before.status.round and not after.closed
     assert after.status.waiting == () and after.status.lost_members == ()
@@ -515,8 +527,9 @@ def test_a_lease_claiming_to_live_forever_expires_with_the_runs_heartbeat(
     # Without an ownerReference a Lease is nobody's member, however it is labelled.
     cluster.client.request("POST", f"/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
                            body=_forged_lease("hb", "orphan", None))
-    time.sleep(1.5)
-    assert "orphan" not in read_run(cluster.client, namespace, "hb").status.waiting_names
+    # The control is above: the forged request with an owner was seen as waiting at once.
+    consistently(lambda: "orphan" not in read_run(cluster.client, namespace, "hb")
+                 .status.waiting_names, RECONCILES, "a Lease without an owner counted")
 
 
 def test_a_false_report_of_an_unreachable_rank0_removes_nobody(
@@ -584,7 +597,9 @@ def test_an_invalid_service_account_annotation_is_one_event_not_a_retry_loop(
         # Reconciled all the same: the operator wrote the run's status.
         wait_for(lambda: read_run(cluster.client, namespace, "badsa").status
                  .observed_generation is not None, 20, "the run's status")
-        time.sleep(2)  # an absence: a retry loop would post again or log refusals by now
+        # An absence: a retry loop would post again within a few reconciles.
+        consistently(lambda: len(reported()) == 1, RECONCILES,
+                     "a second InvalidServiceAccount Event (a retry loop)")
         (event,) = reported()
         assert "is not a ServiceAccount name" in event["message"]
         assert event.get("count", 1) == 1
@@ -736,7 +751,11 @@ def test_runs_whose_names_collided_stay_apart_and_the_operator_touches_no_other_
     # The operator deletes that expired Lease of team (its own), and nothing of team.b.
     wait_for(lambda: _gone(cluster, namespace, lease_name("team", "b.b-0")), 15,
              "the operator to delete team's expired Lease")
-    time.sleep(2)
+    # Within a few reconciles of that deletion, team.b's Lease would go too if it were
+    # taken for team's.
+    consistently(lambda: cluster.client.request("GET", lease_path(namespace, victim_lease))
+                 ["metadata"]["uid"] == before["metadata"]["uid"], RECONCILES,
+                 "team.b's member Lease was deleted or replaced")
     after = cluster.client.request("GET", lease_path(namespace, victim_lease))
     assert after["metadata"]["uid"] == before["metadata"]["uid"]
     victim_run = read_run(cluster.client, namespace, "team.b")
@@ -1228,10 +1247,11 @@ def test_no_per_run_network_policy_unless_enabled(
         operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
         helm: Helm) -> None:
     assert_all_ok(rendezvous_all([make_handler("plain", "solo")]))
-    time.sleep(1.0)  # a reconcile or two
-    listed = cluster.client.request(
+    wait_for(lambda: spec_observed(cluster.client, namespace, "plain"), 10,
+             "the operator to reconcile the run")
+    consistently(lambda: cluster.client.request(
         "GET", f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies")
-    assert listed.get("items") == []
+        .get("items") == [], RECONCILES, "a per-run NetworkPolicy without the flag")
     (deployment,) = by_kind(helm.template("sec", "ops"), "Deployment")
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
     assert not any(a.startswith("--per-run-network-policy") for a in args)
