@@ -1,0 +1,98 @@
+"""The round file: what a node's agent tells its workers about the round they are in.
+
+In in-place mode the agent (the rendezvous handler in torchrun's process) does
+not restart its workers when the membership changes; it writes the node's new
+place into a small JSON file instead, one per node, and the workers re-form
+their process group from it::
+
+    {"round": 7, "node_rank": 1, "num_nodes": 3, "store": "10.0.0.12:29400"}
+
+``store`` is the round's TCPStore (served by the agent of the round's rank 0).
+Keys this version does not know are ignored, so a newer agent may add some.
+The file is written whole and renamed into place (:func:`encode_round`, and
+:func:`elasticrun.inplace.source.write_round` for the I/O), so a reader never
+sees half a file; everything here is pure so a malformed file is a clear error,
+not a crash deep in torch.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+#: A round file is a few dozen bytes; anything much larger is not one.
+MAX_BYTES = 4096
+#: Bounds of every count, so a corrupt value is refused rather than used.
+MAX_ROUND = 2**31 - 1
+MAX_NODES = 65536
+_HOST = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9]([-A-Za-z0-9.]{0,251}[A-Za-z0-9])?)$")
+
+
+class RoundFileError(ValueError):
+    """A round file this version cannot use; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """One node's place in one round of its run."""
+
+    number: int
+    node_rank: int
+    num_nodes: int
+    store_host: str
+    store_port: int
+
+    @property
+    def store(self) -> str:
+        return f"{self.store_host}:{self.store_port}"
+
+
+def _count(doc: dict[str, Any], key: str, low: int, high: int) -> int:
+    value = doc.get(key)
+    # bool is an int in Python; true is not a round number.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RoundFileError(f"round file: {key!r} must be a whole number, got {value!r:.40}")
+    if not low <= value <= high:
+        raise RoundFileError(f"round file: {key!r}={value} is outside {low}..{high}")
+    return value
+
+
+def parse_store(text: object) -> tuple[str, int]:
+    """``host:port`` (host a name, an IPv4 or a bracketed IPv6) as (host, port)."""
+    if not isinstance(text, str) or len(text) > 300:
+        raise RoundFileError(f"round file: 'store' must be a 'host:port' string, got {text!r:.60}")
+    host, sep, port = text.rpartition(":")
+    if not sep or not _HOST.match(host) or not port.isdigit() or len(port) > 5 \
+            or not 0 < int(port) < 65536:
+        raise RoundFileError(f"round file: 'store'={text!r:.60} is not host:port with a port "
+                             "from 1 to 65535")
+    return host.strip("[]"), int(port)
+
+
+def decode_round(raw: bytes | str) -> Round:
+    """The round a file holds; :class:`RoundFileError` says what is wrong with it."""
+    if len(raw) > MAX_BYTES:
+        raise RoundFileError(f"round file: {len(raw)} bytes, more than {MAX_BYTES}")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RoundFileError(f"round file: not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise RoundFileError(f"round file: expected a JSON object, got {type(doc).__name__}")
+    num_nodes = _count(doc, "num_nodes", 1, MAX_NODES)
+    host, port = parse_store(doc.get("store"))
+    return Round(number=_count(doc, "round", 1, MAX_ROUND),
+                 node_rank=_count(doc, "node_rank", 0, num_nodes - 1),
+                 num_nodes=num_nodes, store_host=host, store_port=port)
+
+
+def encode_round(round_: Round) -> str:
+    """The file's text for ``round_`` (decodes back to it)."""
+    host = f"[{round_.store_host}]" if ":" in round_.store_host else round_.store_host
+    text = json.dumps({"round": round_.number, "node_rank": round_.node_rank,
+                       "num_nodes": round_.num_nodes, "store": f"{host}:{round_.store_port}"},
+                      sort_keys=True)
+    decode_round(text)  # never write what no reader accepts
+    return text
