@@ -59,7 +59,10 @@ def test_survivors_recover_in_place_and_a_newcomer_joins(tmp_path: Path) -> None
 
     files = [tmp_path / f"node{i}.json" for i in range(4)]
     logs = [tmp_path / f"worker{i}.log" for i in range(4)]
-    ctx = mp.get_context("spawn")
+    # One server imports torch once and forks every worker from it: four imports of
+    # torch at once take most of a minute on a busy two-core machine.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "elasticrun.inplace", "inplacekit"])
     procs = [ctx.Process(target=inplacekit.worker, daemon=True,
                          args=(str(files[i]), str(logs[i]), 100 + i, TOTAL,
                                DIE_AT if i == 2 else -1, HOLD_AT if i < 2 else -1, PACE))
@@ -128,3 +131,7 @@ def test_survivors_recover_in_place_and_a_newcomer_joins(tmp_path: Path) -> None
             if p.is_alive():
                 p.kill()
             p.join(5)
+        # The fork server (multiprocessing's own process) ends with its pipe; stop it now.
+        from multiprocessing import forkserver
+
+        forkserver._forkserver._stop()  # type: ignore[attr-defined]
