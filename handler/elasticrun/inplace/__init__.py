@@ -16,7 +16,7 @@ Importing this package needs torch; :mod:`.roundfile` and :mod:`.decide` alone d
 from __future__ import annotations
 
 from elasticrun.inplace.decide import Placement, Verdict, classify
-from elasticrun.inplace.group import Group, RegroupError, Rewrapped
+from elasticrun.inplace.group import Change, Group, RegroupError, Rewrapped
 from elasticrun.inplace.roundfile import Round, RoundFileError, decode_round, encode_round
 from elasticrun.inplace.source import (
     ROUND_FILE_VARIABLE,
@@ -26,6 +26,6 @@ from elasticrun.inplace.source import (
     write_round,
 )
 
-__all__ = ["ROUND_FILE_VARIABLE", "FileRoundSource", "Group", "Placement", "RegroupError",
+__all__ = ["ROUND_FILE_VARIABLE", "Change", "FileRoundSource", "Group", "Placement", "RegroupError",
            "Rewrapped", "Round", "RoundFileError", "RoundSource", "RoundTimeoutError",
            "Verdict", "classify", "decode_round", "encode_round", "write_round"]
