@@ -1,4 +1,6 @@
-"""The pure parts of in-place recovery: the round file, the decisions, the file source."""
+"""The pure parts of in-place recovery: the round file, the decisions, the file source.
+
+None of them needs torch (the test says so: it fails if one imports it)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from elasticrun.api.roundfile import (
+    MAX_BYTES,
+    Round,
+    RoundFileError,
+    decode_round,
+    encode_round,
+    write_round,
+)
 from elasticrun.inplace.decide import (
     Verdict,
     applies,
@@ -20,18 +30,7 @@ from elasticrun.inplace.decide import (
     store_prefix,
     sync_source,
 )
-from elasticrun.inplace.roundfile import (
-    MAX_BYTES,
-    Round,
-    RoundFileError,
-    decode_round,
-    encode_round,
-)
-from elasticrun.inplace.source import (
-    FileRoundSource,
-    RoundTimeoutError,
-    write_round,
-)
+from elasticrun.inplace.source import FileRoundSource, RoundTimeoutError
 
 ROUND = Round(number=7, node_rank=1, num_nodes=3, store_host="10.0.0.12", store_port=29400)
 
@@ -176,3 +175,14 @@ def test_the_source_comes_from_the_environment(tmp_path: Path) -> None:
     assert FileRoundSource.from_env({}) is None
     source = FileRoundSource.from_env({"ELASTICRUN_ROUND_FILE": str(tmp_path / "r.json")})
     assert source is not None and source.path == tmp_path / "r.json"
+
+
+def test_the_rules_load_without_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import elasticrun.inplace as i, elasticrun.inplace.decide, elasticrun.inplace.source\n"
+            "assert i.classify(RuntimeError('Connection closed by peer')).value == 'regroup'")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)

@@ -11,7 +11,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from elasticrun.inplace.roundfile import Round
+from elasticrun.api.roundfile import Round
 
 
 class Verdict(enum.Enum):

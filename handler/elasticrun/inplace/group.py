@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from elasticrun.api.roundfile import Round
 from elasticrun.inplace import decide
-from elasticrun.inplace.roundfile import Round
 from elasticrun.inplace.source import FileRoundSource, RoundSource
 from elasticrun.inplace.sync import sync_state
 

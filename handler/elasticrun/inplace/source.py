@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Protocol
 
-from elasticrun.inplace.roundfile import Round, RoundFileError, decode_round, encode_round
+from elasticrun.api.roundfile import Round, RoundFileError, decode_round
 
 log = logging.getLogger(__name__)
 
@@ -42,24 +41,8 @@ class RoundSource(Protocol):
         ...
 
 
-def write_round(path: Path, round_: Round) -> None:
-    """Write ``round_`` to ``path`` atomically: a temporary file in the same folder,
-    flushed, then renamed over the old one."""
-    text = encode_round(round_)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 class FileRoundSource:
-    """Rounds from one JSON file (:mod:`.roundfile`), polled."""
+    """Rounds from one JSON file (:mod:`elasticrun.api.roundfile`), polled."""
 
     def __init__(self, path: Path, poll_interval: float = 0.02) -> None:
         self.path = path

@@ -9,17 +9,21 @@ their process group from it::
 
 ``store`` is the round's TCPStore (served by the agent of the round's rank 0).
 Keys this version does not know are ignored, so a newer agent may add some.
-The file is written whole and renamed into place (:func:`encode_round`, and
-:func:`elasticrun.inplace.source.write_round` for the I/O), so a reader never
-sees half a file; everything here is pure so a malformed file is a clear error,
-not a crash deep in torch.
+The file is written whole and renamed into place (:func:`write_round`, the one
+function here that does I/O), so a reader never sees half a file; the rest is
+pure so a malformed file is a clear error, not a crash deep in torch. It lives
+in ``elasticrun.api`` because both sides use it: the handler writes the file,
+``elasticrun.inplace`` reads it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 #: A round file is a few dozen bytes; anything much larger is not one.
@@ -96,3 +100,19 @@ def encode_round(round_: Round) -> str:
                       sort_keys=True)
     decode_round(text)  # never write what no reader accepts
     return text
+
+
+def write_round(path: Path, round_: Round) -> None:
+    """Write ``round_`` to ``path`` atomically: a temporary file in the same folder,
+    flushed, then renamed over the old one."""
+    text = encode_round(round_)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
