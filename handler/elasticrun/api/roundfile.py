@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+#: The environment variable naming a node's round file: set by the handler for the
+#: workers torchrun starts, read by ``elasticrun.inplace``.
+ROUND_FILE_VARIABLE = "ELASTICRUN_ROUND_FILE"
 #: A round file is a few dozen bytes; anything much larger is not one.
 MAX_BYTES = 4096
 #: Bounds of every count, so a corrupt value is refused rather than used.

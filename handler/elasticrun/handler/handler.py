@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import random
 import threading
 import time
+from pathlib import Path
 
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous import (
@@ -64,6 +66,7 @@ from elasticrun.api.model import (
     now,
 )
 from elasticrun.api.policy import RETRY_DELAYS, retry_delay
+from elasticrun.api.roundfile import ROUND_FILE_VARIABLE, Round, write_round
 from elasticrun.api.stores import store_problem
 from elasticrun.handler import settings as settings_mod
 from elasticrun.handler import step
@@ -408,12 +411,27 @@ class K8sRendezvousHandler(RendezvousHandler):
         if base is None:
             return None
         self._round = round_number
+        if self.settings.in_place:
+            self._tell_workers(Round(round_number, rank, assignment.world_size, host, port))
         store = PrefixStore(f"torch.rendezvous.{self.settings.run_name}.{round_number}", base)
         log.info("%s: round %d, rank %d of %d, store %s:%d", self._who(), round_number, rank,
                  assignment.world_size, host, port)
         return RendezvousInfo(store, rank, assignment.world_size,
                               RendezvousStoreInfo(master_addr=host, master_port=port))
 
+
+    def _tell_workers(self, round_: Round) -> None:
+        """In-place mode: the node's place in the round, in the file its workers poll
+        (``elasticrun.inplace``), whose path they inherit through the environment."""
+        path = self.settings.round_file
+        assert path is not None
+        try:
+            write_round(Path(path), round_)
+        except OSError as exc:
+            raise RendezvousError(f"{self._who()}: cannot write the round file {path} for the "
+                                  f"workers ({exc}); set --rdzv-conf round_file=<a writable "
+                                  "path>") from exc
+        os.environ[ROUND_FILE_VARIABLE] = path
 
     def _store_announced(self, session: RunSession, run: ElasticRun, assignment: Assignment,
                          request: WaitingNode | None) -> bool:

@@ -20,6 +20,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from elasticrun.api.roundfile import (
+    ROUND_FILE_VARIABLE,
     Round,
     RoundFileError,
     decode_round,
@@ -28,7 +29,6 @@ from elasticrun.api.roundfile import (
 )
 from elasticrun.inplace.decide import Placement, Verdict, classify
 from elasticrun.inplace.source import (
-    ROUND_FILE_VARIABLE,
     FileRoundSource,
     RoundSource,
     RoundTimeoutError,

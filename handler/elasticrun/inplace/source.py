@@ -16,12 +16,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from elasticrun.api.roundfile import Round, RoundFileError, decode_round
+from elasticrun.api.roundfile import ROUND_FILE_VARIABLE, Round, RoundFileError, decode_round
 
 log = logging.getLogger(__name__)
-
-#: The environment variable naming this node's round file.
-ROUND_FILE_VARIABLE = "ELASTICRUN_ROUND_FILE"
 
 
 class RoundTimeoutError(TimeoutError):

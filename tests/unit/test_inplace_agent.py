@@ -1,0 +1,61 @@
+"""The agent's side of in-place mode as far as it is built: the settings and the round file
+the handler writes for its workers after every round (docs/in-place.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elasticrun.api.roundfile import Round, decode_round
+from elasticrun.handler.settings import SettingsError, from_parameters
+
+
+@pytest.fixture(autouse=True)
+def pod_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAMESPACE", "team")
+    monkeypatch.setenv("POD_NAME", "trainer-3")
+    monkeypatch.setenv("POD_IP", "10.1.2.3")
+    monkeypatch.delenv("ELASTICRUN_ROUND_FILE", raising=False)
+
+
+def settings(conf: dict[str, Any]) -> Any:
+    return from_parameters(run_id="run", endpoint="", min_nodes=1, max_nodes=2,
+                           local_addr=None, conf=conf)
+
+
+def test_in_place_is_off_unless_asked_for() -> None:
+    plain = settings({})
+    assert (plain.in_place, plain.round_file) == (False, None)
+    with pytest.raises(SettingsError, match="in_place"):
+        settings({"in_place": "maybe"})
+
+
+def test_the_round_file_is_given_or_one_per_run_and_node(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    default = settings({"in_place": "1"})
+    assert default.in_place
+    assert Path(default.round_file).name == "elasticrun-run.trainer-3.round.json"
+    assert settings({"in_place": "true", "round_file": str(tmp_path / "a.json")}).round_file \
+        == str(tmp_path / "a.json")
+    monkeypatch.setenv("ELASTICRUN_ROUND_FILE", str(tmp_path / "b.json"))
+    assert settings({"in_place": "yes"}).round_file == str(tmp_path / "b.json")
+    monkeypatch.delenv("ELASTICRUN_ROUND_FILE")
+    assert Path(settings({"in_place": "1", "node_name": "a/b c"}).round_file).name \
+        == "elasticrun-run.a_b_c.round.json"
+
+
+def test_the_handler_tells_its_workers_the_round(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from elasticrun.handler.handler import K8sRendezvousHandler
+
+    path = tmp_path / "node.json"
+    handler = K8sRendezvousHandler(settings({"in_place": "1", "round_file": str(path)}))
+    monkeypatch.setenv("ELASTICRUN_ROUND_FILE", "elsewhere")  # restored after the test
+    handler._tell_workers(Round(4, 1, 3, "10.1.2.9", 29400))
+    assert decode_round(path.read_bytes()) == Round(4, 1, 3, "10.1.2.9", 29400)
+    import os
+
+    assert os.environ["ELASTICRUN_ROUND_FILE"] == str(path), "the workers inherit the path"
