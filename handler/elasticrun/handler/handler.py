@@ -89,6 +89,9 @@ BACKEND = "k8s"
 #: refuses it: the honest mismatch (rank 0 left, or re-joined for the next round)
 #: ends the round, which the member's watch shows within this.
 STORE_CHECK_SECONDS = 5.0
+#: In-place mode: the longest the follower goes without looking at the run (the watch
+#: wakes it at once; this covers timers such as a scale-up's last call).
+FOLLOW_INTERVAL = 0.5
 
 
 class RunSucceededError(RendezvousClosedError, SystemExit):
@@ -128,6 +131,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         self._round = 0
         self._lock = threading.Lock()
         self._closing = False
+        self._follower: threading.Thread | None = None
 
     # ------------------------------------------------------------------ torch API
 
@@ -142,6 +146,13 @@ class K8sRendezvousHandler(RendezvousHandler):
         return self.settings.run_name
 
     def next_rendezvous(self) -> RendezvousInfo:
+        info = self._next_round()
+        if self.settings.in_place:
+            self._follow()
+        return info
+
+    def _next_round(self) -> RendezvousInfo:
+        """One rendezvous: torchrun's call, or the in-place follower's (:meth:`_following`)."""
         with self._lock:
             session = self._connect()
             run = session.current()
@@ -197,6 +208,9 @@ class K8sRendezvousHandler(RendezvousHandler):
                 return
 
     def num_nodes_waiting(self) -> int:
+        if self.settings.in_place:
+            # The follower re-forms the round itself; torchrun must not restart the workers.
+            return 0
         run = self._session.watcher.latest if self._session is not None else None
         if run is None or self._round == 0:
             return 0
@@ -235,6 +249,45 @@ class K8sRendezvousHandler(RendezvousHandler):
             if locked:
                 self._lock.release()
         return True
+
+    # ------------------------------------------------------------------ in-place mode
+
+    def _follow(self) -> None:
+        """Start following the run (once): in-place mode joins each next round itself."""
+        if self._follower is None or not self._follower.is_alive():
+            self._follower = threading.Thread(target=self._following, daemon=True,
+                                              name=f"elasticrun-follow-{self.settings.node_name}")
+            self._follower.start()
+
+    def _following(self) -> None:
+        """While the agent runs: whenever this node's round must be re-formed (the rule
+        torchrun's restarts follow, :func:`step.follow_due`), rendezvous again and tell
+        the workers through the round file. The workers keep running meanwhile."""
+        failures = 0
+        while not self._closing:
+            session = self._session
+            if session is None:
+                return
+            seen = session.watcher.version
+            run = session.watcher.latest
+            if run is not None and step.follow_due(run, self._round, now()):
+                log.info("%s: round %d must be re-formed; joining the next one in place",
+                         self._who(), self._round)
+                try:
+                    self._next_round()
+                    failures = 0
+                except RendezvousClosedError as exc:
+                    log.info("%s: no longer following the run: %s", self._who(), exc)
+                    return
+                except RendezvousError as exc:
+                    failures += 1
+                    log.warning("%s: following the run: %s", self._who(), exc)
+                    time.sleep(retry_delay(failures))
+                continue
+            waited = time.monotonic()
+            session.watcher.wait(seen, FOLLOW_INTERVAL)
+            if session.watcher.version == seen and time.monotonic() - waited < 0.01:
+                time.sleep(FOLLOW_INTERVAL)  # a stopped watch returns at once: do not spin
 
     @property
     def mailbox(self) -> AssignmentWatch | None:

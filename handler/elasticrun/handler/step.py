@@ -221,3 +221,13 @@ def superseded(  # noqa: PLR0911 - one return per reason
     if status.participant(leader) is None:
         return f"its rank 0, {leader}, was removed from it"
     return None
+
+
+def follow_due(run: ElasticRun, my_round: int, now: dt.datetime) -> bool:
+    """In-place mode: whether this member of ``my_round`` joins the next round now.
+
+    Exactly when torchrun would restart its workers without in-place mode
+    (``num_nodes_waiting() > 0``: a member lost, the round superseded, a newcomer
+    announced or due), so both modes re-form the same rounds.
+    """
+    return my_round > 0 and rounds.nodes_waiting(run, my_round, now=now) > 0
