@@ -59,3 +59,21 @@ def test_the_handler_tells_its_workers_the_round(
     import os
 
     assert os.environ["ELASTICRUN_ROUND_FILE"] == str(path), "the workers inherit the path"
+
+
+def test_a_follower_re_forms_exactly_when_torchrun_would_restart() -> None:
+    from elasticrun.api import rounds
+    from elasticrun.handler.step import follow_due
+
+    from test_rounds import at, run, sealed, waiting
+
+    full = sealed("a", "b")
+    lost = rounds.remove_member(full, "b", "PodFailed", at(1))
+    assert lost is not None
+    cases = [run(full, max_nodes=2), run(full.replace(waiting=waiting("s")), max_nodes=2),
+             run(full.replace(waiting=waiting("s")), max_nodes=3), run(lost, max_nodes=2),
+             run(sealed("a", "b", round_=2), max_nodes=2)]
+    for case in cases:
+        assert follow_due(case, 1, at(1)) is (rounds.nodes_waiting(case, 1, now=at(1)) > 0)
+    assert [follow_due(case, 1, at(1)) for case in cases] == [False, False, True, True, True]
+    assert not follow_due(run(lost, max_nodes=2), 0, at(1)), "not before a first round"
