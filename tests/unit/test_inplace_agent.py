@@ -54,8 +54,10 @@ def test_the_handler_tells_its_workers_the_round(
     path = tmp_path / "node.json"
     handler = K8sRendezvousHandler(settings({"in_place": "1", "round_file": str(path)}))
     monkeypatch.setenv("ELASTICRUN_ROUND_FILE", "elsewhere")  # restored after the test
+    (tmp_path / "node.json.lost").write_text('{"round": 3}')
     handler._tell_workers(Round(4, 1, 3, "10.1.2.9", 29400))
     assert decode_round(path.read_bytes()) == Round(4, 1, 3, "10.1.2.9", 29400)
+    assert not (tmp_path / "node.json.lost").exists(), "the new round answers the report"
     import os
 
     assert os.environ["ELASTICRUN_ROUND_FILE"] == str(path), "the workers inherit the path"
@@ -77,3 +79,19 @@ def test_a_follower_re_forms_exactly_when_torchrun_would_restart() -> None:
         assert follow_due(case, 1, at(1)) is (rounds.nodes_waiting(case, 1, now=at(1)) > 0)
     assert [follow_due(case, 1, at(1)) for case in cases] == [False, False, True, True, True]
     assert not follow_due(run(lost, max_nodes=2), 0, at(1)), "not before a first round"
+    # The node's own workers reported that their group failed in the round.
+    assert follow_due(run(full, max_nodes=2), 1, at(1), lost_round=1)
+    assert not follow_due(run(full, max_nodes=2), 2, at(1), lost_round=1), "answered already"
+
+
+def test_workers_report_a_lost_round_next_to_the_round_file(tmp_path: Path) -> None:
+    from elasticrun.api.roundfile import RoundFileError, decode_lost, lost_file
+    from elasticrun.inplace.source import FileRoundSource
+
+    path = tmp_path / "node.json"
+    FileRoundSource(path).report_lost(4)
+    assert lost_file(path) == tmp_path / "node.json.lost"
+    assert decode_lost(lost_file(path).read_bytes()) == 4
+    for bad in ("", "[]", '{"round": 0}', '{"round": true}', "x" * 5000):
+        with pytest.raises(RoundFileError):
+            decode_lost(bad)

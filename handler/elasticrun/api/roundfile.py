@@ -106,9 +106,36 @@ def encode_round(round_: Round) -> str:
 
 
 def write_round(path: Path, round_: Round) -> None:
-    """Write ``round_`` to ``path`` atomically: a temporary file in the same folder,
-    flushed, then renamed over the old one."""
-    text = encode_round(round_)
+    """Write ``round_`` to ``path`` atomically (:func:`write_atomically`)."""
+    write_atomically(path, encode_round(round_))
+
+
+def lost_file(round_file: Path) -> Path:
+    """Where a node's workers report that their group failed: next to the round file."""
+    return round_file.with_name(round_file.name + ".lost")
+
+
+def encode_lost(round_number: int) -> str:
+    """The lost file's text: the round whose group failed (so the agent re-forms it)."""
+    return json.dumps({"round": round_number})
+
+
+def decode_lost(raw: bytes | str) -> int:
+    """The round a lost file names; :class:`RoundFileError` for anything else."""
+    if len(raw) > MAX_BYTES:
+        raise RoundFileError(f"lost file: {len(raw)} bytes, more than {MAX_BYTES}")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RoundFileError(f"lost file: not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise RoundFileError(f"lost file: expected a JSON object, got {type(doc).__name__}")
+    return _count(doc, "round", 1, MAX_ROUND)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path``: a temporary file in the same folder, flushed, then
+    renamed over the old one, so a reader sees the old text or the new, never half."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:

@@ -66,7 +66,14 @@ from elasticrun.api.model import (
     now,
 )
 from elasticrun.api.policy import RETRY_DELAYS, retry_delay
-from elasticrun.api.roundfile import ROUND_FILE_VARIABLE, Round, write_round
+from elasticrun.api.roundfile import (
+    ROUND_FILE_VARIABLE,
+    Round,
+    RoundFileError,
+    decode_lost,
+    lost_file,
+    write_round,
+)
 from elasticrun.api.stores import store_problem
 from elasticrun.handler import settings as settings_mod
 from elasticrun.handler import step
@@ -89,9 +96,9 @@ BACKEND = "k8s"
 #: refuses it: the honest mismatch (rank 0 left, or re-joined for the next round)
 #: ends the round, which the member's watch shows within this.
 STORE_CHECK_SECONDS = 5.0
-#: In-place mode: the longest the follower goes without looking at the run (the watch
-#: wakes it at once; this covers timers such as a scale-up's last call).
-FOLLOW_INTERVAL = 0.5
+#: In-place mode: the longest the follower goes without looking at the run and the lost
+#: file (the watch wakes it at once; this covers the file and timers such as a last call).
+FOLLOW_INTERVAL = 0.2
 
 
 class RunSucceededError(RendezvousClosedError, SystemExit):
@@ -270,7 +277,7 @@ class K8sRendezvousHandler(RendezvousHandler):
                 return
             seen = session.watcher.version
             run = session.watcher.latest
-            if run is not None and step.follow_due(run, self._round, now()):
+            if run is not None and step.follow_due(run, self._round, now(), self._lost_round()):
                 log.info("%s: round %d must be re-formed; joining the next one in place",
                          self._who(), self._round)
                 try:
@@ -288,6 +295,19 @@ class K8sRendezvousHandler(RendezvousHandler):
             session.watcher.wait(seen, FOLLOW_INTERVAL)
             if session.watcher.version == seen and time.monotonic() - waited < 0.01:
                 time.sleep(FOLLOW_INTERVAL)  # a stopped watch returns at once: do not spin
+
+    def _lost_round(self) -> int:
+        """The round whose group the node's workers reported failed (0: none, or unreadable)."""
+        path = self.settings.round_file
+        if path is None:
+            return 0
+        try:
+            return decode_lost(lost_file(Path(path)).read_bytes())
+        except FileNotFoundError:
+            return 0
+        except (OSError, RoundFileError) as exc:
+            log.debug("%s: ignoring the lost file: %s", self._who(), exc)
+            return 0
 
     @property
     def mailbox(self) -> AssignmentWatch | None:
@@ -480,6 +500,8 @@ class K8sRendezvousHandler(RendezvousHandler):
         assert path is not None
         try:
             write_round(Path(path), round_)
+            # The workers' report of an earlier round's failure is answered by this round.
+            lost_file(Path(path)).unlink(missing_ok=True)
         except OSError as exc:
             raise RendezvousError(f"{self._who()}: cannot write the round file {path} for the "
                                   f"workers ({exc}); set --rdzv-conf round_file=<a writable "

@@ -223,11 +223,16 @@ def superseded(  # noqa: PLR0911 - one return per reason
     return None
 
 
-def follow_due(run: ElasticRun, my_round: int, now: dt.datetime) -> bool:
+def follow_due(run: ElasticRun, my_round: int, now: dt.datetime, lost_round: int = 0) -> bool:
     """In-place mode: whether this member of ``my_round`` joins the next round now.
 
-    Exactly when torchrun would restart its workers without in-place mode
-    (``num_nodes_waiting() > 0``: a member lost, the round superseded, a newcomer
-    announced or due), so both modes re-form the same rounds.
+    Exactly when torchrun would restart its workers without in-place mode:
+    ``num_nodes_waiting() > 0`` (a member lost, the round superseded, a newcomer
+    announced or due), or the node's own workers failed in this round
+    (``lost_round``, which they report next to the round file; torchrun would
+    have seen them fail). So both modes re-form the same rounds, with or
+    without the operator.
     """
-    return my_round > 0 and rounds.nodes_waiting(run, my_round, now=now) > 0
+    if my_round <= 0:
+        return False
+    return lost_round >= my_round or rounds.nodes_waiting(run, my_round, now=now) > 0

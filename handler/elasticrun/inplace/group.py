@@ -225,6 +225,8 @@ class Group:
         log.warning("rank %d, round %s: a peer was lost (%s); waiting for the next round",
                     self.rank if dist.is_initialized() else -1,
                     self.round.number if self.round else "?", str(exc)[:200])
+        if self.round is not None:
+            self.source.report_lost(self.round.number)
         self._regroup(time.monotonic(), Change("lost", time.time()))
         return attempts + 1
 

@@ -16,7 +16,15 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from elasticrun.api.roundfile import ROUND_FILE_VARIABLE, Round, RoundFileError, decode_round
+from elasticrun.api.roundfile import (
+    ROUND_FILE_VARIABLE,
+    Round,
+    RoundFileError,
+    decode_round,
+    encode_lost,
+    lost_file,
+    write_atomically,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +43,11 @@ class RoundSource(Protocol):
     def wait_newer(self, after: int, timeout: float) -> Round:
         """Block until a round numbered above ``after`` exists; raise RoundTimeoutError
         after ``timeout`` seconds."""
+        ...
+
+    def report_lost(self, round_number: int) -> None:
+        """Tell the agent that this worker's group failed in ``round_number``: the agent
+        then re-forms the round, as torchrun's restart of failed workers would."""
         ...
 
 
@@ -74,6 +87,13 @@ class FileRoundSource:
             return self._round
         self._seen, self._round, self.error = key, round_, None
         return round_
+
+    def report_lost(self, round_number: int) -> None:
+        try:
+            write_atomically(lost_file(self.path), encode_lost(round_number))
+        except OSError as exc:
+            log.warning("cannot report the lost round %d next to %s: %s", round_number,
+                        self.path, exc)
 
     def wait_newer(self, after: int, timeout: float) -> Round:
         deadline = time.monotonic() + timeout
