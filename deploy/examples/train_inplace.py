@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +41,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint", type=Path,
                         default=Path(os.environ.get("CHECKPOINT", "checkpoint.pt")))
     parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--sleep", type=float, default=0.0,
+                        help="seconds of pretend work per step (demos and tests)")
     return parser.parse_args()
 
 
@@ -74,17 +78,21 @@ def main() -> int:
             loss = loss_fn(ddp(x), y)
             loss.backward()
             optimizer.step()
+            if args.sleep:
+                time.sleep(args.sleep)
             return float(loss.item())
 
         while group.step < args.steps:
             loss = group.run(train_step)
+            if group.step % args.log_every == 0:
+                log.info("step %d loss %.5f rank %d/%d round %s pid %d", group.step, loss,
+                         group.rank, group.world_size,
+                         group.round.number if group.round else "-", os.getpid())
             if group.step % args.checkpoint_every == 0 and group.rank == 0:
                 tmp = args.checkpoint.with_suffix(".tmp")
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                             "step": group.step}, tmp)
                 os.replace(tmp, args.checkpoint)
-                log.info("step %d, loss %.5f, world %d, round %s", group.step, loss,
-                         group.world_size, group.round.number if group.round else "-")
     return 0
 
 

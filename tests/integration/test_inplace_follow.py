@@ -1,9 +1,9 @@
 """In-place mode's agent side against the real API server: nodes are handler threads.
 
-With ``--rdzv-conf in_place=1`` torchrun is never asked to restart
-(``num_nodes_waiting()`` stays 0); each node's follower joins the next round
-itself when a member leaves or a newcomer arrives, and writes the node's new
-place to its round file, which is what ``elasticrun.inplace`` workers poll.
+With ``--rdzv-conf in_place=1`` torchrun is not asked to restart for a lost
+member (``num_nodes_waiting()`` stays 0): each node's follower joins the next
+round itself and writes the node's new place to its round file, which is what
+``elasticrun.inplace`` workers poll. A newcomer still restarts the workers.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _round(path: Path) -> Round | None:
         return None
 
 
-def test_followers_re_form_rounds_without_torchrun_restarts(
+def test_followers_re_form_a_round_that_lost_a_member_without_restarts(
         make_handler: Any, tmp_path: Path) -> None:
     files = {f"n{i}": tmp_path / f"n{i}.json" for i in range(4)}
     nodes = [make_handler("inplace", f"n{i}", min_nodes=2, max_nodes=3, in_place=1,
@@ -51,17 +51,21 @@ def test_followers_re_form_rounds_without_torchrun_restarts(
     assert len({(r.number, r.store) for r in after if r}) == 1, "one round, one store"
     assert after[0] is not None and after[0].number > round_one.number
 
+    # A newcomer: torchrun restarts the members' workers (its agent assigns worker
+    # ranks together with every agent of its round), as without in-place mode.
     newcomer = make_handler("inplace", "n3", min_nodes=2, max_nodes=3, in_place=1,
                             round_file=str(files["n3"]))
     thread, box = start_rendezvous(newcomer)
+    wait_for(lambda: all(h.num_nodes_waiting() >= 1 for h in survivors), 30,
+             "the members to ask torchrun for a restart")
+    assert [_round(files[h.settings.node_name]) for h in survivors] == after, \
+        "the followers did not move"
+    second = rendezvous_all(survivors)  # what torchrun's restart does
     thread.join(60)
     assert "info" in box, box.get("error")
-    assert box["info"].world_size == 3
-    rounds = wait_for(lambda: all(
-        (r := _round(files[h.settings.node_name])) is not None and r.num_nodes == 3
-        for h in [*survivors, newcomer]) and [_round(files[h.settings.node_name])
-                                              for h in [*survivors, newcomer]],
-        40, "every round file to name the round of three")
+    assert all(o.error is None and o.world_size == 3 for o in second.values())
+    trio = [*survivors, newcomer]
+    rounds = [_round(files[h.settings.node_name]) for h in trio]
     assert {r.node_rank for r in rounds if r} == {0, 1, 2}
-    assert len({(r.number, r.store) for r in rounds if r}) == 1
-    assert all(h.num_nodes_waiting() == 0 for h in [*survivors, newcomer])
+    assert len({(r.number, r.store, r.num_nodes) for r in rounds if r}) == 1
+    assert all(h.num_nodes_waiting() == 0 for h in trio)

@@ -63,25 +63,32 @@ def test_the_handler_tells_its_workers_the_round(
     assert os.environ["ELASTICRUN_ROUND_FILE"] == str(path), "the workers inherit the path"
 
 
-def test_a_follower_re_forms_exactly_when_torchrun_would_restart() -> None:
+def test_a_loss_is_followed_in_place_and_a_newcomer_restarts_the_workers() -> None:
     from elasticrun.api import rounds
-    from elasticrun.handler.step import follow_due
+    from elasticrun.handler.step import in_place_move
 
     from test_rounds import at, run, sealed, waiting
 
-    full = sealed("a", "b")
-    lost = rounds.remove_member(full, "b", "PodFailed", at(1))
+    full = sealed("a", "b", "c")
+    lost = rounds.remove_member(full, "c", "PodFailed", at(1))
     assert lost is not None
-    cases = [run(full, max_nodes=2), run(full.replace(waiting=waiting("s")), max_nodes=2),
-             run(full.replace(waiting=waiting("s")), max_nodes=3), run(lost, max_nodes=2),
-             run(sealed("a", "b", round_=2), max_nodes=2)]
-    for case in cases:
-        assert follow_due(case, 1, at(1)) is (rounds.nodes_waiting(case, 1, now=at(1)) > 0)
-    assert [follow_due(case, 1, at(1)) for case in cases] == [False, False, True, True, True]
-    assert not follow_due(run(lost, max_nodes=2), 0, at(1)), "not before a first round"
-    # The node's own workers reported that their group failed in the round.
-    assert follow_due(run(full, max_nodes=2), 1, at(1), lost_round=1)
-    assert not follow_due(run(full, max_nodes=2), 2, at(1), lost_round=1), "answered already"
+    assert in_place_move(run(full), 1, at(1)) == "stay"
+    assert in_place_move(run(lost), 1, at(1)) == "follow"
+    # The node's own workers reported that their group failed in this round.
+    assert in_place_move(run(full), 1, at(1), lost_round=1) == "follow"
+    assert in_place_move(run(full), 2, at(1), lost_round=1) == "stay", "answered already"
+    # A survivor rejoining the next round is a member: the others follow it.
+    assert in_place_move(run(lost.replace(waiting=waiting("a"))), 1, at(1)) == "follow"
+    # A newcomer (waiting, or announced), or a round formed without us: torchrun restarts.
+    assert in_place_move(run(full.replace(waiting=waiting("n")), max_nodes=4), 1, at(1)) \
+        == "restart"
+    assert in_place_move(run(full.replace(join_notice=1), max_nodes=4), 1, at(1)) == "restart"
+    assert in_place_move(run(sealed("a", "b", round_=2)), 1, at(1)) == "restart"
+    assert in_place_move(run(lost.replace(waiting=waiting("n"))), 1, at(1)) == "restart"
+    # A spare beside a full round changes nothing.
+    assert in_place_move(run(full.replace(waiting=waiting("s")), max_nodes=3), 1, at(1)) \
+        == "stay"
+    assert in_place_move(run(lost), 0, at(1)) == "stay", "not before a first round"
 
 
 def test_workers_report_a_lost_round_next_to_the_round_file(tmp_path: Path) -> None:

@@ -215,10 +215,14 @@ class K8sRendezvousHandler(RendezvousHandler):
                 return
 
     def num_nodes_waiting(self) -> int:
-        if self.settings.in_place:
-            # The follower re-forms the round itself; torchrun must not restart the workers.
-            return 0
         run = self._session.watcher.latest if self._session is not None else None
+        if self.settings.in_place:
+            # A lost member: the follower re-forms the round and the workers stay. A
+            # newcomer: torchrun restarts the workers, as without in-place mode.
+            if run is None or step.in_place_move(run, self._round, now(),
+                                                 self._lost_round()) != "restart":
+                return 0
+            return max(1, rounds.nodes_waiting(run, self._round, now=now()))
         if run is None or self._round == 0:
             return 0
         return rounds.nodes_waiting(run, self._round, now=now())
@@ -267,9 +271,9 @@ class K8sRendezvousHandler(RendezvousHandler):
             self._follower.start()
 
     def _following(self) -> None:
-        """While the agent runs: whenever this node's round must be re-formed (the rule
-        torchrun's restarts follow, :func:`step.follow_due`), rendezvous again and tell
-        the workers through the round file. The workers keep running meanwhile."""
+        """While the agent runs: whenever this node's round lost a member
+        (:func:`step.in_place_move` says ``follow``), rendezvous again and tell the
+        workers through the round file. The workers keep running meanwhile."""
         failures = 0
         while not self._closing:
             session = self._session
@@ -277,7 +281,8 @@ class K8sRendezvousHandler(RendezvousHandler):
                 return
             seen = session.watcher.version
             run = session.watcher.latest
-            if run is not None and step.follow_due(run, self._round, now(), self._lost_round()):
+            if run is not None and step.in_place_move(run, self._round, now(),
+                                                      self._lost_round()) == "follow":
                 log.info("%s: round %d must be re-formed; joining the next one in place",
                          self._who(), self._round)
                 try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 from dataclasses import dataclass
+from typing import Literal
 
 from elasticrun.api import rounds
 from elasticrun.api.model import Assignment, ElasticRun, WaitingNode
@@ -223,16 +224,33 @@ def superseded(  # noqa: PLR0911 - one return per reason
     return None
 
 
-def follow_due(run: ElasticRun, my_round: int, now: dt.datetime, lost_round: int = 0) -> bool:
-    """In-place mode: whether this member of ``my_round`` joins the next round now.
+#: In-place mode's answer to a change of the node's round (:func:`in_place_move`).
+InPlaceMove = Literal["stay", "follow", "restart"]
 
-    Exactly when torchrun would restart its workers without in-place mode:
-    ``num_nodes_waiting() > 0`` (a member lost, the round superseded, a newcomer
-    announced or due), or the node's own workers failed in this round
-    (``lost_round``, which they report next to the round file; torchrun would
-    have seen them fail). So both modes re-form the same rounds, with or
-    without the operator.
+
+def in_place_move(run: ElasticRun, my_round: int, now: dt.datetime,
+                  lost_round: int = 0) -> InPlaceMove:
+    """In-place mode: what a member of ``my_round`` does about the run as it is now.
+
+    ``follow``: the round lost a member (torchrun would restart the workers:
+    ``num_nodes_waiting() > 0``), or the node's own workers reported that their
+    group failed in this round (``lost_round``; torchrun would have seen them
+    fail): the node's follower joins the next round and the workers re-form
+    in place. ``restart``: a newcomer is arriving, or a round formed without
+    this node: torchrun restarts the workers as without in-place mode, because
+    a newcomer's torchrun agent assigns its workers' ranks together with every
+    other agent of its round (the follower does not take part in that).
+    ``stay``: nothing to do.
     """
     if my_round <= 0:
-        return False
-    return lost_round >= my_round or rounds.nodes_waiting(run, my_round, now=now) > 0
+        return "stay"
+    status = run.status
+    members = status.member_names
+    arriving = (status.join_notice >= my_round or status.round > my_round
+                or any(w.name not in members for w in rounds.eligible_waiting(run)))
+    waiting = rounds.nodes_waiting(run, my_round, now=now)
+    if arriving and (waiting > 0 or lost_round >= my_round):
+        return "restart"
+    if waiting > 0 or lost_round >= my_round:
+        return "follow"
+    return "stay"
