@@ -65,7 +65,7 @@ def test_the_handler_tells_its_workers_the_round(
 
 def test_a_loss_is_followed_in_place_and_a_newcomer_restarts_the_workers() -> None:
     from elasticrun.api import rounds
-    from elasticrun.handler.step import in_place_move
+    from elasticrun.handler.step import has_newcomers, in_place_move
 
     from test_rounds import at, run, sealed, waiting
 
@@ -77,17 +77,20 @@ def test_a_loss_is_followed_in_place_and_a_newcomer_restarts_the_workers() -> No
     # The node's own workers reported that their group failed in this round.
     assert in_place_move(run(full), 1, at(1), lost_round=1) == "follow"
     assert in_place_move(run(full), 2, at(1), lost_round=1) == "stay", "answered already"
-    # A survivor rejoining the next round is a member: the others follow it.
-    assert in_place_move(run(lost.replace(waiting=waiting("a"))), 1, at(1)) == "follow"
-    # A newcomer (waiting, or announced), or a round formed without us: torchrun restarts.
-    assert in_place_move(run(full.replace(waiting=waiting("n")), max_nodes=4), 1, at(1)) \
-        == "restart"
-    assert in_place_move(run(full.replace(join_notice=1), max_nodes=4), 1, at(1)) == "restart"
+    # A survivor rejoining (its join notice moves every member) is no newcomer.
+    rejoined = lost.replace(join_notice=1)
+    assert not has_newcomers(run(rejoined), waiting("a"))
+    assert in_place_move(run(rejoined), 1, at(1)) == "follow"
+    # A newcomer among the join requests, or in the status; or a round without us.
+    assert has_newcomers(run(full, max_nodes=4), waiting("n"))
+    assert has_newcomers(run(full.replace(waiting=waiting("n")), max_nodes=4), ())
+    assert in_place_move(run(full.replace(join_notice=1), max_nodes=4), 1, at(1),
+                         newcomers=True) == "restart"
+    assert in_place_move(run(lost), 1, at(1), newcomers=True) == "restart"
     assert in_place_move(run(sealed("a", "b", round_=2)), 1, at(1)) == "restart"
-    assert in_place_move(run(lost.replace(waiting=waiting("n"))), 1, at(1)) == "restart"
-    # A spare beside a full round changes nothing.
-    assert in_place_move(run(full.replace(waiting=waiting("s")), max_nodes=3), 1, at(1)) \
-        == "stay"
+    # Nothing changes while torchrun would not restart (a spare beside a full round).
+    assert in_place_move(run(full.replace(waiting=waiting("s")), max_nodes=3), 1, at(1),
+                         newcomers=True) == "stay"
     assert in_place_move(run(lost), 0, at(1)) == "stay", "not before a first round"
 
 

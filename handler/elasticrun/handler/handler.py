@@ -139,6 +139,8 @@ class K8sRendezvousHandler(RendezvousHandler):
         self._lock = threading.Lock()
         self._closing = False
         self._follower: threading.Thread | None = None
+        #: In-place mode: the follower saw a newcomer; num_nodes_waiting() asks for a restart.
+        self._restart_wanted = False
 
     # ------------------------------------------------------------------ torch API
 
@@ -155,6 +157,7 @@ class K8sRendezvousHandler(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         info = self._next_round()
         if self.settings.in_place:
+            self._restart_wanted = False
             self._follow()
         return info
 
@@ -218,9 +221,8 @@ class K8sRendezvousHandler(RendezvousHandler):
         run = self._session.watcher.latest if self._session is not None else None
         if self.settings.in_place:
             # A lost member: the follower re-forms the round and the workers stay. A
-            # newcomer: torchrun restarts the workers, as without in-place mode.
-            if run is None or step.in_place_move(run, self._round, now(),
-                                                 self._lost_round()) != "restart":
+            # newcomer: the follower asks torchrun to restart them, as without in-place mode.
+            if run is None or not self._restart_wanted:
                 return 0
             return max(1, rounds.nodes_waiting(run, self._round, now=now()))
         if run is None or self._round == 0:
@@ -281,8 +283,8 @@ class K8sRendezvousHandler(RendezvousHandler):
                 return
             seen = session.watcher.version
             run = session.watcher.latest
-            if run is not None and step.in_place_move(run, self._round, now(),
-                                                      self._lost_round()) == "follow":
+            if run is not None and not self._restart_wanted \
+                    and self._in_place_move(session, run) == "follow":
                 log.info("%s: round %d must be re-formed; joining the next one in place",
                          self._who(), self._round)
                 try:
@@ -300,6 +302,26 @@ class K8sRendezvousHandler(RendezvousHandler):
             session.watcher.wait(seen, FOLLOW_INTERVAL)
             if session.watcher.version == seen and time.monotonic() - waited < 0.01:
                 time.sleep(FOLLOW_INTERVAL)  # a stopped watch returns at once: do not spin
+
+    def _in_place_move(self, session: RunSession, run: ElasticRun) -> step.InPlaceMove:
+        """:func:`step.in_place_move`, with one LIST of the join requests once the round
+        must change; a ``restart`` is kept for ``num_nodes_waiting()`` until torchrun's
+        next rendezvous."""
+        lost = self._lost_round()
+        move = step.in_place_move(run, self._round, now(), lost)
+        if move == "stay":
+            return move
+        try:
+            pending = session.pending(run)
+        except RendezvousError as exc:
+            log.warning("%s: listing the join requests: %s", self._who(), exc)
+            return "stay"
+        move = step.in_place_move(run, self._round, now(), lost,
+                                  step.has_newcomers(run, pending))
+        if move == "restart":
+            log.info("%s: a newcomer is waiting; torchrun restarts the workers", self._who())
+            self._restart_wanted = True
+        return move
 
     def _lost_round(self) -> int:
         """The round whose group the node's workers reported failed (0: none, or unreadable)."""

@@ -228,29 +228,33 @@ def superseded(  # noqa: PLR0911 - one return per reason
 InPlaceMove = Literal["stay", "follow", "restart"]
 
 
-def in_place_move(run: ElasticRun, my_round: int, now: dt.datetime,
-                  lost_round: int = 0) -> InPlaceMove:
+def has_newcomers(run: ElasticRun, pending: tuple[WaitingNode, ...]) -> bool:
+    """Whether a node outside the current round is waiting to join (its join requests
+    from one LIST of the Leases, ``pending``, or the status's waiting list)."""
+    members = run.status.member_names
+    eligible = rounds.eligible_waiting(run, pending) + rounds.eligible_waiting(run)
+    return any(w.name not in members for w in eligible)
+
+
+def in_place_move(run: ElasticRun, my_round: int, now: dt.datetime, lost_round: int = 0,
+                  newcomers: bool = False) -> InPlaceMove:
     """In-place mode: what a member of ``my_round`` does about the run as it is now.
 
-    ``follow``: the round lost a member (torchrun would restart the workers:
-    ``num_nodes_waiting() > 0``), or the node's own workers reported that their
-    group failed in this round (``lost_round``; torchrun would have seen them
-    fail): the node's follower joins the next round and the workers re-form
-    in place. ``restart``: a newcomer is arriving, or a round formed without
-    this node: torchrun restarts the workers as without in-place mode, because
-    a newcomer's torchrun agent assigns its workers' ranks together with every
-    other agent of its round (the follower does not take part in that).
-    ``stay``: nothing to do.
+    Nothing (``stay``) unless torchrun would restart the workers without
+    in-place mode: ``num_nodes_waiting() > 0`` (a member lost or rejoining, a
+    newcomer announced), or the node's own workers reported that their group
+    failed in this round (``lost_round``; torchrun would have seen them fail).
+    Then ``follow`` (the node's follower joins the next round, the workers
+    re-form in place) unless a newcomer is waiting (:func:`has_newcomers`, which
+    needs a LIST, so the caller asks only once this says the round must change)
+    or a round formed without this node: ``restart``, as without in-place mode,
+    because a newcomer's torchrun agent assigns its workers' ranks together
+    with every other agent of its round, which a follower does not take part in.
     """
     if my_round <= 0:
         return "stay"
-    status = run.status
-    members = status.member_names
-    arriving = (status.join_notice >= my_round or status.round > my_round
-                or any(w.name not in members for w in rounds.eligible_waiting(run)))
-    waiting = rounds.nodes_waiting(run, my_round, now=now)
-    if arriving and (waiting > 0 or lost_round >= my_round):
+    if lost_round < my_round and rounds.nodes_waiting(run, my_round, now=now) == 0:
+        return "stay"
+    if newcomers or run.status.round > my_round:
         return "restart"
-    if waiting > 0 or lost_round >= my_round:
-        return "follow"
-    return "stay"
+    return "follow"

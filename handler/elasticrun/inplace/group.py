@@ -46,6 +46,10 @@ class RegroupError(RuntimeError):
     """The group could not be re-formed within the configured number of attempts."""
 
 
+class RoundSupersededError(RuntimeError):
+    """A newer round came while the workers of the one being formed gathered."""
+
+
 class Rewrapped:
     """A DDP wrapper that the group re-makes on every new process group.
 
@@ -105,7 +109,8 @@ class Group:
         self.backend = backend
         #: Bound on every collective and on forming a group: a frozen peer fails within it.
         self.timeout = timeout
-        #: Bound on waiting for the next round after a failure.
+        #: Bound on waiting for the next round after a failure, and for every worker
+        #: of a round to arrive before its group is formed.
         self.round_timeout = round_timeout
         self.max_regroups = max_regroups
         self.run_name = run
@@ -121,6 +126,7 @@ class Group:
         self._optimizer: torch.optim.Optimizer | None = None
         self._wrapped: list[Rewrapped] = []
         self._store: dist.Store | None = None
+        self._forming: int | None = None
         self._form(first)
 
     @classmethod
@@ -252,7 +258,8 @@ class Group:
                     wrapped.rebuild()
                 change.synced = time.time()
             except Exception as exc:
-                if decide.classify(exc) is decide.Verdict.RAISE:
+                if decide.classify(exc) is decide.Verdict.RAISE \
+                        and not isinstance(exc, RoundSupersededError):
                     raise
                 log.warning("round %s failed while forming (%s); attempt %d",
                             newest.number if newest else "?", str(exc)[:200], attempt + 1)
@@ -281,14 +288,41 @@ class Group:
             dist.init_process_group(self.backend, timeout=timeout)
             return
         placement = decide.place(round_, self.local_rank, self.local_world_size)
+        self._forming = round_.number
         os.environ.update(placement.environ(round_))
         self._store = dist.TCPStore(round_.store_host, round_.store_port, is_master=False,
                                     timeout=timeout, use_libuv=True)
         prefixed = dist.PrefixStore(decide.store_prefix(self.run_name, round_.number),
                                     self._store)
+        self._gather(prefixed, placement.world_size)
         dist.init_process_group(self.backend, store=prefixed, rank=placement.rank,
                                 world_size=placement.world_size, timeout=timeout)
         self.round, self.placement = round_, placement
+
+    def _gather(self, store: dist.Store, world_size: int) -> None:
+        """Wait (up to ``round_timeout``) until every worker of the round has arrived.
+
+        ``init_process_group`` waits only the collective ``timeout`` for its peers,
+        and workers of one round start seconds apart (a newcomer imports torch, a
+        busy node is slow), so the long wait happens here, on the round's store.
+        """
+        if store.add("arrived", 1) == world_size:
+            store.set("all-arrived", "1")
+        deadline = time.monotonic() + self.round_timeout
+        while True:
+            try:
+                store.wait(["all-arrived"], dt.timedelta(seconds=1))
+                return
+            except Exception as exc:
+                if decide.classify(exc) is decide.Verdict.RAISE \
+                        or time.monotonic() >= deadline:
+                    raise
+            # A member that never arrives is lost again: its round is superseded.
+            newer = self.source.latest() if self.source is not None else None
+            if newer is not None and self._forming is not None \
+                    and decide.applies(newer, self._forming):
+                raise RoundSupersededError(f"round {newer.number} replaced round "
+                                           f"{self._forming} while its workers gathered")
 
     def _teardown(self) -> None:
         """Drop the group without waiting on peers (NCCL: abort, whose destroy may hang)."""
