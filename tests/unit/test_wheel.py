@@ -56,13 +56,13 @@ def test_the_sdist_carries_the_license_and_the_crd_as_a_real_file(dists: Dists) 
                     "elasticrun.egg-info", "handler", "operator"}, tops
 
 
-def test_the_wheel_holds_exactly_the_four_packages(wheel: zipfile.ZipFile) -> None:
+def test_the_wheel_holds_exactly_the_five_packages(wheel: zipfile.ZipFile) -> None:
     tops = {n.split("/")[0] for n in wheel.namelist()}
     assert tops == {"elasticrun", "elasticrun-0.1.0.dist-info"}
     packages = {"/".join(n.split("/")[:2]) for n in wheel.namelist()
                 if n.startswith("elasticrun/")}
-    assert packages == {"elasticrun/api", "elasticrun/handler", "elasticrun/cli",
-                        "elasticrun/operator"}
+    assert packages == {"elasticrun/api", "elasticrun/handler", "elasticrun/inplace",
+                        "elasticrun/cli", "elasticrun/operator"}
     assert not any("__pycache__" in n or n.endswith(".pyc") for n in wheel.namelist())
 
 

@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 import random
 import threading
 import time
+from pathlib import Path
 
 from torch.distributed import PrefixStore, Store
 from torch.distributed.elastic.rendezvous import (
@@ -64,6 +66,14 @@ from elasticrun.api.model import (
     now,
 )
 from elasticrun.api.policy import RETRY_DELAYS, retry_delay
+from elasticrun.api.roundfile import (
+    ROUND_FILE_VARIABLE,
+    Round,
+    RoundFileError,
+    decode_lost,
+    lost_file,
+    write_round,
+)
 from elasticrun.api.stores import store_problem
 from elasticrun.handler import exitbarrier, step
 from elasticrun.handler import settings as settings_mod
@@ -86,6 +96,9 @@ BACKEND = "k8s"
 #: refuses it: the honest mismatch (rank 0 left, or re-joined for the next round)
 #: ends the round, which the member's watch shows within this.
 STORE_CHECK_SECONDS = 5.0
+#: In-place mode: the longest the follower goes without looking at the run and the lost
+#: file (the watch wakes it at once; this covers the file and timers such as a last call).
+FOLLOW_INTERVAL = 0.2
 
 
 class RunSucceededError(RendezvousClosedError, SystemExit):
@@ -123,10 +136,14 @@ class K8sRendezvousHandler(RendezvousHandler):
         self._mailbox: AssignmentWatch | None = None
         self.stores = RoundStores()
         self._round = 0
-        #: The store handed to torch for that round (where its exit barrier is kept).
+        #: The store handed to torchrun by its last ``next_rendezvous()`` (where its
+        #: agent keeps the exit barrier; in-place rounds of the follower do not move it).
         self._round_store: Store | None = None
         self._lock = threading.Lock()
         self._closing = False
+        self._follower: threading.Thread | None = None
+        #: In-place mode: the follower saw a newcomer; num_nodes_waiting() asks for a restart.
+        self._restart_wanted = False
 
     # ------------------------------------------------------------------ torch API
 
@@ -141,6 +158,15 @@ class K8sRendezvousHandler(RendezvousHandler):
         return self.settings.run_name
 
     def next_rendezvous(self) -> RendezvousInfo:
+        info = self._next_round()
+        self._round_store = info.store  # torchrun's exit barrier is kept in it
+        if self.settings.in_place:
+            self._restart_wanted = False
+            self._follow()
+        return info
+
+    def _next_round(self) -> RendezvousInfo:
+        """One rendezvous: torchrun's call, or the in-place follower's (:meth:`_following`)."""
         with self._lock:
             session = self._connect()
             run = session.current()
@@ -197,6 +223,12 @@ class K8sRendezvousHandler(RendezvousHandler):
 
     def num_nodes_waiting(self) -> int:
         run = self._session.watcher.latest if self._session is not None else None
+        if self.settings.in_place:
+            # A lost member: the follower re-forms the round and the workers stay. A
+            # newcomer: the follower asks torchrun to restart them, as without in-place mode.
+            if run is None or not self._restart_wanted:
+                return 0
+            return max(1, rounds.nodes_waiting(run, self._round, now=now()))
         if run is None or self._round == 0:
             return 0
         return rounds.nodes_waiting(run, self._round, now=now())
@@ -234,6 +266,79 @@ class K8sRendezvousHandler(RendezvousHandler):
             if locked:
                 self._lock.release()
         return True
+
+    # ------------------------------------------------------------------ in-place mode
+
+    def _follow(self) -> None:
+        """Start following the run (once): in-place mode joins each next round itself."""
+        if self._follower is None or not self._follower.is_alive():
+            self._follower = threading.Thread(target=self._following, daemon=True,
+                                              name=f"elasticrun-follow-{self.settings.node_name}")
+            self._follower.start()
+
+    def _following(self) -> None:
+        """While the agent runs: whenever this node's round lost a member
+        (:func:`step.in_place_move` says ``follow``), rendezvous again and tell the
+        workers through the round file. The workers keep running meanwhile."""
+        failures = 0
+        while not self._closing:
+            session = self._session
+            if session is None:
+                return
+            seen = session.watcher.version
+            run = session.watcher.latest
+            if run is not None and not self._restart_wanted \
+                    and self._in_place_move(session, run) == "follow":
+                log.info("%s: round %d must be re-formed; joining the next one in place",
+                         self._who(), self._round)
+                try:
+                    self._next_round()
+                    failures = 0
+                except RendezvousClosedError as exc:
+                    log.info("%s: no longer following the run: %s", self._who(), exc)
+                    return
+                except RendezvousError as exc:
+                    failures += 1
+                    log.warning("%s: following the run: %s", self._who(), exc)
+                    time.sleep(retry_delay(failures))
+                continue
+            waited = time.monotonic()
+            session.watcher.wait(seen, FOLLOW_INTERVAL)
+            if session.watcher.version == seen and time.monotonic() - waited < 0.01:
+                time.sleep(FOLLOW_INTERVAL)  # a stopped watch returns at once: do not spin
+
+    def _in_place_move(self, session: RunSession, run: ElasticRun) -> step.InPlaceMove:
+        """:func:`step.in_place_move`, with one LIST of the join requests once the round
+        must change; a ``restart`` is kept for ``num_nodes_waiting()`` until torchrun's
+        next rendezvous."""
+        lost = self._lost_round()
+        move = step.in_place_move(run, self._round, now(), lost)
+        if move == "stay":
+            return move
+        try:
+            pending = session.pending(run)
+        except RendezvousError as exc:
+            log.warning("%s: listing the join requests: %s", self._who(), exc)
+            return "stay"
+        move = step.in_place_move(run, self._round, now(), lost,
+                                  step.has_newcomers(run, pending))
+        if move == "restart":
+            log.info("%s: a newcomer is waiting; torchrun restarts the workers", self._who())
+            self._restart_wanted = True
+        return move
+
+    def _lost_round(self) -> int:
+        """The round whose group the node's workers reported failed (0: none, or unreadable)."""
+        path = self.settings.round_file
+        if path is None:
+            return 0
+        try:
+            return decode_lost(lost_file(Path(path)).read_bytes())
+        except FileNotFoundError:
+            return 0
+        except (OSError, RoundFileError) as exc:
+            log.debug("%s: ignoring the lost file: %s", self._who(), exc)
+            return 0
 
     @property
     def mailbox(self) -> AssignmentWatch | None:
@@ -417,13 +522,29 @@ class K8sRendezvousHandler(RendezvousHandler):
         if base is None:
             return None
         self._round = round_number
+        if self.settings.in_place:
+            self._tell_workers(Round(round_number, rank, assignment.world_size, host, port))
         store = PrefixStore(f"torch.rendezvous.{self.settings.run_name}.{round_number}", base)
-        self._round_store = store
         log.info("%s: round %d, rank %d of %d, store %s:%d", self._who(), round_number, rank,
                  assignment.world_size, host, port)
         return RendezvousInfo(store, rank, assignment.world_size,
                               RendezvousStoreInfo(master_addr=host, master_port=port))
 
+
+    def _tell_workers(self, round_: Round) -> None:
+        """In-place mode: the node's place in the round, in the file its workers poll
+        (``elasticrun.inplace``), whose path they inherit through the environment."""
+        path = self.settings.round_file
+        assert path is not None
+        try:
+            write_round(Path(path), round_)
+            # The workers' report of an earlier round's failure is answered by this round.
+            lost_file(Path(path)).unlink(missing_ok=True)
+        except OSError as exc:
+            raise RendezvousError(f"{self._who()}: cannot write the round file {path} for the "
+                                  f"workers ({exc}); set --rdzv-conf round_file=<a writable "
+                                  "path>") from exc
+        os.environ[ROUND_FILE_VARIABLE] = path
 
     def _store_announced(self, session: RunSession, run: ElasticRun, assignment: Assignment,
                          request: WaitingNode | None) -> bool:

@@ -12,12 +12,14 @@ import logging
 import os
 import re
 import socket
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from elasticrun.api.model import MAX_POD_INDEX, RunSpec
 from elasticrun.api.naming import is_dns_label
+from elasticrun.api.roundfile import ROUND_FILE_VARIABLE
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +28,7 @@ CONF_KEYS = (
     "namespace", "node_name", "address", "pod", "pod_uid", "kubeconfig", "context", "create_run",
     "join_timeout", "last_call_timeout", "heartbeat_timeout", "lease_interval",
     "keep_alive_interval", "keep_alive_max_attempt", "api_timeout", "request_timeout",
-    "close_timeout", "store_port", "watch_timeout", "pod_index",
+    "close_timeout", "store_port", "watch_timeout", "pod_index", "in_place", "round_file",
     # injected by torch's launcher (LaunchConfig sets timeout=900); not ours to honour
     "timeout",
 )
@@ -67,6 +69,12 @@ class RendezvousSettings:
     #: The Pod's index in its workload (:func:`pod_index`), sent with every join
     #: request: newcomers are ranked by it (``rounds.order_for_ranks``).
     pod_index: int | None = None
+    #: In-place mode (``--rdzv-conf in_place=1``, docs/in-place.md): after every round
+    #: the node writes its place to :attr:`round_file` for workers using
+    #: ``elasticrun.inplace``.
+    in_place: bool = False
+    #: Where this node's round file is (:func:`round_file`); None outside in-place mode.
+    round_file: str | None = None
 
 
 #: Where a node finds its Pod's index, first match wins: ``--rdzv-conf pod_index``,
@@ -92,6 +100,16 @@ def pod_index(conf: dict[str, Any], environ: Mapping[str, str]) -> int | None:
                     "%d", where, text[:40], MAX_POD_INDEX)
         return None
     return None
+
+
+def round_file(conf: dict[str, Any], environ: Mapping[str, str], run: str, node: str) -> str:
+    """``--rdzv-conf round_file``, else ``$ELASTICRUN_ROUND_FILE``, else a file of this run
+    and node in the temporary folder (workers inherit the path through the variable)."""
+    given = str(conf.get("round_file") or environ.get(ROUND_FILE_VARIABLE) or "").strip()
+    if given:
+        return given
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", f"{run}.{node}")[:200]
+    return os.path.join(tempfile.gettempdir(), f"elasticrun-{safe}.round.json")
 
 
 def _as_int(conf: dict[str, Any], key: str, default: int | None) -> int | None:
@@ -228,6 +246,7 @@ def from_parameters(run_id: str, endpoint: str, min_nodes: int, max_nodes: int,
     if not node_name or len(node_name) > 253:
         raise SettingsError(f"node name {node_name!r} must be 1-253 characters; set "
                             "--rdzv-conf node_name=...")
+    in_place = _as_bool(conf, "in_place", False)
     address = (conf.get("address") or local_addr or os.environ.get("POD_IP")
                or socket.getfqdn())
     return RendezvousSettings(
@@ -248,4 +267,6 @@ def from_parameters(run_id: str, endpoint: str, min_nodes: int, max_nodes: int,
         close_timeout=float(_as_int(conf, "close_timeout", 30) or 1),
         watch_timeout=_as_int(conf, "watch_timeout", 300) or 1,
         store_port=_as_int(conf, "store_port", 0) or 0,
+        in_place=in_place,
+        round_file=round_file(conf, os.environ, run_name, node_name) if in_place else None,
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 from dataclasses import dataclass
+from typing import Literal
 
 from elasticrun.api import rounds
 from elasticrun.api.model import Assignment, ElasticRun, WaitingNode
@@ -229,3 +230,39 @@ def superseded(  # noqa: PLR0911 - one return per reason
     if status.participant(leader) is None:
         return f"its rank 0, {leader}, was removed from it"
     return None
+
+
+#: In-place mode's answer to a change of the node's round (:func:`in_place_move`).
+InPlaceMove = Literal["stay", "follow", "restart"]
+
+
+def has_newcomers(run: ElasticRun, pending: tuple[WaitingNode, ...]) -> bool:
+    """Whether a node outside the current round is waiting to join (its join requests
+    from one LIST of the Leases, ``pending``, or the status's waiting list)."""
+    members = run.status.member_names
+    eligible = rounds.eligible_waiting(run, pending) + rounds.eligible_waiting(run)
+    return any(w.name not in members for w in eligible)
+
+
+def in_place_move(run: ElasticRun, my_round: int, now: dt.datetime, lost_round: int = 0,
+                  newcomers: bool = False) -> InPlaceMove:
+    """In-place mode: what a member of ``my_round`` does about the run as it is now.
+
+    Nothing (``stay``) unless torchrun would restart the workers without
+    in-place mode: ``num_nodes_waiting() > 0`` (a member lost or rejoining, a
+    newcomer announced), or the node's own workers reported that their group
+    failed in this round (``lost_round``; torchrun would have seen them fail).
+    Then ``follow`` (the node's follower joins the next round, the workers
+    re-form in place) unless a newcomer is waiting (:func:`has_newcomers`, which
+    needs a LIST, so the caller asks only once this says the round must change)
+    or a round formed without this node: ``restart``, as without in-place mode,
+    because a newcomer's torchrun agent assigns its workers' ranks together
+    with every other agent of its round, which a follower does not take part in.
+    """
+    if my_round <= 0:
+        return "stay"
+    if lost_round < my_round and rounds.nodes_waiting(run, my_round, now=now) == 0:
+        return "stay"
+    if newcomers or run.status.round > my_round:
+        return "restart"
+    return "follow"
