@@ -37,7 +37,7 @@ RUN = "spare"
 LAST_CALL = 3
 #: Long enough to outlast the spare's last call by a wide margin on a loaded machine
 #: (each epoch ends with a barrier and a log line; the test checks the premise).
-EPOCHS = 40
+EPOCHS = 20
 STEPS = 150
 WORKER_STARTED = "starting at epoch"
 
