@@ -37,8 +37,8 @@ RUN = "spare"
 LAST_CALL = 3
 #: Long enough to outlast the spare's last call by a wide margin on a loaded machine
 #: (each epoch ends with a barrier and a log line; the test checks the premise).
-EPOCHS = 20
-STEPS = 150
+EPOCHS = 40
+STEPS = 200
 WORKER_STARTED = "starting at epoch"
 
 
