@@ -317,8 +317,11 @@ class Demo:
                                       "ranks": {p.name: p.rank for p in s.participants}})
             self.story.world_sizes.append(len(s.participants))
             self._timings(set(s.member_names))
-        if o is not None and s.phase != o.phase and s.phase in ("Succeeded", "Closed"):
-            c.line("round", f"run {s.phase}: every member left after finishing")
+        if o is not None and s.phase != o.phase and s.phase == "Succeeded":
+            c.line("round", f"run Succeeded: round {s.round} finished training (its members "
+                            "passed torch's exit barrier, or all left after finishing)")
+        elif o is not None and s.phase != o.phase and s.phase == "Closed":
+            c.line("round", "run Closed: waiting and late nodes are refused")
         known = o.waiting_names if o else frozenset()
         for w in s.waiting:
             if w.name in known or (o is not None and w.name in o.member_names):

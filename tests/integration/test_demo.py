@@ -61,9 +61,10 @@ def test_demo_trains_loses_a_node_admits_a_new_one_and_cleans_up(tmp_path: Path)
     assert any(lost["name"] == killed and lost["reason"] == "PodDeleted"
                for lost in story["lost"])
     assert story["recovery_seconds"] is not None and story["admission_seconds"] is not None
-    # Success is not loss: the last round's members are reported as leaving, and
-    # nothing but the kill is recorded as a loss.
-    assert sorted(story["left"]) == sorted(with_new[-1]["members"])
+    # Success is not loss: the first member out of the last round found it past torch's
+    # exit barrier and marked the run Succeeded (the others leave a finished run as it is),
+    # and nothing but the kill is recorded as a loss.
+    assert len(story["left"]) == 1 and story["left"][0] in with_new[-1]["members"], story
     assert [lost["name"] for lost in story["lost"]] == [killed], story["lost"]
     assert set(story["exit_codes"]) == set(rounds[0]["members"]) - {killed} | {joined}
     assert all(code == 0 for code in story["exit_codes"].values())
