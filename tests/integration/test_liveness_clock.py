@@ -260,7 +260,7 @@ def test_a_namesake_pod_of_another_user_removes_no_member(
     assert [(m.name, m.reason) for m in lost] == [("p1", "PodDeleted")]
 
 
-def _gone(client: KubeClient, namespace: str, pod: str) -> bool:
+def _pod_gone(client: KubeClient, namespace: str, pod: str) -> bool:
     try:
         client.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
     except ApiError as exc:
@@ -306,7 +306,7 @@ def test_a_namesake_pod_removes_no_member_that_named_no_pod(
             time.sleep(1)
         other.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/q1",
                       query={"gracePeriodSeconds": 0})
-        wait_for(lambda: _gone(other, namespace, "q1"), 10, "the namesake Pod to go")
+        wait_for(lambda: _pod_gone(other, namespace, "q1"), 10, "the namesake Pod to go")
     # Longer than every timer the member's liveness now depends on: its Lease's heartbeat
     # (6 s), with the operator's reconcile after it.
     time.sleep(2 * HEARTBEAT + 2)

@@ -130,11 +130,15 @@ def test_job_example_trains_through_a_deleted_pod(node_cluster: Cluster,
                      "the Job's two pods in one round", interval=0.5)
     assert first.status.signal == 0
     for member in first.status.participants:
-        lease = node_cluster.client.request(
-            "GET", lease_path(ns, lease_name(run, member.name)))
-        told = read_assignment(lease["metadata"]["annotations"].get(ASSIGNMENT_ANNOTATION))
-        assert told is not None and (told.round, told.rank, told.world_size) == \
-            (first.status.round, member.rank, 2)
+        # The operator writes the assignments on the members' Leases after its status
+        # write (in parallel, each once per round): wait for each, bounded.
+        def told_on_lease(name: str = member.name) -> Any:
+            lease = node_cluster.client.request("GET", lease_path(ns, lease_name(run, name)))
+            return read_assignment(
+                (lease["metadata"].get("annotations") or {}).get(ASSIGNMENT_ANNOTATION))
+
+        told = wait_for(told_on_lease, 30, f"{member.name}'s assignment on its Lease")
+        assert (told.round, told.rank, told.world_size) == (first.status.round, member.rank, 2)
     victim = first.status.participants[-1].name
     survivor = first.status.participants[0].name
     # The Job controller made these pods; the API server sent them to the webhook.
