@@ -407,11 +407,12 @@ def test_junk_leases_bound_the_operators_events_and_memory(
     wait_for(lambda: not admin.request("GET", leases_path(namespace),
                                        query={"labelSelector": crd.RUN_LABEL})["items"],
              60, "the junk Leases to be deleted")
-    # Freed memory is handed back once no Lease was deleted for TRIM_QUIET_SECONDS,
-    # checked every TRIM_CHECK_SECONDS.
-    wait_for(lambda: _rss_mib(operator.pid) < baseline + 40,
-             outlasting(TRIM_QUIET_SECONDS + TRIM_CHECK_SECONDS) + 10,
-             "the operator to hand the junk Leases' memory back", interval=1)
+    # Freed memory is handed back once the operator saw no Lease deleted for
+    # TRIM_QUIET_SECONDS, checked every TRIM_CHECK_SECONDS. Nothing outside the operator
+    # shows the trim, and an RSS read before it (the deletions' events still arriving)
+    # says nothing about it: the window outlasts the timer, counted from the last
+    # deletion the API server made, plus the events' delivery.
+    time.sleep(outlasting(TRIM_QUIET_SECONDS + TRIM_CHECK_SECONDS) + 3)
     after = _settled_rss(operator.pid, 60)
     print(f"\noperator RSS: baseline {baseline:.1f} MiB, with {JUNK} junk Leases {peak:.1f} "
           f"MiB, after deleting them {after:.1f} MiB; UnreadableJoin Events {events}; "
