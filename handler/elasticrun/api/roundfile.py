@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elasticrun.api import untrusted
+
 #: The environment variable naming a node's round file: set by the handler for the
 #: workers torchrun starts, read by ``elasticrun.inplace``.
 ROUND_FILE_VARIABLE = "ELASTICRUN_ROUND_FILE"
@@ -80,14 +82,7 @@ def parse_store(text: object) -> tuple[str, int]:
 
 def decode_round(raw: bytes | str) -> Round:
     """The round a file holds; :class:`RoundFileError` says what is wrong with it."""
-    if len(raw) > MAX_BYTES:
-        raise RoundFileError(f"round file: {len(raw)} bytes, more than {MAX_BYTES}")
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RoundFileError(f"round file: not JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise RoundFileError(f"round file: expected a JSON object, got {type(doc).__name__}")
+    doc = _document(raw, "round file")
     num_nodes = _count(doc, "num_nodes", 1, MAX_NODES)
     host, port = parse_store(doc.get("store"))
     return Round(number=_count(doc, "round", 1, MAX_ROUND),
@@ -122,15 +117,21 @@ def encode_lost(round_number: int) -> str:
 
 def decode_lost(raw: bytes | str) -> int:
     """The round a lost file names; :class:`RoundFileError` for anything else."""
+    return _count(_document(raw, "lost file"), "round", 1, MAX_ROUND)
+
+
+def _document(raw: bytes | str, what: str) -> dict[str, Any]:
+    """The file's JSON object, through the one bounded reader of untrusted text
+    (:func:`elasticrun.api.untrusted.json_object`); ``what`` names the file in errors."""
     if len(raw) > MAX_BYTES:
-        raise RoundFileError(f"lost file: {len(raw)} bytes, more than {MAX_BYTES}")
+        raise RoundFileError(f"{what}: {len(raw)} bytes, more than {MAX_BYTES}")
     try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RoundFileError(f"lost file: not JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise RoundFileError(f"lost file: expected a JSON object, got {type(doc).__name__}")
-    return _count(doc, "round", 1, MAX_ROUND)
+        text = raw.decode() if isinstance(raw, bytes) else raw
+        return untrusted.json_object(text, limit=MAX_BYTES)
+    except UnicodeDecodeError as exc:
+        raise RoundFileError(f"{what}: not JSON ({exc})") from None
+    except untrusted.UnreadableError as exc:
+        raise RoundFileError(f"{what}: {exc}") from None
 
 
 def write_atomically(path: Path, text: str) -> None:
