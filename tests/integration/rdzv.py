@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, run_path, runs_path
@@ -98,6 +101,23 @@ class RoundLog:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def start_torchrun_agent(processes: Any, kubeconfig: Path, workdir: Path, node: str, *,
+                         run: str, nnodes: str, conf: str, max_restarts: int,
+                         script: Path, script_args: Sequence[str]) -> subprocess.Popen[Any]:
+    """One real torchrun agent (``--rdzv-backend=k8s``, one gloo worker, on 127.0.0.1) as
+    node ``node``, its output in ``workdir/<node>.log``; ``processes`` stops it by PID."""
+    from controlplane.localcluster import clean_env
+
+    env = {**clean_env(), "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1"}
+    argv = [str(Path(sys.executable).parent / "torchrun"), f"--nnodes={nnodes}",
+            "--nproc-per-node=1", "--rdzv-backend=k8s", f"--rdzv-id={run}",
+            f"--rdzv-conf=node_name={node},{conf}", f"--max-restarts={max_restarts}",
+            "--monitor-interval=0.1", "--local-addr=127.0.0.1", str(script), *script_args]
+    log = open(workdir / f"{node}.log", "wb")  # noqa: SIM115 - closed with the process
+    return processes.start(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
 
 
 def read_run(client: KubeClient, namespace: str, name: str) -> ElasticRun:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,8 @@ from elasticrun.api import rounds
 from elasticrun.api.model import ElasticRun
 
 from conftest import ROOT, Cluster, OperatorProcess, ProcessGroup, consistently, wait_for
-from controlplane.localcluster import clean_env, kill_tree
-from rdzv import RoundLog, read_run
+from controlplane.localcluster import kill_tree
+from rdzv import RoundLog, read_run, start_torchrun_agent
 from timings import outlasting
 
 pytestmark = pytest.mark.torchrun
@@ -44,17 +43,13 @@ WORKER_STARTED = "starting at epoch"
 
 def start_agent(processes: ProcessGroup, cluster: Cluster, namespace: str, node: str,
                 workdir: Path) -> subprocess.Popen[Any]:
-    env = {**clean_env(), "KUBECONFIG": str(cluster.kubeconfig), "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1"}
-    conf = (f"namespace={namespace},node_name={node},last_call_timeout={LAST_CALL},"
-            "heartbeat_timeout=10,lease_interval=2")
-    argv = [str(Path(sys.executable).parent / "torchrun"), "--nnodes=1:2", "--nproc-per-node=1",
-            "--rdzv-backend=k8s", f"--rdzv-id={RUN}", f"--rdzv-conf={conf}", "--max-restarts=3",
-            "--monitor-interval=0.1", "--local-addr=127.0.0.1", str(TRAIN),
-            "--epochs", str(EPOCHS), "--steps-per-epoch", str(STEPS),
-            "--checkpoint", str(workdir / "checkpoint.pt")]
-    log = open(workdir / f"{node}.log", "wb")  # noqa: SIM115 - closed with the process
-    return processes.start(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=workdir)
+    return start_torchrun_agent(
+        processes, cluster.kubeconfig, workdir, node, run=RUN, nnodes="1:2",
+        conf=f"namespace={namespace},last_call_timeout={LAST_CALL},heartbeat_timeout=10,"
+             "lease_interval=2",
+        max_restarts=3, script=TRAIN,
+        script_args=["--epochs", str(EPOCHS), "--steps-per-epoch", str(STEPS),
+                     "--checkpoint", str(workdir / "checkpoint.pt")])
 
 
 def log_of(workdir: Path, node: str) -> str:

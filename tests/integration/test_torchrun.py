@@ -9,7 +9,6 @@ operator is down; test_demo.py shows the fast path with it.
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,8 @@ from elasticrun.api.model import parse_run
 from elasticrun.api.rounds import FINISHED
 
 from conftest import ROOT, Cluster, ProcessGroup, wait_for
-from controlplane.localcluster import clean_env, kill_tree
-from rdzv import RoundLog
+from controlplane.localcluster import kill_tree
+from rdzv import RoundLog, start_torchrun_agent
 
 pytestmark = pytest.mark.torchrun
 TRAIN = ROOT / "deploy" / "examples" / "train.py"
@@ -31,18 +30,12 @@ EPOCHS = 30
 
 def start_agent(processes: ProcessGroup, cluster: Cluster, namespace: str, node: str,
                 workdir: Path) -> subprocess.Popen[Any]:
-    env = {**clean_env(), "KUBECONFIG": str(cluster.kubeconfig), "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1"}
-    conf = (f"namespace={namespace},node_name={node},last_call_timeout=3,"
-            "heartbeat_timeout=4,lease_interval=1")
-    argv = [str(Path(sys.executable).parent / "torchrun"), "--nnodes=2:3", "--nproc-per-node=1",
-            "--rdzv-backend=k8s", "--rdzv-id=e2e", f"--rdzv-conf={conf}", "--max-restarts=10",
-            "--monitor-interval=0.1", "--local-addr=127.0.0.1", str(TRAIN),
-            "--epochs", str(EPOCHS), "--steps-per-epoch", "300",
-            "--checkpoint", str(workdir / "checkpoint.pt")]
-    log = open(workdir / f"{node}.log", "wb")  # noqa: SIM115 - closed with the process
-    return processes.start(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                           cwd=workdir)
+    return start_torchrun_agent(
+        processes, cluster.kubeconfig, workdir, node, run="e2e", nnodes="2:3",
+        conf=f"namespace={namespace},last_call_timeout=3,heartbeat_timeout=4,lease_interval=1",
+        max_restarts=10, script=TRAIN,
+        script_args=["--epochs", str(EPOCHS), "--steps-per-epoch", "300",
+                     "--checkpoint", str(workdir / "checkpoint.pt")])
 
 
 def last_epoch(workdir: Path) -> int:

@@ -408,10 +408,9 @@ def leave(status: RunStatus, name: str, now: dt.datetime, *, finished: bool
     """
     if status.phase in FINISHED_PHASES:
         return None
-    if not finished or status.participant(name) is None:
-        return remove_member(status, name, LEFT, now, message="the agent shut down")
     member = status.participant(name)
-    assert member is not None
+    if not finished or member is None:
+        return remove_member(status, name, LEFT, now, message="the agent shut down")
     done = LostMember(name=name, round=status.round, reason=FINISHED, time=now,
                       since=member.since,
                       message="the agent shut down after its round's exit barrier")
