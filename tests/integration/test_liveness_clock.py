@@ -98,7 +98,15 @@ def _start_waiting(make_handler: Any, cluster: Cluster, namespace: str, run: str
 
 
 def _announce(cluster: Cluster, namespace: str, run: str) -> None:
-    """Bump the run's signal, as a joining agent does, so the waiting nodes list again."""
+    """Bump the run's signal, as a joining agent does, so the waiting nodes list again.
+
+    The patch tests the status's counters, which exist once the operator has
+    written the run's first status: a JSON-patch ``test`` of a missing field
+    fails like a moved one (422), so under load, when the operator starts
+    slowly, the announce waits for that status first.
+    """
+    wait_for(lambda: spec_observed(cluster.client, namespace, run), 30,
+             "the operator's first status of the run")
     gateway = RunGateway(cluster.client, namespace, run)
     for _ in range(10):
         if gateway.announce(read_run(cluster.client, namespace, run).status) is not None:
