@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from elasticrun.api.kube import run_path  # noqa: E402
 
-from bench import apiserver, backends, dnsshim, report, scale_report, scenarios  # noqa: E402
+from bench import apiserver, backends, dnsshim, floor, report, scale_report, scenarios  # noqa: E402
 from bench.backends import K8sBackend, Run, Timing  # noqa: E402
 from bench.pool import Pool, worker_env  # noqa: E402
 from bench.proc import cpu_seconds, machine, stop_pid  # noqa: E402
@@ -212,6 +212,23 @@ def mixed_round(backend: K8sBackend, pool: Pool, log_dir: Path, n: int, sample: 
         backend.quiesce(30)
 
 
+def floor_round(backend: K8sBackend, log_dir: Path, n: int, processes: int
+                ) -> dict[str, Any]:
+    """The floor (:mod:`bench.floor`) at ``n``, in a namespace of its own on the same server."""
+    api = backend.control_plane.api
+    namespace = f"floor-{n}-{int(time.time()) % 100000}"
+    api.request("POST", "/api/v1/namespaces", body={
+        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    try:
+        found = floor.measure(api, backend.control_plane.kubeconfig, namespace, n, processes,
+                              log_dir, worker_env())
+    finally:
+        api.request("DELETE", f"/api/v1/namespaces/{namespace}")
+        backend.quiesce(30)
+    return {"floor_s": found.formation_s, "floor_loss_s": found.loss_s,
+            "floor_newcomer_s": found.newcomer_s, "floor_errors": list(found.errors)}
+
+
 def mixed(plan: Plan, backend: K8sBackend, log_dir: Path, operator_pid: int
           ) -> list[dict[str, Any]]:
     pool = Pool(plan.workers, log_dir, "mixed")
@@ -221,9 +238,11 @@ def mixed(plan: Plan, backend: K8sBackend, log_dir: Path, operator_pid: int
             began = time.monotonic()
             row = mixed_round(backend, pool, log_dir, n, plan.sample, plan.sim_processes,
                               operator_pid, plan.formation_bound)
+            row.update(floor_round(backend, log_dir, n, plan.sim_processes))
             rows.append(row)
             print(f"  mixed N={n}: formed={row['formed']} latency={row['latency_s']} "
-                  f"({time.monotonic() - began:.0f}s)", file=sys.stderr, flush=True)
+                  f"floor={row['floor_s']} ({time.monotonic() - began:.0f}s)",
+                  file=sys.stderr, flush=True)
             if not row["formed"]:
                 break
     finally:

@@ -24,6 +24,32 @@ FIT_FROM, FIT_TO = 64, 2048
 TARGET_EXPONENT = 1.2
 
 
+def _ratio(ours: float | None, floor: float | None) -> str:
+    return f"{ours / floor:.2f}×" if ours and floor else "–"
+
+
+def _floor_table(mixed: list[dict[str, Any]]) -> list[str]:
+    """The floor (:mod:`bench.floor`) measured right after each mixed round, and ours over it."""
+    rows = [r for r in mixed if "floor_s" in r]
+    if not rows:
+        return []
+    lines = ["", "### Against the floor", "",
+             "The cheapest rendezvous this API server allows, measured right after each "
+             "mixed round on the same server (`bench/floor.py`): N clients each create "
+             "their own Lease once and wait for one watch event of one ConfigMap, which "
+             "a single writer updates once after its Lease watch has shown all N; a loss "
+             "(one Lease deleted) and a newcomer (one more created) are one more update "
+             "each. Times run until the last client knew.", "",
+             "| N | formation (ours) | formation (floor) | ours / floor | loss (floor) "
+             "| newcomer (floor) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        ours = r["latency_s"] if r.get("formed") else None
+        lines.append(f"| {r['n']:,} | {_s(ours)} | {_s(r['floor_s'], 3)} | "
+                     f"{_ratio(ours, r['floor_s'])} | {_s(r.get('floor_loss_s'), 3)} | "
+                     f"{_s(r.get('floor_newcomer_s'), 3)} |")
+    return lines
+
+
 def _s(value: float | None, digits: int = 2) -> str:
     if value is None:
         return "–"
@@ -289,6 +315,7 @@ def render(data: dict[str, Any], plot: str | None) -> str:
             f"{_size(r['bytes_sent'] / r['n'])} | {_s(r['server_cpu_s'])} | "
             f"{_s(r['operator_cpu_s'])} | {_size(r.get('object_bytes'))} | "
             f"{r.get('managed_fields_entries', '–')} |")
+    lines += _floor_table(mixed)
     fitted = {"requests": "requests", "writes": "writes", "bytes_sent": "bytes sent",
               "response_bytes": "response bytes", "watch_bytes": "watch bytes",
               "server_cpu_s": "server CPU", "operator_cpu_s": "operator CPU",

@@ -134,6 +134,21 @@ class Connection:
             self.writer = None
 
 
+async def watch_lines(connection: Connection, path: str, query: dict[str, Any]) -> Any:
+    """The lines (events) of one watch of ``path``, as they arrive."""
+    query = {**query, "watch": "true", "timeoutSeconds": 300, "allowWatchBookmarks": "true"}
+    await connection.send("GET", f"{path}?{urlencode(query)}")
+    status, _ = await connection.head()
+    if status >= 400:
+        raise HttpError(status, b"watch refused")
+    buffer = b""
+    async for chunk in connection.chunks():
+        buffer += chunk
+        while b"\n" in buffer:
+            line, buffer = buffer.split(b"\n", 1)
+            yield line
+
+
 @dataclass
 class Shared:
     """What all nodes of this process share: where the server is, and parsed events."""
@@ -214,25 +229,11 @@ class SimNode:
             self.watch.close()
             self.mailbox.close()
 
-    async def _events(self, connection: Connection, path: str, query: dict[str, Any]) -> Any:
-        """The lines of one watch, as they arrive."""
-        query = {**query, "watch": "true", "timeoutSeconds": 300, "allowWatchBookmarks": "true"}
-        await connection.send("GET", f"{path}?{urlencode(query)}")
-        status, _ = await connection.head()
-        if status >= 400:
-            raise HttpError(status, b"watch refused")
-        buffer = b""
-        async for chunk in connection.chunks():
-            buffer += chunk
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                yield line
-
     async def _from_run(self, signal: int, resource_version: str) -> dict[str, Any]:
         s = self.shared
         query = {"fieldSelector": f"metadata.name={s.run},status.signal!={signal}",
                  "resourceVersion": resource_version}
-        async for line in self._events(self.watch, runs_path(s.namespace), query):
+        async for line in watch_lines(self.watch, runs_path(s.namespace), query):
             obj = s.parse(line).get("object") or {}
             for p in (obj.get("status") or {}).get("participants") or ():
                 if p["name"] == self.name:
@@ -245,7 +246,7 @@ class SimNode:
         assert self.lease is not None
         query = {"fieldSelector": f"metadata.name={self.lease.name}",
                  "resourceVersion": resource_version}
-        async for line in self._events(self.mailbox, leases_path(self.shared.namespace),
+        async for line in watch_lines(self.mailbox, leases_path(self.shared.namespace),
                                        query):
             meta = (json.loads(line).get("object") or {}).get("metadata") or {}
             told = read_assignment((meta.get("annotations") or {}).get(ASSIGNMENT_ANNOTATION))

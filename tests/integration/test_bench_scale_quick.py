@@ -1,4 +1,4 @@
-"""``bench/scale.py --quick`` works: simulated and real nodes in one round, output well formed.
+"""``bench/scale.py --quick`` works: simulated and real nodes in one round, the floor beside it.
 
 The quick mode runs the real harness (its own control plane and operator,
 simulated-node processes, bench workers, c10d) at small N.  Timings are never
@@ -47,6 +47,17 @@ def test_mixed_rounds_of_simulated_and_real_nodes_form_with_linear_requests(
         assert 0 < row["writes"] <= 2 * row["n"] + 5, row
         assert row["by_kind"]["create leases"] == row["n"], row
         assert row["bytes_sent"] > 0 and row["object_bytes"] > 0, row
+
+
+def test_each_mixed_round_has_the_floor_beside_it(
+        scale_run: tuple[Path, dict[str, Any]]) -> None:
+    out, data = scale_run
+    for row in data["mixed"]:
+        assert row["floor_errors"] == [], row
+        assert all(row[key] is not None and row[key] > 0
+                   for key in ("floor_s", "floor_loss_s", "floor_newcomer_s")), row
+    page = (out / "benchmarks-scale.md").read_text()
+    assert "### Against the floor" in page and "| ours / floor |" in page
 
 
 def test_real_rounds_are_measured_as_is_and_dns_neutral_for_both_backends(

@@ -1,0 +1,17 @@
+"""The floor benchmark's one writer: when it updates the board (bench/floor.py)."""
+
+from __future__ import annotations
+
+from bench.floor import next_board_round
+
+
+def test_the_first_round_waits_for_all_n_leases() -> None:
+    assert next_board_round(0, 0, 3, 4) == 0
+    assert next_board_round(0, 3, 4, 4) == 1
+    assert next_board_round(0, 0, 5, 4) == 1  # listed all at once, and more
+
+
+def test_every_change_after_the_first_round_is_one_more_round() -> None:
+    assert next_board_round(1, 4, 3, 4) == 2  # a loss
+    assert next_board_round(2, 3, 4, 4) == 3  # a newcomer
+    assert next_board_round(3, 4, 4, 4) == 3  # a renewal, a second ADDED of a name: nothing
