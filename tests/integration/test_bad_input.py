@@ -26,6 +26,7 @@ from elasticrun.api import crd
 from elasticrun.api.kube import ApiError, lease_path, run_path, runs_path
 from elasticrun.api.model import InvalidRunError
 from elasticrun.api.naming import lease_name
+from elasticrun.operator.reconcile import SEAL_GRACE
 
 from chaoskit import assert_all_ok, raw_run, record
 from conftest import Cluster, OperatorProcess, consistently, wait_for
@@ -38,7 +39,7 @@ from rdzv import (
     spec_observed,
     start_rendezvous,
 )
-from timings import RECONCILES
+from timings import LAST_CALL, RECONCILES, outlasting
 
 pytestmark = pytest.mark.slow
 
@@ -163,9 +164,10 @@ def test_well_typed_nonsense_raises_state_error_and_the_operator_repairs(
     assert_all_ok(again)
     assert sorted(o.rank for o in again.values()) == [0, 1, 2]
     final = read_run(cluster.client, namespace, "nonsense")
-    # The repair forgets the roster, so the members' answered requests may look
-    # pending again and be sealed before the members are back; such a round
-    # names a store rank 0 no longer serves, and its members join the next one.
+    # The repair keeps the readable members and the requests they answered.  Where the
+    # roster itself was unreadable (the participants case) those requests look pending
+    # again and may be sealed before the members are back; such a round names a store
+    # rank 0 no longer serves, and its members join the next one.
     assert round_before < final.status.round <= round_before + 2
     record(f"hand-edited status: {case}", group="bad input",
            fault=f"kubectl edit --subresource=status: {case} (well typed, schema accepts it)",
@@ -179,10 +181,10 @@ def test_well_typed_nonsense_raises_state_error_and_the_operator_repairs(
 
 def _round_two(make_handler: Any, cluster: Cluster, namespace: str, run: str) -> list[Any]:
     """a, b form round 1; c arrives late and round 2 holds all three."""
-    a, b = (make_handler(run, n, min_nodes=2, max_nodes=3, last_call_timeout=1)
+    a, b = (make_handler(run, n, min_nodes=2, max_nodes=3, last_call_timeout=LAST_CALL)
             for n in ("a", "b"))
     assert_all_ok(rendezvous_all([a, b]))
-    c = make_handler(run, "c", min_nodes=2, max_nodes=3, last_call_timeout=1)
+    c = make_handler(run, "c", min_nodes=2, max_nodes=3, last_call_timeout=LAST_CALL)
     thread, box = start_rendezvous(c)
     wait_for(lambda: a.num_nodes_waiting() > 0, 10, "members to hear of c")
     assert_all_ok(rendezvous_all([a, b]))
@@ -237,11 +239,18 @@ def test_round_going_back_is_moved_forward_by_the_operator(
     (event,) = _repair_events(cluster, namespace, "forward")
     assert "went back from 2 to 1" in event, event
     round_repaired = run.status.round
-    again = rendezvous_all(nodes)
+    assert sorted(p.name for p in run.status.participants) == ["a", "b", "c"]
+    # The members keep their places, and with them the requests round 2 answered, which
+    # are still on their Leases: nothing is sealed from those (three of maxNodes 3 would
+    # be sealed at once) before the members ask again.
+    consistently(lambda: read_run(cluster.client, namespace, "forward").status.round
+                 == round_repaired, outlasting(SEAL_GRACE + LAST_CALL),
+                 "no round is sealed from the requests the repaired round answered")
+    again = rendezvous_all(nodes)  # the positive control: asked again, they form a round
     assert_all_ok(again)
     assert sorted(o.rank for o in again.values()) == [0, 1, 2]
-    # The repair forgets the roster, so the members' old requests may be sealed into one
-    # more round first; they skip it (its store is not what rank 0 now announces).
+    # One round of all three, or, when one member comes back later than the 1 s last call
+    # after the other two, a round of two and then one of all three.
     final = read_run(cluster.client, namespace, "forward").status.round
     assert round_repaired < final <= round_repaired + 2
     record("hand-edited status: round going backwards (operator)", group="bad input",

@@ -10,7 +10,7 @@ import pytest
 
 from elasticrun.api import rounds
 from elasticrun.api.kube import ApiConnectionError, ApiError
-from elasticrun.api.leases import LeaseState, Unreachable
+from elasticrun.api.leases import LeaseState, Unreachable, pending_joins
 from elasticrun.api.model import (
     ElasticRun,
     InvalidRunError,
@@ -19,6 +19,7 @@ from elasticrun.api.model import (
     RunStatus,
     StoreAddress,
     WaitingNode,
+    format_time,
 )
 from elasticrun.operator.apihealth import ApiAvailability
 from elasticrun.operator.liveness import Loss, pod_loss, restart_count
@@ -203,7 +204,9 @@ def test_repair_of_duplicate_ranks_keeps_round_and_readable_waiting_and_reforms(
         RunStatus.from_dict(broken)
     repaired = RunStatus.from_dict(repair(broken, error.value, T0, 5))
     assert repaired.round == 4 and repaired.signal == 10  # forward, never back
-    assert repaired.restart_round == 4 and repaired.participants == ()
+    assert repaired.restart_round == 4 and repaired.degraded
+    # Both members keep their places, ranked 0..1, and the requests they answered.
+    assert [(p.name, p.rank) for p in repaired.participants] == [("a", 0), ("b", 1)]
     assert [w.name for w in repaired.waiting] == ["w"]  # the unreadable entry is dropped
     condition = repaired.condition("Degraded")
     assert condition is not None and condition.reason == "InvalidStatus"
@@ -220,8 +223,34 @@ def test_repair_of_a_round_that_went_back_moves_it_forward_again() -> None:
                  "participants": [{"name": "a", "rank": 0}], "store": {"host": "h", "port": 1}}
     error = InvalidRunError("status.round", "went back from 3 to 1")
     repaired = RunStatus.from_dict(repair(went_back, error, T0, 2, min_round=3))
-    assert repaired.round == 3 and repaired.degraded and repaired.participants == ()
+    assert repaired.round == 3 and repaired.degraded and repaired.restart_round == 3
+    assert [p.name for p in repaired.participants] == ["a"]
     assert repaired.signal == 5
+
+
+def test_a_repair_keeps_the_requests_the_members_answered() -> None:
+    """The members' Leases still carry the requests their round answered: after the
+    repair those are spent, and only a newer request of theirs waits."""
+    answered = T0 - dt.timedelta(minutes=5)
+    broken = {"phase": "Running", "round": 2, "signal": 3,
+              "participants": [
+                  {"name": "a", "rank": 0, "joinedRound": 1, "since": format_time(answered)},
+                  {"name": "b", "rank": 0, "joinedRound": 2, "since": format_time(answered)},
+                  {"name": "c", "rank": "one"}]}
+    with pytest.raises(InvalidRunError) as error:
+        RunStatus.from_dict(broken)
+    repaired = RunStatus.from_dict(repair(broken, error.value, T0, 1))
+    assert [(p.name, p.rank, p.joined_round) for p in repaired.participants] == [
+        ("a", 0, 1), ("b", 1, 2)]
+
+    def lease(name: str, since: dt.datetime) -> LeaseState:  # live, renewed at T0
+        join = WaitingNode(name=name, address="10.0.0.1", store_port=29400, since=since)
+        return LeaseState(node=name, holder=name, renewed=T0, duration=10, join=join,
+                          owner_uid="uid", seen=T0)
+
+    stale = [lease(name, answered) for name in ("a", "b")]
+    assert pending_joins(stale, repaired, T0, "uid", 30) == ()
+    assert [w.name for w in pending_joins([lease("a", T0)], repaired, T0, "uid", 30)] == ["a"]
 
 
 class _Answers:

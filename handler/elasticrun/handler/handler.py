@@ -562,7 +562,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         given, leader, round_number = assignment.store, assignment.leader, assignment.round
         # Every seal records the request it answers: a round holding an older
         # request of this node was written from an older round (a hand edit, a
-        # restore, a repair that forgot the roster).
+        # restore, the repair of a status whose roster was unreadable).
         stale = request is not None and assignment.since is not None \
             and assignment.since != request.since
         if assignment.rank == 0:

@@ -22,6 +22,7 @@ from elasticrun.api.model import (
     Desired,
     ElasticRun,
     LostMember,
+    Participant,
     RunStatus,
     capped,
     next_signal,
@@ -699,9 +700,10 @@ def repair(raw_status: object, error: Exception, now: dt.datetime, generation: i
 
     The round number (at least ``min_round``, the highest the operator saw and
     still defends, :meth:`~elasticrun.api.ordering.RoundMark.floor`) and the
-    signal move forward (never back), waiting entries that are readable are
-    kept, and the current round is marked for restart, so every member re-joins
-    and a consistent round is sealed again.  A round no round can follow (at
+    signal move forward (never back), waiting entries and members that are
+    readable are kept (:func:`_readable_roster`), and the current round is
+    marked for restart, so every member re-joins and a consistent round is
+    sealed again.  A round no round can follow (at
     the counters' maximum, or beyond it in a CRD without one) is not kept: the
     run starts again from ``min_round``.  The error goes into the ``Degraded``
     condition for ``kubectl describe``.
@@ -725,6 +727,7 @@ def repair(raw_status: object, error: Exception, now: dt.datetime, generation: i
         except ValueError:
             continue
         waiting.setdefault(node.name, node.to_dict())
+    roster = _readable_roster(status.get("participants"), round_) if round_ else []
     condition = Condition(type="Degraded", status="True", reason="InvalidStatus",
                           message=f"status could not be read ({error}); round {round_} is "
                                   "re-formed", last_transition_time=now,
@@ -735,11 +738,32 @@ def repair(raw_status: object, error: Exception, now: dt.datetime, generation: i
         "signal": next_signal(count("signal")),
         "joinNotice": round_,
         "restartRound": round_,
-        "memberCount": 0,
+        "memberCount": len(roster),
         "waitingCount": len(waiting),
-        "participants": [],
+        "participants": roster,
         "waiting": list(waiting.values()),
         "lostMembers": [],
         "conditions": [condition.to_dict()],
         "observedGeneration": generation,
     }
+
+
+def _readable_roster(raw: object, round_: int) -> list[dict[str, object]]:
+    """The readable members of a repaired round, each name once, ranked 0..k-1 in their order.
+
+    The round is marked for restart, so they re-join and the seal prefers their
+    old places.  Kept, their entries still hold the join requests their
+    memberships answered (``since``): without them the requests left on the
+    members' Leases would look pending (:func:`~elasticrun.api.leases.pending_joins`)
+    and be sealed into a round of their own before the members are back.
+    """
+    members: dict[str, Participant] = {}
+    for item in raw if isinstance(raw, list) else []:
+        try:
+            member = Participant.from_dict(item, "status.participants[]")
+        except ValueError:
+            continue
+        members.setdefault(member.name, member)
+    ordered = sorted(members.values(), key=lambda p: (p.rank, p.name))
+    return [dataclasses.replace(p, rank=rank, joined_round=min(p.joined_round, round_)).to_dict()
+            for rank, p in enumerate(ordered)]
