@@ -425,3 +425,12 @@ def test_a_re_forming_round_is_told_nothing() -> None:
     assert degraded is not None
     run = ElasticRun("r", "ns", spec, degraded, "8", uid="uid")
     assert reconcile(run, Members(leases=leases), T0).assignments == []
+
+
+def test_the_operator_closes_a_run_as_a_closing_node_does() -> None:
+    """One rule for closing (:func:`rounds.close`): the operator's write on ``spec.closed``
+    is the status a node's ``set_closed`` writes."""
+    run = running_run(RunSpec(min_nodes=2, max_nodes=3, closed=True))
+    plan = reconcile(run, Members(), T0)
+    assert plan.status is not None and plan.status == rounds.close(run, T0)
+    assert ("Normal", "Closed", "run closed (spec.closed=true)") in plan.events

@@ -339,3 +339,46 @@ def test_a_members_assignment_is_its_place_in_the_round() -> None:
     assert status.leader == "a"
     everyone = status.assignments()
     assert list(everyone) == ["a", "b", "c"] and everyone["c"] == mine
+
+
+# --------------------------------------------------------------------------- changes of a run
+
+
+def test_closing_moves_the_signal_and_says_why_once() -> None:
+    """:func:`rounds.close`: the one rule, whoever closes (a node's set_closed, the operator)."""
+    forming = RunStatus(phase="Forming", signal=4, waiting=waiting("a"))
+    before = dataclasses.replace(run(forming, closed=True), generation=7)
+    closed = rounds.close(before, at(60))
+    assert closed is not None and closed.phase == rounds.CLOSED
+    assert closed.signal == 5 and closed.finished_at == at(60)
+    assert closed.observed_generation == 7
+    condition = closed.condition(rounds.CLOSED_CONDITION)
+    assert condition is not None and (condition.status, condition.reason) == (
+        "True", rounds.CLOSED_BY_SPEC)
+    assert condition.last_transition_time == at(60) and condition.observed_generation == 7
+    complete = closed.condition(rounds.ROUND_COMPLETE)
+    assert complete is not None and (complete.status, complete.reason) == (
+        "False", rounds.ROUND_CLOSED)
+    assert closed.waiting == forming.waiting  # nothing else changes
+    # Idempotent: a closed run, and a finished one, stay as they are.
+    assert rounds.close(before.replace_status(closed), at(61)) is None
+    succeeded = sealed("a", "b").replace(phase="Succeeded", finished_at=at(50))
+    assert rounds.close(run(succeeded, closed=True), at(61)) is None
+
+
+def test_leaving_twice_changes_nothing_the_second_time() -> None:
+    full = sealed("a", "b")
+    left = rounds.leave(full, "a", at(5), finished=False)
+    assert left is not None and left.phase == "Degraded" and "a" not in left.member_names
+    assert [(m.name, m.reason) for m in left.lost_members] == [("a", rounds.LEFT)]
+    assert rounds.leave(left, "a", at(6), finished=False) is None
+    assert rounds.leave(left, "stranger", at(6), finished=True) is None
+
+
+def test_a_removal_for_one_round_is_nothing_in_another_and_nothing_twice() -> None:
+    full = sealed("a", "b", round_=3)
+    removed = rounds.remove_member(full, "a", rounds.LEADER_LOST, at(5), in_round=3)
+    assert removed is not None and removed.member_names == {"b"}
+    assert removed.lost_members[-1].reason == rounds.LEADER_LOST
+    assert rounds.remove_member(full, "a", rounds.LEADER_LOST, at(5), in_round=2) is None
+    assert rounds.remove_member(removed, "a", rounds.LEADER_LOST, at(6), in_round=3) is None

@@ -482,6 +482,20 @@ class Condition:
         })
 
 
+def set_condition(conditions: tuple[Condition, ...], type_: str, status: bool, reason: str,
+                  message: str, now: dt.datetime, generation: int) -> tuple[Condition, ...]:
+    """Replace one condition, keeping lastTransitionTime unless its status flips."""
+    value = "True" if status else "False"
+    old = next((c for c in conditions if c.type == type_), None)
+    since = old.last_transition_time if old and old.status == value else now
+    new = Condition(type=type_, status=value, reason=reason, message=message,
+                    last_transition_time=since, observed_generation=generation)
+    if old == new:
+        return conditions
+    rest = tuple(c for c in conditions if c.type != type_)
+    return (*rest, new)
+
+
 # --------------------------------------------------------------------------- status
 
 

@@ -24,6 +24,7 @@ from elasticrun.api.model import (
     StoreAddress,
     WaitingNode,
     next_signal,
+    set_condition,
 )
 
 #: From this ``maxNodes`` on, nodes leave sealing to the operator (see :func:`nodes_defer_seal`).
@@ -390,6 +391,42 @@ LEFT = "Left"
 FINISHED = "Finished"
 #: Reasons of a member that went away on its own, not lost to a failure.
 DEPARTURES = (LEFT, FINISHED, "PodSucceeded")
+#: A rank 0 taken out of its round because its store did not answer and its Lease
+#: stayed quiet for the suspicion window (removed by a member or the operator).
+LEADER_LOST = "StoreUnreachable"
+
+#: The phase of a run closed by ``spec.closed`` (torch's ``set_closed``).
+CLOSED = "Closed"
+#: The condition a closed run carries, and its reason while ``spec.closed`` holds.
+CLOSED_CONDITION = "Closed"
+CLOSED_BY_SPEC = "ClosedBySpec"
+#: The condition that says whether the round is complete, and its reason in a closed run.
+ROUND_COMPLETE = "RoundComplete"
+ROUND_CLOSED = "Closed"
+
+
+def close(run: ElasticRun, now: dt.datetime) -> RunStatus | None:
+    """The status of a run closed for every node; None when it is finished already.
+
+    The one rule for whoever closes the run: a node (torch's ``set_closed``,
+    after it set ``spec.closed``) or the operator (on ``spec.closed``).  The
+    phase becomes :data:`CLOSED`, ``finishedAt`` is ``now`` (the TTL after
+    finishing counts from here) and the signal moves, so waiting nodes hear it
+    even with no operator; the conditions say why, for ``kubectl describe``,
+    observed at the run's generation.  A finished run (closed already, or
+    ``Succeeded``) stays as it is: closing a run that succeeded changes
+    nothing about it.
+    """
+    status, generation = run.status, run.generation
+    if status.phase in FINISHED_PHASES:
+        return None
+    conditions = set_condition(status.conditions, CLOSED_CONDITION, True, CLOSED_BY_SPEC,
+                               "spec.closed is true: waiting and late nodes are refused",
+                               now, generation)
+    conditions = set_condition(conditions, ROUND_COMPLETE, False, ROUND_CLOSED,
+                               "the run is closed", now, generation)
+    return status.replace(phase=CLOSED, signal=next_signal(status.signal), finished_at=now,
+                          conditions=conditions, observed_generation=generation)
 
 
 def leave(status: RunStatus, name: str, now: dt.datetime, *, finished: bool
@@ -424,12 +461,19 @@ def leave(status: RunStatus, name: str, now: dt.datetime, *, finished: bool
 
 def remove_member(status: RunStatus, name: str, reason: str, now: dt.datetime,
                   message: str | None = None,
-                  detection_seconds: float | None = None) -> RunStatus | None:
-    """The status without ``name``; None when it is neither member nor waiting.
+                  detection_seconds: float | None = None,
+                  in_round: int | None = None) -> RunStatus | None:
+    """The status without ``name``; None when it is neither member nor waiting, or
+    when the removal is meant for round ``in_round`` and the run is in another one.
 
     Removing a member marks the round for restart and bumps the signal, which is
-    what makes every survivor's ``num_nodes_waiting()`` positive.
+    what makes every survivor's ``num_nodes_waiting()`` positive.  ``in_round``
+    ties a removal to the round its evidence is about (a rank 0 whose store did
+    not answer in that round): once the round was replaced, there is nothing
+    to remove it from.
     """
+    if in_round is not None and status.round != in_round:
+        return None
     member = status.participant(name)
     waiting = status.waiting_node(name)
     if member is None and waiting is None:

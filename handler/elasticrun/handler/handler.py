@@ -36,7 +36,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
-import random
 import threading
 import time
 from pathlib import Path
@@ -54,6 +53,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elasticrun.api import rounds
+from elasticrun.api.change import ChangePolicy, change_status
 from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import KubeClient
 from elasticrun.api.leases import lease_state
@@ -62,10 +62,9 @@ from elasticrun.api.model import (
     ElasticRun,
     StoreAddress,
     WaitingNode,
-    next_signal,
     now,
 )
-from elasticrun.api.policy import RETRY_DELAYS, retry_delay
+from elasticrun.api.policy import retry_delay
 from elasticrun.api.roundfile import (
     ROUND_FILE_VARIABLE,
     Round,
@@ -211,15 +210,10 @@ class K8sRendezvousHandler(RendezvousHandler):
         """Close the run for everybody; waiting and late nodes get RendezvousClosedError."""
         session = self._connect()
         session.call("close the run", session.gateway.close, self.settings.close_timeout)
-        # Bump the signal ourselves so that waiting nodes hear it even with no operator.
-        for _ in range(len(RETRY_DELAYS)):
-            run = session.read()
-            if run is None or run.status.phase == "Closed":
-                return
-            status = run.status.replace(phase="Closed", signal=next_signal(run.status.signal),
-                                        finished_at=run.status.finished_at or now())
-            if session.replace_status(run, status) is not None:
-                return
+        # Write the closed status ourselves (the operator's rule), so that waiting nodes
+        # hear it even with no operator.
+        change_status(session, lambda run: rounds.close(run, now()), self._change_policy(),
+                      what="close the run")
 
     def num_nodes_waiting(self) -> int:
         run = self._session.watcher.latest if self._session is not None else None
@@ -487,19 +481,14 @@ class K8sRendezvousHandler(RendezvousHandler):
         session = self._session
         if session is None:
             return
-        deadline = time.monotonic() + self.settings.close_timeout
-        attempt = 0
-        while time.monotonic() < deadline:
-            run = session.read()
-            if run is None:
-                return
-            status = rounds.leave(run.status, self.settings.node_name, now(), finished=finished)
-            if status is None:
-                return
-            if session.replace_status(run, status) is not None:
-                return
-            time.sleep(random.uniform(0, retry_delay(attempt)))
-            attempt += 1
+        node = self.settings.node_name
+        change_status(session, lambda run: rounds.leave(run.status, node, now(),
+                                                        finished=finished),
+                      self._change_policy(), what="leave the membership")
+
+    def _change_policy(self) -> ChangePolicy:
+        """How long the node tries a change of the run on its way out: ``close_timeout``."""
+        return ChangePolicy(seconds=self.settings.close_timeout)
 
     def _report_unreachable(self, leader: str, round_number: int) -> None:
         if self._lease is not None and self._lease.acquired:

@@ -32,8 +32,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from elasticrun.api import rounds
+from elasticrun.api.change import ChangePolicy, change_status
 from elasticrun.api.leases import lease_state, suspicion_window
-from elasticrun.api.model import Assignment, ElasticRun, now
+from elasticrun.api.model import Assignment, ElasticRun, RunStatus, now
 from elasticrun.handler import step
 from elasticrun.handler.session import RunSession
 from elasticrun.handler.store import RoundStores
@@ -47,8 +48,6 @@ ATTEMPT_SECONDS = 0.5
 MIN_LOOK = 0.1
 #: The report of an unreachable leader may hold up the next attempt at most this long.
 REPORT_TIMEOUT = 2.0
-#: Reason recorded when a node removes a leader whose store and Lease both went silent.
-LEADER_LOST = "StoreUnreachable"
 
 #: Tells the operator that this node could not reach ``leader``'s store in round ``round``.
 Report = Callable[[str, int], None]
@@ -127,22 +126,23 @@ def _remove_leader(session: RunSession, run: ElasticRun, round_number: int, lead
                    host: str, port: int, silent_for: float, window: float) -> None:
     """Take a leader whose store and Lease both went silent out of the round.
 
-    The operator writes the same removal when it runs; whichever compare-and-set
-    wins, the round is over and the caller joins the next one.  A copy older
-    than the round is read afresh first: the removal is made to the round itself.
+    The operator writes the same removal when it runs, with the same rule
+    (:func:`rounds.remove_member` for round ``round_number`` only); a lost
+    compare-and-set is applied again to the winner's status, where the leader
+    is usually out already and nothing is left to write.  Either way the round
+    is over and the caller joins the next one.  A copy older than the round is
+    read afresh first: the removal is made to the round itself.
     """
-    if run.status.round < round_number:
-        fresh = session.read()
-        if fresh is None:
-            return
-        run = fresh
-    if run.status.round != round_number:
-        return
-    status = rounds.remove_member(
-        run.status, leader, LEADER_LOST, now(),
-        message=f"its TCPStore at {host}:{port} did not answer for {silent_for:.1f}s and its "
-                f"Lease was not renewed for {window:g}s",
-        detection_seconds=silent_for)
-    if status is not None and session.replace_status(run, status) is not None:
+    message = (f"its TCPStore at {host}:{port} did not answer for {silent_for:.1f}s and its "
+               f"Lease was not renewed for {window:g}s")
+
+    def remove(current: ElasticRun) -> RunStatus | None:
+        return rounds.remove_member(current.status, leader, rounds.LEADER_LOST, now(),
+                                    message=message, detection_seconds=silent_for,
+                                    in_round=round_number)
+
+    held = run if run.status.round >= round_number else None
+    if change_status(session, remove, ChangePolicy(seconds=session.settings.close_timeout),
+                     held, what=f"remove rank 0 ({leader})") is not None:
         log.warning("%s: removed rank 0 (%s) from round %d: its store and its Lease went "
                     "silent", session.who, leader, round_number)

@@ -58,8 +58,8 @@ class RunSession:
             raise RendezvousStateError(f"{self.who}: cannot read the ElasticRun: {exc}. The "
                                        "status was probably edited by hand") from exc
 
-    def read(self) -> ElasticRun | None:
-        raw = self.call("read the run", self.gateway.read)
+    def read(self, bound: float | None = None) -> ElasticRun | None:
+        raw = self.call("read the run", self.gateway.read, bound)
         return None if raw is None else self.accept(raw)
 
     def read_or_raise(self) -> ElasticRun:

@@ -26,6 +26,7 @@ from elasticrun.api.model import (
     RunStatus,
     capped,
     next_signal,
+    set_condition,
 )
 from elasticrun.operator import nodesignals, topology
 from elasticrun.operator.liveness import Loss, member_pod_loss
@@ -106,20 +107,6 @@ class Plan:
     def wake(self, when: dt.datetime | None) -> None:
         if when is not None and (self.wake_at is None or when < self.wake_at):
             self.wake_at = when
-
-
-def set_condition(conditions: tuple[Condition, ...], type_: str, status: bool, reason: str,
-                  message: str, now: dt.datetime, generation: int) -> tuple[Condition, ...]:
-    """Replace one condition, keeping lastTransitionTime unless its status flips."""
-    value = "True" if status else "False"
-    old = next((c for c in conditions if c.type == type_), None)
-    since = old.last_transition_time if old and old.status == value else now
-    new = Condition(type=type_, status=value, reason=reason, message=message,
-                    last_transition_time=since, observed_generation=generation)
-    if old == new:
-        return conditions
-    rest = tuple(c for c in conditions if c.type != type_)
-    return (*rest, new)
 
 
 def _losses(run: ElasticRun, members: Members, now: dt.datetime
@@ -210,13 +197,13 @@ def _unreachable_loss(run: ElasticRun, members: Members, suspect: Suspect,
     """A reported rank 0 whose Lease also went quiet (or is gone) is lost now."""
     who = ", ".join(suspect.reporters)
     if suspect.name not in members.leases:
-        return Loss("StoreUnreachable", f"{suspect.name}'s TCPStore did not answer {who}, "
+        return Loss(rounds.LEADER_LOST, f"{suspect.name}'s TCPStore did not answer {who}, "
                     "and it has no Lease", now)
     silent_at = _suspect_silent_at(run, members, suspect)
     if silent_at is None or now <= silent_at:
         return None
     window = suspicion_window(run.spec.heartbeat_timeout, run.spec.lease_renew_interval)
-    return Loss("StoreUnreachable", f"{suspect.name}'s TCPStore did not answer {who}, and it "
+    return Loss(rounds.LEADER_LOST, f"{suspect.name}'s TCPStore did not answer {who}, and it "
                 f"did not renew its Lease for {window:g}s", silent_at)
 
 
@@ -285,16 +272,11 @@ def _expire(run: ElasticRun, now: dt.datetime, plan: Plan) -> Plan:
 
 
 def _close(run: ElasticRun, now: dt.datetime, plan: Plan) -> Plan:
-    """``spec.closed``: the run is finished for every node, waiting or late."""
-    generation = run.generation
-    new = run.status.replace(phase="Closed", signal=next_signal(run.status.signal),
-                             finished_at=now)
-    conditions = set_condition(new.conditions, "Closed", True, "ClosedBySpec",
-                               "spec.closed is true: waiting and late nodes are refused",
-                               now, generation)
-    conditions = set_condition(conditions, "RoundComplete", False, "Closed",
-                               "the run is closed", now, generation)
-    plan.status = new.replace(conditions=conditions, observed_generation=generation)
+    """``spec.closed``: the run is finished for every node, waiting or late
+    (:func:`rounds.close`, the status a closing node writes too)."""
+    plan.status = rounds.close(run, now)
+    if plan.status is None:
+        return plan
     plan.events.append(("Normal", "Closed", "run closed (spec.closed=true)"))
     plan.wake(now)  # TTL bookkeeping on the next pass
     return plan
