@@ -84,6 +84,9 @@ def test_the_announce_test_fails_on_a_moved_counter_and_on_a_missing_one() -> No
     bare = FakeApiServer()
     bare.create((RUN, "r"), {"metadata": {"name": "r"}, "spec": {}})
     assert FakeGateway(bare, "r").announce(RunStatus()) is None  # no status: the test fails
+    bare.update((RUN, "r"), lambda run: {**run, "status": {"signal": 0}})
+    assert FakeGateway(bare, "r").announce(RunStatus()) is None  # no joinNotice: it fails too
+    assert "joinNotice" not in bare.run("r")["status"]  # all or nothing
 
 
 def test_the_narrow_watch_sends_added_when_the_signal_moves_and_nothing_before() -> None:

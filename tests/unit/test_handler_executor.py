@@ -6,7 +6,8 @@ go to one :class:`fakegateway.FakeApiServer`, which fences writes by
 resourceVersion and delivers watch events as the API server does, so the
 executor's rules (seal, lost compare-and-set, the store check, close, the join
 timeout, an unreachable server) are checked in threads of one process, with
-real TCPStores on 127.0.0.1 and timeouts of tenths of a second.
+real TCPStores on 127.0.0.1 and timeouts of tenths of a second (the join
+timeout's test waits 1 s, the least a run's spec allows), through public calls only.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from elasticrun.api import rounds
 from elasticrun.api.leases import JOIN_ANNOTATION
 from elasticrun.api.model import RunSpec, RunStatus, StoreAddress, WaitingNode, now, parse_run
 from elasticrun.handler import handler as handler_mod
-from elasticrun.handler import step
 from elasticrun.handler.handler import K8sRendezvousHandler, RunSucceededError
 from elasticrun.handler.lease import LeaseKeeper
 from elasticrun.handler.session import RunSession
@@ -58,19 +58,34 @@ def server() -> FakeApiServer:
     return FakeApiServer("ns")
 
 
-@pytest.fixture
-def nodes(server: FakeApiServer) -> Iterator[Callable[[str], K8sRendezvousHandler]]:
-    """Makes a node on ``server`` (its own gateway: ``handler.gateway``); all shut down after."""
-    made: list[K8sRendezvousHandler] = []
+class Nodes:
+    """Makes nodes on one server, each with its own gateway (:meth:`gateway`)."""
 
-    def make(name: str, api_timeout: float = 0.5) -> K8sRendezvousHandler:
-        node = K8sRendezvousHandler(settings(name, api_timeout),
-                                    gateway=FakeGateway(server, RUN_NAME))
-        made.append(node)
+    def __init__(self, server: FakeApiServer) -> None:
+        self.server = server
+        self.made: list[K8sRendezvousHandler] = []
+        self.gateways: dict[str, FakeGateway] = {}
+
+    def __call__(self, name: str, api_timeout: float = 0.5) -> K8sRendezvousHandler:
+        self.gateways[name] = FakeGateway(self.server, RUN_NAME)
+        node = K8sRendezvousHandler(settings(name, api_timeout), gateway=self.gateways[name])
+        self.made.append(node)
         return node
 
-    yield make
-    for node in reversed(made):  # rank 0, the store's host, last
+    def gateway(self, node: K8sRendezvousHandler) -> FakeGateway:
+        return self.gateways[node.settings.node_name]
+
+    def listed(self, node: K8sRendezvousHandler) -> None:
+        """Until ``node`` has listed the join requests: its last request before it waits."""
+        until(lambda: self.gateway(node).reached["leases"], f"{node.settings.node_name} to list")
+
+
+@pytest.fixture
+def nodes(server: FakeApiServer) -> Iterator[Nodes]:
+    """The test's nodes, all shut down after it."""
+    made = Nodes(server)
+    yield made
+    for node in reversed(made.made):  # rank 0, the store's host, last
         node.shutdown()
 
 
@@ -80,20 +95,9 @@ def pool() -> Iterator[ThreadPoolExecutor]:
         yield threads
 
 
-def gateway(node: K8sRendezvousHandler) -> FakeGateway:
-    access = node._gateway
-    assert isinstance(access, FakeGateway)
-    return access
-
-
 def join_of(server: FakeApiServer, node: str) -> str | None:
     lease = server.lease_of(RUN_NAME, node)
     return None if lease is None else lease["metadata"].get("annotations", {}).get(JOIN_ANNOTATION)
-
-
-def listed(node: K8sRendezvousHandler) -> None:
-    """Until ``node`` has listed the join requests: its last request before it waits."""
-    until(lambda: gateway(node).reached["leases"], f"{node.settings.node_name} to list")
 
 
 def until(condition: Callable[[], object], what: str) -> None:
@@ -122,12 +126,12 @@ def infos(futures: list[Future[RendezvousInfo]]) -> list[RendezvousInfo]:
 
 
 def test_two_nodes_form_one_round_with_ranks_0_and_1(
-        server: FakeApiServer, nodes: Callable[[str], K8sRendezvousHandler],
+        server: FakeApiServer, nodes: Nodes,
         pool: ThreadPoolExecutor) -> None:
     server.seed_run(RUN_NAME, spec(2))
     a, b = nodes("a"), nodes("b")
     first = pool.submit(a.next_rendezvous)
-    listed(a)
+    nodes.listed(a)
     second = pool.submit(b.next_rendezvous)
     got = infos([first, second])
     assert [(info.rank, info.world_size) for info in got] == [(0, 2), (1, 2)]
@@ -139,7 +143,7 @@ def test_two_nodes_form_one_round_with_ranks_0_and_1(
 
 
 def test_a_lost_seal_is_retried_from_the_winners_state(
-        server: FakeApiServer, nodes: Callable[[str], K8sRendezvousHandler],
+        server: FakeApiServer, nodes: Nodes,
         pool: ThreadPoolExecutor) -> None:
     server.seed_run(RUN_NAME, spec(2))
     a, b = nodes("a"), nodes("b")
@@ -148,17 +152,17 @@ def test_a_lost_seal_is_retried_from_the_winners_state(
         run = parse_run(server.run(RUN_NAME))
         write_status(server, rounds.seal_round(run, now(), observer_pending(server)))
 
-    gateway(b).on_next("replace_status", other_seals_first)  # b's seal is fenced out
+    nodes.gateway(b).on_next("replace_status", other_seals_first)  # b's seal is fenced out
     first = pool.submit(a.next_rendezvous)
-    listed(a)
+    nodes.listed(a)
     got = infos([first, pool.submit(b.next_rendezvous)])
-    assert gateway(b).calls["replace_status"] == 1  # lost once, and not tried again
+    assert nodes.gateway(b).calls["replace_status"] == 1  # lost once, and not tried again
     assert server.run(RUN_NAME)["status"]["round"] == 1  # the winner's round, not a second one
     assert sorted((info.rank, info.world_size) for info in got) == [(0, 2), (1, 2)]
 
 
 def test_a_store_rank_0_did_not_announce_is_refused(
-        server: FakeApiServer, nodes: Callable[[str], K8sRendezvousHandler],
+        server: FakeApiServer, nodes: Nodes,
         pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(handler_mod, "STORE_CHECK_SECONDS", 0.2)
     seeded = server.seed_run(RUN_NAME, spec(3))
@@ -166,7 +170,7 @@ def test_a_store_rank_0_did_not_announce_is_refused(
     leader.acquire(WaitingNode(name="a", address="127.0.0.1", store_port=29400, since=now()))
     b = nodes("b")
     call = pool.submit(b.next_rendezvous)
-    listed(b)
+    nodes.listed(b)
     run = parse_run(server.run(RUN_NAME))
     sealed = rounds.seal_round(run, now(), observer_pending(server))
     assert sealed.store == StoreAddress("127.0.0.1", 29400) and sealed.participant("a")
@@ -176,12 +180,12 @@ def test_a_store_rank_0_did_not_announce_is_refused(
 
 
 def test_a_run_closed_while_waiting_ends_the_call_and_withdraws_the_request(
-        server: FakeApiServer, nodes: Callable[[str], K8sRendezvousHandler],
+        server: FakeApiServer, nodes: Nodes,
         pool: ThreadPoolExecutor) -> None:
     server.seed_run(RUN_NAME, spec(2))
     a = nodes("a")
     call = pool.submit(a.next_rendezvous)
-    listed(a)
+    nodes.listed(a)
     FakeGateway(server, RUN_NAME).close()
     run = parse_run(server.run(RUN_NAME))
     write_status(server, run.status.replace(phase="Closed", signal=run.status.signal + 1))
@@ -192,7 +196,7 @@ def test_a_run_closed_while_waiting_ends_the_call_and_withdraws_the_request(
 
 
 def test_a_succeeded_run_ends_the_call_with_exit_status_0(
-        server: FakeApiServer, nodes: Callable[[str], K8sRendezvousHandler]) -> None:
+        server: FakeApiServer, nodes: Nodes) -> None:
     server.seed_run(RUN_NAME, spec(2), RunStatus(phase="Succeeded", round=3, signal=5))
     with pytest.raises(RunSucceededError, match="already succeeded") as info:
         nodes("late").next_rendezvous()
@@ -200,49 +204,43 @@ def test_a_succeeded_run_ends_the_call_with_exit_status_0(
 
 
 def test_the_join_timeout_fails_the_call_and_withdraws_the_request(
-        server: FakeApiServer, nodes: Callable[[str], K8sRendezvousHandler]) -> None:
-    """The executor driven with a join deadline of 50 ms (the spec's is whole seconds)."""
-    server.seed_run(RUN_NAME, spec(2))
+        server: FakeApiServer, nodes: Nodes) -> None:
+    """The shortest join timeout a run may have, 1 s: the one test here that takes a second."""
+    server.seed_run(RUN_NAME, dataclasses.replace(spec(2), join_timeout=1))
     a = nodes("a")
-    session = a._connect()
-    run = session.current()
-    a._start_lease(session, run)
-    a.stores.fresh("127.0.0.1")
-    known = step.Knowledge(node="a", run=run, previous_round=0,
-                           join_deadline=time.monotonic() + 0.05)
     started = time.monotonic()
     with pytest.raises(RendezvousTimeoutError, match="no round formed within the join timeout"):
-        a._rendezvous(session, known)
-    assert time.monotonic() - started < 1.0
+        a.next_rendezvous()
+    assert 1.0 <= time.monotonic() - started < 1.5
     assert server.lease_of(RUN_NAME, "a") is not None and join_of(server, "a") is None
 
 
 def test_an_unreachable_api_server_is_a_connection_error_within_api_timeout(
-        server: FakeApiServer, nodes: Callable[[str], K8sRendezvousHandler]) -> None:
+        server: FakeApiServer, nodes: Nodes) -> None:
     server.seed_run(RUN_NAME, spec(2))
     a = nodes("a", 0.3)
-    gateway(a).fail_next("*", 1000)
+    nodes.gateway(a).fail_next("*", 1000)
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match=r"did not answer within 0s"):
         a.next_rendezvous()
     assert time.monotonic() - started <= 0.3 + 0.1
-    assert gateway(a).calls["read"] >= 3  # retried, not given up at once
-    gateway(a).heal()
+    assert nodes.gateway(a).calls["read"] >= 3  # retried, not given up at once
+    nodes.gateway(a).heal()
 
 
 def test_a_waiting_node_that_loses_the_api_server_fails_with_a_connection_error(
-        server: FakeApiServer, nodes: Callable[[str], K8sRendezvousHandler],
+        server: FakeApiServer, nodes: Nodes,
         pool: ThreadPoolExecutor) -> None:
     server.seed_run(RUN_NAME, spec(2))
     a = nodes("a", 0.3)
     call = pool.submit(a.next_rendezvous)
     # Listed (its last request before it waits), and watching.
-    until(lambda: gateway(a).reached["leases"] and server.watches, "a to wait on its watch")
-    gateway(a).fail_next("*", 1000)
+    until(lambda: nodes.gateway(a).reached["leases"] and server.watches, "a to wait on its watch")
+    nodes.gateway(a).fail_next("*", 1000)
     server.end_watches()  # the watch ends, and no request gets through again
     started = time.monotonic()
     with pytest.raises(RendezvousConnectionError, match=r"lost the watch .* \(api_timeout\)"):
         call.result(BOUND)
     # api_timeout, then at most the watch's next reconnect attempt (0.1, 0.2, 0.5 s apart)
     assert time.monotonic() - started < 0.3 + 0.5 + 0.2
-    gateway(a).heal()
+    nodes.gateway(a).heal()
