@@ -387,6 +387,7 @@ def operator_load(  # noqa: PLR0915 - one scenario read top to bottom: set up, m
     """
     from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
+    from elasticrun.api.gateway import RunGateway  # noqa: PLC0415
     from elasticrun.api.kube import run_path  # noqa: PLC0415
     from elasticrun.api.model import (  # noqa: PLC0415
         Participant,
@@ -417,7 +418,7 @@ def operator_load(  # noqa: PLR0915 - one scenario read top to bottom: set up, m
         nodes = [f"{name}-m{j}" for j in range(members)]
         for node in nodes:
             kubelet.create(node, name)
-            LeaseKeeper(cp.api, namespace, name, node, 600, 300,
+            LeaseKeeper(RunGateway(cp.api, namespace, name), node, 600, 300,
                         created["metadata"]["uid"]).acquire(None)
         participants = tuple(Participant(name=node, rank=j, address="127.0.0.1",
                                          store_port=20000 + j, joined_round=1, pod=node)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
+from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import (
     MERGE_PATCH,
     USER_AGENT,
@@ -208,8 +209,8 @@ class SimNode:
         s = self.shared
         run = json.loads(await self.requests.request("GET", run_path(s.namespace, s.run)))
         spec, meta = run["spec"], run["metadata"]
-        self.lease = LeaseKeeper(None, s.namespace, s.run, self.name,  # type: ignore[arg-type]
-                                 spec["heartbeatTimeoutSeconds"],
+        self.lease = LeaseKeeper(RunGateway(None, s.namespace, s.run),  # type: ignore[arg-type]
+                                 self.name, spec["heartbeatTimeoutSeconds"],
                                  spec["leaseRenewIntervalSeconds"], meta["uid"])
         join = WaitingNode(name=self.name, address="127.0.0.1", store_port=self.port,
                            since=now())

@@ -13,11 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from fakegateway import FakeApiServer, FakeGateway
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from elasticrun.api import rounds
 from elasticrun.api.change import ChangePolicy, change_status
-from elasticrun.api.kube import ApiConnectionError
 from elasticrun.api.model import ElasticRun, RunStatus
 from elasticrun.handler.session import RunSession
 from elasticrun.handler.settings import from_parameters
@@ -152,16 +152,6 @@ def test_a_policy_needs_a_bound() -> None:
         ChangePolicy(attempts=0)
 
 
-class Unreachable:
-    """The gateway of an API server that never answers."""
-
-    host = "https://10.0.0.1:6443"
-    client: Any = None
-
-    def read(self) -> dict[str, Any] | None:
-        raise ApiConnectionError("connection refused")
-
-
 def test_an_unreachable_api_server_is_torchs_connection_error_within_the_policys_time(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Through a node's session: the loop's remaining time bounds each call, and the
@@ -171,7 +161,9 @@ def test_an_unreachable_api_server_is_torchs_connection_error_within_the_policys
     monkeypatch.setenv("POD_IP", "10.1.2.3")
     settings = from_parameters(run_id="run", endpoint="", min_nodes=1, max_nodes=2,
                                local_addr=None, conf={})
-    session = RunSession(settings, Unreachable())  # type: ignore[arg-type]
+    unreachable = FakeGateway(FakeApiServer(), "run")
+    unreachable.fail_next("*", 100, "connection")
+    session = RunSession(settings, unreachable)
     clock = Clock()
     with pytest.raises(RendezvousConnectionError, match=r"did not answer within 0s"):
         change_status(session, leave_a, ChangePolicy(seconds=0.01), clock=clock,

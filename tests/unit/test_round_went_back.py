@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from fakegateway import FakeApiServer, FakeGateway
 from torch.distributed.elastic.rendezvous import RendezvousStateError
 
 from elasticrun.api.gateway import RunGateway
@@ -31,7 +32,7 @@ def raw(round_: int, rv: int, uid: str = "uid-1") -> dict[str, Any]:
 
 
 def watcher() -> RunWatcher:
-    return RunWatcher(client=None, namespace="ns", name="r")  # type: ignore[arg-type]
+    return RunWatcher(FakeGateway(FakeApiServer("ns"), "r"))
 
 
 def test_round_going_back_is_refused_and_kept_for_waiters() -> None:

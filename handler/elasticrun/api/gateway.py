@@ -1,7 +1,10 @@
 """The one gateway to an ElasticRun on the API server, for the handler and the operator.
 
-Every read and write of a run, and of its Leases as a set, goes through
-:class:`RunGateway`.  It builds the request bodies (the status compare-and-set,
+Every read, write and watch of a run, and of its Leases, goes through
+:class:`RunGateway`; the handler depends only on :class:`RunAccess`, the
+interface it implements, so its executor runs in unit tests against an
+in-memory fake that keeps the API server's contract (``tests/fakegateway.py``).
+:class:`RunGateway`  It builds the request bodies (the status compare-and-set,
 the announce patch) and answers the outcomes that are part of the protocol:
 ``None`` means "someone else wrote first" (409), "a test of the patch failed"
 (422) or "no such run" (404), depending on the call.  Every other failure is
@@ -15,8 +18,8 @@ it from a worker thread.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol
 
 from elasticrun.api import crd
 from elasticrun.api.kube import (
@@ -24,6 +27,7 @@ from elasticrun.api.kube import (
     MERGE_PATCH,
     ApiError,
     KubeClient,
+    Watch,
     lease_path,
     leases_path,
     run_path,
@@ -69,8 +73,69 @@ def announce_patch(status: RunStatus) -> list[dict[str, Any]]:
     ]
 
 
+class EventStream(Protocol):
+    """One watch: its events (``{"type": ..., "object": ...}``) in order until the server
+    ends it; :meth:`close` may be called from another thread to end it early."""
+
+    def __iter__(self) -> Iterator[dict[str, Any]]: ...
+
+    def close(self) -> None: ...
+
+
+class RunAccess(Protocol):
+    """What a node may do to its run and its run's Leases: every request of the handler.
+
+    ``None`` and ``False`` answers are the protocol outcomes named per method;
+    every other failure raises :class:`~elasticrun.api.kube.ApiError` or
+    :class:`~elasticrun.api.kube.ApiConnectionError`.  The node's own Lease is
+    named by its node (:func:`~elasticrun.api.naming.lease_name`).
+    """
+
+    @property
+    def namespace(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def host(self) -> str: ...
+
+    def read(self) -> dict[str, Any] | None: ...
+
+    def create(self, spec: RunSpec) -> dict[str, Any] | None: ...
+
+    def close(self) -> None: ...
+
+    def replace_status(self, resource_version: str | None, status: Mapping[str, Any],
+                       manager: str) -> dict[str, Any] | None: ...
+
+    def announce(self, status: RunStatus) -> dict[str, Any] | None: ...
+
+    def watch_run(self, signal: int, resource_version: str | None,
+                  timeout_seconds: int) -> EventStream: ...
+
+    def leases(self) -> list[dict[str, Any]]: ...
+
+    def lease(self, node: str) -> dict[str, Any] | None: ...
+
+    def listed_lease(self, node: str) -> dict[str, Any] | None: ...
+
+    def create_lease(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None: ...
+
+    def replace_lease(self, node: str, manifest: Mapping[str, Any]) -> dict[str, Any]: ...
+
+    def patch_lease(self, node: str, patch: Mapping[str, Any],
+                    timeout: float | None = None) -> dict[str, Any] | None: ...
+
+    def delete_lease(self, node: str, timeout: float | None = None) -> bool: ...
+
+    def watch_lease(self, node: str, resource_version: str | None,
+                    timeout_seconds: int) -> EventStream: ...
+
+
 class RunGateway:
-    """One ElasticRun (``namespace``/``name``) and its Leases, over one client."""
+    """One ElasticRun (``namespace``/``name``) and its Leases, over one client: :class:`RunAccess`
+    over HTTP, plus the operator's writes (annotations, members' assignments)."""
 
     def __init__(self, client: KubeClient, namespace: str, name: str) -> None:
         self.client = client
@@ -144,6 +209,18 @@ class RunGateway:
                 return None
             raise
 
+    def watch_run(self, signal: int, resource_version: str | None,
+                  timeout_seconds: int) -> Watch:
+        """The narrow watch: the run's events once its ``status.signal`` is not ``signal``.
+
+        While the signal stays, the run does not match the selector and the
+        server sends nothing; it ends the watch after ``timeout_seconds``.
+        """
+        selector = f"metadata.name={self.name},status.signal!={signal}"
+        return self.client.watch(runs_path(self.namespace),
+                                 {"fieldSelector": selector,
+                                  "resourceVersion": resource_version}, timeout_seconds)
+
     # ------------------------------------------------------------------ its Leases
 
     def leases(self) -> list[dict[str, Any]]:
@@ -196,3 +273,49 @@ class RunGateway:
 
     def lease_path(self, lease: str) -> str:
         return lease_path(self.namespace, lease)
+
+    # ------------------------------------------------------------------ a node's own Lease
+
+    def create_lease(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Create a Lease; None when its name is taken (409)."""
+        try:
+            return self.client.request("POST", leases_path(self.namespace), body=manifest)
+        except ApiError as exc:
+            if exc.conflict:
+                return None
+            raise
+
+    def replace_lease(self, node: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        """Replace ``node``'s Lease, fenced by the manifest's resourceVersion."""
+        return self.client.request("PUT", self.lease_path(lease_name(self.name, node)),
+                                   body=manifest)
+
+    def patch_lease(self, node: str, patch: Mapping[str, Any],
+                    timeout: float | None = None) -> dict[str, Any] | None:
+        """Merge ``patch`` into ``node``'s Lease; None when there is no such Lease (404)."""
+        try:
+            return self.client.request("PATCH", self.lease_path(lease_name(self.name, node)),
+                                       body=patch, content_type=MERGE_PATCH, timeout=timeout)
+        except ApiError as exc:
+            if exc.not_found:
+                return None
+            raise
+
+    def delete_lease(self, node: str, timeout: float | None = None) -> bool:
+        """Delete ``node``'s Lease; False when there was none (404)."""
+        try:
+            self.client.request("DELETE", self.lease_path(lease_name(self.name, node)),
+                                timeout=timeout)
+        except ApiError as exc:
+            if exc.not_found:
+                return False
+            raise
+        return True
+
+    def watch_lease(self, node: str, resource_version: str | None,
+                    timeout_seconds: int) -> Watch:
+        """``node``'s Lease's events (selected by name) after ``resource_version``; from
+        None, the server starts with the Lease as it is."""
+        return self.client.watch(leases_path(self.namespace),
+                                 {"fieldSelector": f"metadata.name={lease_name(self.name, node)}",
+                                  "resourceVersion": resource_version}, timeout_seconds)

@@ -54,7 +54,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from elasticrun.api import rounds
 from elasticrun.api.change import ChangePolicy, change_status
-from elasticrun.api.gateway import RunGateway
+from elasticrun.api.gateway import RunAccess, RunGateway
 from elasticrun.api.kube import KubeClient
 from elasticrun.api.leases import lease_state
 from elasticrun.api.model import (
@@ -121,14 +121,15 @@ class RunSucceededError(RendezvousClosedError, SystemExit):
 class K8sRendezvousHandler(RendezvousHandler):
     """A torch ``RendezvousHandler`` whose shared state is an ElasticRun.
 
-    ``gateway`` replaces the one built from the settings' credentials (for a
-    test that wants to act between the node's calls).
+    Every request the node makes goes through one :class:`~elasticrun.api.gateway.RunAccess`:
+    ``gateway`` replaces the one built from the settings' credentials (a test that
+    wants to act between the node's calls, or the in-memory fake of the unit tests).
     """
 
     def __init__(self, settings: RendezvousSettings, client: KubeClient | None = None,
-                 gateway: RunGateway | None = None) -> None:
+                 gateway: RunAccess | None = None) -> None:
         self.settings = settings
-        self._client = gateway.client if gateway is not None else client
+        self._client = client
         self._gateway = gateway
         self._session: RunSession | None = None
         self._lease: LeaseKeeper | None = None
@@ -419,17 +420,15 @@ class K8sRendezvousHandler(RendezvousHandler):
 
     def _start_lease(self, session: RunSession, run: ElasticRun) -> None:
         if self._lease is None:
-            self._lease = LeaseKeeper(session.gateway.client, self.settings.namespace,
-                                      self.settings.run_name, self.settings.node_name,
+            self._lease = LeaseKeeper(session.gateway, self.settings.node_name,
                                       run.spec.heartbeat_timeout, run.spec.lease_renew_interval,
                                       run.uid, on_deleted=session.watcher.recheck)
 
     def _watch_assignments(self, session: RunSession) -> None:
         """Watch our Lease for the operator's assignments (large runs), until the call ends."""
         if (self._mailbox is None or self._mailbox.stopped) and self._lease is not None:
-            self._mailbox = AssignmentWatch(session.gateway.client, self.settings.namespace,
-                                            self._lease.name, session.watcher.poke,
-                                            self.settings.watch_timeout)
+            self._mailbox = AssignmentWatch(session.gateway, self.settings.node_name,
+                                            session.watcher.poke, self.settings.watch_timeout)
             self._mailbox.start()
 
     # ------------------------------------------------------------------ operations

@@ -15,14 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from elasticrun.api import crd
-from elasticrun.api.kube import (
-    MERGE_PATCH,
-    ApiConnectionError,
-    ApiError,
-    KubeClient,
-    lease_path,
-    leases_path,
-)
+from elasticrun.api.gateway import RunAccess
+from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.leases import (
     ASSIGNMENT_ANNOTATION,
     JOIN_ANNOTATION,
@@ -55,22 +49,22 @@ class LeaseNameTakenError(NodeNameInUseError):
 
 
 class LeaseKeeper:
-    """Creates, renews and releases one node's Lease."""
+    """Creates, renews and releases one node's Lease, through its run's gateway."""
 
-    def __init__(self, client: KubeClient, namespace: str, run: str, node: str,
+    def __init__(self, access: RunAccess, node: str,
                  duration: int, interval: float, owner_uid: str | None,
                  on_deleted: Callable[[], bool] | None = None) -> None:
-        self.client = client
+        self.access = access
         #: Called when a renewal or a join finds the Lease gone; False means the
         #: run is gone too, and the Lease is not taken again.  The Lease is owned by
         #: the run, so that is how a deleted run shows itself first: the
         #: garbage collector (or the operator) deletes its Leases, while the
         #: node's narrow watch of the run cannot see the deletion.
         self.on_deleted = on_deleted
-        self.namespace = namespace
-        self.run = run
+        self.namespace = access.namespace
+        self.run = access.name
         self.node = node
-        self.name = lease_name(run, node)
+        self.name = lease_name(self.run, node)
         self.holder = f"{node}@{uuid.uuid4().hex[:8]}"
         self.duration = duration
         self.interval = interval
@@ -100,13 +94,9 @@ class LeaseKeeper:
 
     def acquire(self, join: WaitingNode | None = None) -> None:
         """Take the Lease (asking to join at once), refusing a name a live agent holds."""
-        try:
-            self.client.request("POST", leases_path(self.namespace), body=self._manifest(join))
+        if self.access.create_lease(self._manifest(join)) is not None:
             self.acquired = True
             return
-        except ApiError as exc:
-            if exc.status != 409:
-                raise
         current = self._existing()
         if lease_run(current) != self.run:
             raise LeaseNameTakenError(
@@ -124,7 +114,7 @@ class LeaseKeeper:
                 "node_name=...)")
         manifest = self._manifest(join)
         manifest["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-        self.client.request("PUT", lease_path(self.namespace, self.name), body=manifest)
+        self.access.replace_lease(self.node, manifest)
         self.acquired = True
 
     def _existing(self) -> dict[str, Any]:
@@ -135,17 +125,18 @@ class LeaseKeeper:
         is granted namespace-wide, so a LIST selected by name reads it instead.
         """
         try:
-            return self.client.request("GET", lease_path(self.namespace, self.name))
+            current = self.access.lease(self.node)
         except ApiError as exc:
             if exc.status != 403:
                 raise
-            listed = self.client.request("GET", leases_path(self.namespace), query={
-                "fieldSelector": f"metadata.name={self.name}"})
-            items = listed.get("items")
-            if not isinstance(items, list) or not items or not isinstance(items[0], dict):
+            found = self.access.listed_lease(self.node)
+            if found is None:
                 raise
-            found: dict[str, Any] = items[0]
             return found
+        if current is None:
+            # Deleted between the create's 409 and this read: the GET's own answer.
+            raise ApiError(404, "NotFound", f"leases {self.name!r} not found", {})
+        return current
 
     def set_join(self, join: WaitingNode | None) -> None:
         """Ask to join the next round (or withdraw): one write to our own object.
@@ -154,16 +145,12 @@ class LeaseKeeper:
         assignment, which belonged to the round this node is leaving.
         """
         value = join_value(join) if join is not None else None
-        try:
-            self._annotate({JOIN_ANNOTATION: value, UNREACHABLE_ANNOTATION: None,
-                            ASSIGNMENT_ANNOTATION: None})
-        except ApiError as exc:
-            if not exc.not_found:
-                raise
-            # Removed (e.g. by the operator as lost): take it again, unless it went
-            # with the run; a Lease made now would outlive the run it names.
-            if join is not None and not self._gone_with_run():
-                self.acquire(join)
+        annotated = self._annotate({JOIN_ANNOTATION: value, UNREACHABLE_ANNOTATION: None,
+                                    ASSIGNMENT_ANNOTATION: None})
+        # Removed (e.g. by the operator as lost): take it again, unless it went
+        # with the run; a Lease made now would outlive the run it names.
+        if not annotated and join is not None and not self._gone_with_run():
+            self.acquire(join)
 
     def report_unreachable(self, leader: str, round_number: int, timeout: float) -> None:
         """Tell the operator that ``leader``'s store did not answer us (best effort).
@@ -172,8 +159,11 @@ class LeaseKeeper:
         noticed by its Lease expiring instead.
         """
         try:
-            self._annotate({UNREACHABLE_ANNOTATION: unreachable_value(leader, round_number)},
-                           timeout)
+            if not self._annotate({UNREACHABLE_ANNOTATION: unreachable_value(leader,
+                                                                             round_number)},
+                                  timeout):
+                log.info("lease %s: reporting %s unreachable failed: the Lease is gone",
+                         self.name, leader)
         except (ApiError, ApiConnectionError) as exc:
             log.info("lease %s: reporting %s unreachable failed: %s", self.name, leader, exc)
 
@@ -181,17 +171,14 @@ class LeaseKeeper:
         """Withdraw our join request, keeping the Lease; False if that failed."""
         try:
             self._annotate({JOIN_ANNOTATION: None}, timeout)
-        except ApiError as exc:
-            return bool(exc.not_found)
-        except ApiConnectionError:
+        except (ApiError, ApiConnectionError):
             return False
         return True
 
-    def _annotate(self, values: dict[str, str | None], timeout: float | None = None) -> None:
-        """One merge patch of our Lease's annotations (None removes one)."""
-        self.client.request("PATCH", lease_path(self.namespace, self.name),
-                            body={"metadata": {"annotations": values}},
-                            content_type=MERGE_PATCH, timeout=timeout)
+    def _annotate(self, values: dict[str, str | None], timeout: float | None = None) -> bool:
+        """One merge patch of our Lease's annotations (None removes one); False: no Lease."""
+        return self.access.patch_lease(self.node, {"metadata": {"annotations": values}},
+                                       timeout) is not None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._renew_loop, daemon=True,
@@ -201,22 +188,18 @@ class LeaseKeeper:
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self.client.request(
-                    "PATCH", lease_path(self.namespace, self.name),
-                    body={"spec": {"renewTime": format_time(now()),
-                                   "holderIdentity": self.holder}},
-                    content_type=MERGE_PATCH)
-            except ApiError as exc:
-                if exc.not_found:
-                    if self._gone_with_run():
-                        log.warning("lease %s was deleted with its ElasticRun", self.name)
-                        continue
-                    log.warning("lease %s was deleted; re-creating it", self.name)
-                    self._try(self.acquire)
-                else:
-                    log.warning("renewing lease %s failed: %s", self.name, exc)
-            except ApiConnectionError as exc:
+                renewed = self.access.patch_lease(
+                    self.node, {"spec": {"renewTime": format_time(now()),
+                                         "holderIdentity": self.holder}})
+            except (ApiError, ApiConnectionError) as exc:
                 log.warning("renewing lease %s failed: %s", self.name, exc)
+                continue
+            if renewed is None:
+                if self._gone_with_run():
+                    log.warning("lease %s was deleted with its ElasticRun", self.name)
+                    continue
+                log.warning("lease %s was deleted; re-creating it", self.name)
+                self._try(self.acquire)
 
     def _gone_with_run(self) -> bool:
         """Our Lease is gone: whether its run went too (``on_deleted`` says False)."""
@@ -235,10 +218,6 @@ class LeaseKeeper:
         if self._thread:
             self._thread.join(timeout)
         try:
-            self.client.request("DELETE", lease_path(self.namespace, self.name),
-                                timeout=timeout)
-        except ApiError as exc:
-            if not exc.not_found:
-                log.warning("releasing lease %s failed: %s", self.name, exc)
-        except ApiConnectionError as exc:
+            self.access.delete_lease(self.node, timeout)
+        except (ApiError, ApiConnectionError) as exc:
             log.warning("releasing lease %s failed: %s", self.name, exc)

@@ -18,22 +18,25 @@ from collections.abc import Callable
 from typing import Any
 
 from elasticrun.api import untrusted
-from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, leases_path
+from elasticrun.api.gateway import RunAccess
+from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.leases import ASSIGNMENT_ANNOTATION, read_assignment
 from elasticrun.api.model import Assignment
+from elasticrun.api.naming import lease_name
 from elasticrun.handler.watcher import RECONNECT_DELAYS
 
 log = logging.getLogger(__name__)
 
 
 class AssignmentWatch:
-    """Keeps the assignment last written on one Lease, and calls ``on_change`` when it moves."""
+    """Keeps the assignment last written on ``node``'s Lease, and calls ``on_change`` when
+    it moves."""
 
-    def __init__(self, client: KubeClient, namespace: str, lease: str,
+    def __init__(self, access: RunAccess, node: str,
                  on_change: Callable[[], None], watch_timeout: int = 300) -> None:
-        self.client = client
-        self.namespace = namespace
-        self.lease = lease
+        self.access = access
+        self.node = node
+        self.lease = lease_name(access.name, node)
         self.on_change = on_change
         self.watch_timeout = watch_timeout
         self._latest: Assignment | None = None
@@ -85,9 +88,7 @@ class AssignmentWatch:
 
     def _watch_once(self, resource_version: str | None) -> str | None:
         """Follow the Lease until the server ends the watch; the version to go on from."""
-        watch = self.client.watch(leases_path(self.namespace),
-                                  {"fieldSelector": f"metadata.name={self.lease}",
-                                   "resourceVersion": resource_version}, self.watch_timeout)
+        watch = self.access.watch_lease(self.node, resource_version, self.watch_timeout)
         self._current = watch
         try:
             if self._stop.is_set():

@@ -18,7 +18,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
 )
 
-from elasticrun.api.gateway import RunGateway
+from elasticrun.api.gateway import RunAccess
 from elasticrun.api.leases import LeaseState, RenewalClock, lease_state, pending_joins
 from elasticrun.api.model import ElasticRun, InvalidRunError, RunStatus, WaitingNode, now
 from elasticrun.api.ordering import newer
@@ -33,12 +33,11 @@ SEAL_MANAGER = "elasticrun-seal"
 
 
 class RunSession:
-    def __init__(self, settings: RendezvousSettings, gateway: RunGateway) -> None:
+    def __init__(self, settings: RendezvousSettings, gateway: RunAccess) -> None:
         self.settings = settings
         self.gateway = gateway
         self.call = ApiCalls(settings, gateway.host)
-        self.watcher = RunWatcher(gateway.client, settings.namespace, settings.run_name,
-                                  settings.watch_timeout)
+        self.watcher = RunWatcher(gateway, settings.watch_timeout)
         self._mismatch_logged = False
         #: When this node saw each of the run's Leases renewed, by its own clock, across
         #: every LIST and GET of the session: other nodes' clocks are not ours.

@@ -18,7 +18,8 @@ import threading
 import time
 from typing import Any
 
-from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, run_path, runs_path
+from elasticrun.api.gateway import RunAccess
+from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.model import ElasticRun, InvalidRunError, parse_run
 from elasticrun.api.ordering import RoundMark, newer
 
@@ -44,11 +45,10 @@ class RunWatcher:
     reads the object once.
     """
 
-    def __init__(self, client: KubeClient, namespace: str, name: str,
-                 watch_timeout: int = 300) -> None:
-        self.client = client
-        self.namespace = namespace
-        self.name = name
+    def __init__(self, access: RunAccess, watch_timeout: int = 300) -> None:
+        self.access = access
+        self.namespace = access.namespace
+        self.name = access.name
         self.watch_timeout = watch_timeout
         self._cond = threading.Condition()
         self._latest: ElasticRun | None = None
@@ -156,13 +156,11 @@ class RunWatcher:
             self._thread.join(timeout)
 
     def _relist(self) -> ElasticRun | None:
-        try:
-            return self.offer(self.client.request("GET", run_path(self.namespace, self.name)))
-        except ApiError as exc:
-            if exc.not_found:
-                self._fail(RunDeletedError(f"ElasticRun {self.namespace}/{self.name} was deleted"))
-                return None
-            raise
+        raw = self.access.read()
+        if raw is None:
+            self._fail(RunDeletedError(f"ElasticRun {self.namespace}/{self.name} was deleted"))
+            return None
+        return self.offer(raw)
 
     def _run(self) -> None:
         failures = 0
@@ -216,13 +214,8 @@ class RunWatcher:
         self._relist()
 
     def _watch_once(self, run: ElasticRun) -> None:
-        signal = run.status.signal
-        resource_version = run.resource_version
-        selector = f"metadata.name={self.name},status.signal!={signal}"
-        watch = self.client.watch(runs_path(self.namespace),
-                                  {"fieldSelector": selector,
-                                   "resourceVersion": resource_version},
-                                  self.watch_timeout)
+        watch = self.access.watch_run(run.status.signal, run.resource_version,
+                                      self.watch_timeout)
         self._current_watch = watch
         self.watches_opened += 1
         if self._stop.is_set():  # stop() ran while the request was being opened

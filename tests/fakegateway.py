@@ -1,0 +1,428 @@
+"""An in-memory API server and gateway: :class:`~elasticrun.api.gateway.RunAccess` without one.
+
+torch tests its rendezvous executor through a fake state holder; this is ours.
+:class:`FakeApiServer` holds the runs and Leases of one namespace and keeps
+the parts of the API server's contract the node relies on:
+
+- every write gives the object a new ``resourceVersion``, strictly increasing
+  across all objects (etcd's revision);
+- a write fenced by a ``resourceVersion`` that is not the stored one is a 409,
+  a write of a missing object a 404, a create of an existing name a 409;
+- a run's status is written only through its status (a create drops it);
+- a JSON patch applies all or nothing, and a ``test`` of a value that differs,
+  or of a field that is missing, fails the patch with a 422;
+- watches deliver ADDED/MODIFIED/DELETED in resourceVersion order, from a
+  given ``resourceVersion`` (never the state as of it) or, from none, the
+  object as it is first; a field selector that stops matching is a DELETED
+  of the object as it now is, one that starts matching an ADDED; a watch
+  from a ``resourceVersion`` older than the kept history gets a 410 ERROR
+  event (:meth:`FakeApiServer.compact`); the server ends a watch after its
+  ``timeout_seconds``.
+
+:class:`FakeGateway` is one client's view of one run (each node holds its
+own), answering the protocol outcomes exactly as
+:class:`~elasticrun.api.gateway.RunGateway` does (409 of a seal, 422 of an
+announce, 404 of a read as ``None`` or ``False``).  Its fault injection
+(:meth:`FakeGateway.fail_next`, :meth:`FakeGateway.on_next`) fails or
+interleaves the next calls of one method, or of every method (``"*"``).
+An unset ``status.signal`` is compared as ``""`` by the narrow watch's
+selector (the API server's value for a missing selectable field).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+from elasticrun.api import crd
+from elasticrun.api.gateway import RunAccess, announce_patch, status_body
+from elasticrun.api.kube import ApiConnectionError, ApiError
+from elasticrun.api.leases import leases_of
+from elasticrun.api.model import RunSpec, RunStatus, new_run_manifest
+from elasticrun.api.naming import label_value, lease_name
+
+RUN, LEASE = "run", "lease"
+Key = tuple[str, str]  # (kind, name)
+#: Whether a watch wants an object (as stored, or None once deleted).
+Selector = Callable[[dict[str, Any] | None], bool]
+Fault = Literal["connection", "conflict"]
+_T = TypeVar("_T")
+#: The error statuses :class:`~elasticrun.api.gateway.RunGateway` answers as None or False.
+NOT_FOUND, CONFLICT, TEST_FAILED = frozenset({404}), frozenset({409}), frozenset({422})
+
+
+def api_error(status: int, reason: str, message: str) -> ApiError:
+    """The error the real client raises for an error status."""
+    return ApiError(status, reason, message, {"kind": "Status", "code": status,
+                                              "reason": reason, "message": message})
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386: objects merge, ``None`` removes a key, anything else replaces."""
+    if not isinstance(patch, Mapping):
+        return copy.deepcopy(patch)
+    merged = dict(target) if isinstance(target, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = merge_patch(merged.get(key), value)
+    return merged
+
+
+def json_patch(target: dict[str, Any], operations: list[dict[str, Any]]) -> dict[str, Any]:
+    """RFC 6902 ``test`` and ``replace`` on object paths, all or nothing; 422 if one fails."""
+    patched = copy.deepcopy(target)
+    for op in operations:
+        *parents, last = [part for part in op["path"].split("/") if part]
+        node: Any = patched
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or last not in node:
+            raise api_error(422, "Invalid", f"{op['op']} {op['path']}: no such field")
+        if op["op"] == "test" and node[last] != op["value"]:
+            raise api_error(422, "Invalid", f"test {op['path']}: the value differs")
+        if op["op"] == "replace":
+            node[last] = copy.deepcopy(op["value"])
+        elif op["op"] != "test":
+            raise api_error(422, "Invalid", f"unsupported operation {op['op']}")
+    return patched
+
+
+@dataclass(eq=False)
+class FakeWatch:
+    """One open watch: the events queued for it, until closed or its time is up."""
+
+    server: FakeApiServer
+    key: Key
+    selector: Selector
+    ends_at: float
+    events: deque[dict[str, Any]] = field(default_factory=deque)
+    closed: bool = False
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        cond = self.server.cond
+        while True:
+            with cond:
+                while not self.events and not self.closed:
+                    remaining = self.ends_at - time.monotonic()
+                    if remaining <= 0:
+                        self.closed = True
+                        break
+                    cond.wait(remaining)
+                if not self.events:
+                    self.server.watches.discard(self)
+                    return
+                event = self.events.popleft()
+            yield event
+
+    def close(self) -> None:
+        with self.server.cond:
+            self.closed = True
+            self.events.clear()
+            self.server.watches.discard(self)
+            self.server.cond.notify_all()
+
+    def offer(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        """Queue what a change of the object means to this watch's selector, if anything."""
+        was, now = old is not None and self.selector(old), new is not None and self.selector(new)
+        if now:
+            self.events.append({"type": "MODIFIED" if was else "ADDED",
+                                "object": copy.deepcopy(new)})
+        elif was:
+            self.events.append({"type": "DELETED", "object": copy.deepcopy(new or old)})
+
+
+class FakeApiServer:
+    """The runs and Leases of one namespace, as the API server would keep them."""
+
+    def __init__(self, namespace: str = "ns") -> None:
+        self.namespace = namespace
+        self.cond = threading.Condition()
+        self.objects: dict[Key, dict[str, Any]] = {}
+        #: Every change since the last compaction: (resourceVersion, key, old, new).
+        self.history: list[tuple[int, Key, dict[str, Any] | None, dict[str, Any] | None]] = []
+        self.compacted_at = 0
+        self.watches: set[FakeWatch] = set()
+        self._revision = itertools.count(1)
+        self._uids = itertools.count(1)
+
+    # ------------------------------------------------------------------ storage
+
+    def get(self, key: Key) -> dict[str, Any]:
+        with self.cond:
+            stored = self.objects.get(key)
+            if stored is None:
+                raise api_error(404, "NotFound", f"{key[0]} {key[1]!r} not found")
+            return copy.deepcopy(stored)
+
+    def list(self, kind: str) -> list[dict[str, Any]]:
+        with self.cond:
+            return [copy.deepcopy(obj) for (k, _), obj in self.objects.items() if k == kind]
+
+    def create(self, key: Key, obj: Mapping[str, Any]) -> dict[str, Any]:
+        with self.cond:
+            if key in self.objects:
+                raise api_error(409, "AlreadyExists", f"{key[0]} {key[1]!r} already exists")
+            stored = copy.deepcopy(dict(obj))
+            meta = stored.setdefault("metadata", {})
+            meta["uid"] = f"uid-{next(self._uids)}"
+            meta.setdefault("namespace", self.namespace)
+            return self._store(key, None, stored)
+
+    def update(self, key: Key, change: Callable[[dict[str, Any]], dict[str, Any]],
+               resource_version: str | None = None) -> dict[str, Any]:
+        """``change`` applied to the stored object, fenced by ``resource_version`` if given."""
+        with self.cond:
+            old = self.objects.get(key)
+            if old is None:
+                raise api_error(404, "NotFound", f"{key[0]} {key[1]!r} not found")
+            if resource_version is not None \
+                    and resource_version != old["metadata"]["resourceVersion"]:
+                raise api_error(409, "Conflict", f"the object {key[1]!r} has been modified; "
+                                "please apply your changes to the latest version")
+            new = change(copy.deepcopy(old))
+            new["metadata"] = {**new.get("metadata", {}), "uid": old["metadata"]["uid"],
+                               "name": key[1]}
+            return self._store(key, old, new)
+
+    def delete(self, key: Key) -> dict[str, Any]:
+        """Remove the object; what was stored."""
+        with self.cond:
+            old = self.objects.pop(key, None)
+            if old is None:
+                raise api_error(404, "NotFound", f"{key[0]} {key[1]!r} not found")
+            revision = next(self._revision)
+            self.history.append((revision, key, old, None))
+            self._notify(key, old, None)
+            return copy.deepcopy(old)
+
+    def _store(self, key: Key, old: dict[str, Any] | None,
+               new: dict[str, Any]) -> dict[str, Any]:
+        revision = next(self._revision)
+        new["metadata"]["resourceVersion"] = str(revision)
+        self.objects[key] = new
+        self.history.append((revision, key, old, new))
+        self._notify(key, old, new)
+        return copy.deepcopy(new)
+
+    def _notify(self, key: Key, old: dict[str, Any] | None,
+                new: dict[str, Any] | None) -> None:
+        for watch in self.watches:
+            if watch.key == key:
+                watch.offer(old, new)
+        self.cond.notify_all()
+
+    def end_watches(self) -> None:
+        """The server ends every open watch (a restart, say): each stream stops after the
+        events already queued, as if its time were up."""
+        with self.cond:
+            for watch in self.watches:
+                watch.closed = True
+            self.watches.clear()
+            self.cond.notify_all()
+
+    def compact(self) -> None:
+        """Forget the history: a watch from an older resourceVersion gets a 410."""
+        with self.cond:
+            self.history.clear()
+            self.compacted_at = next(self._revision)
+
+    # ------------------------------------------------------------------ watches
+
+    def watch(self, key: Key, selector: Selector, resource_version: str | None,
+              timeout_seconds: float) -> FakeWatch:
+        with self.cond:
+            watch = FakeWatch(self, key, selector, time.monotonic() + timeout_seconds)
+            if resource_version is None:
+                current = self.objects.get(key)
+                if current is not None and selector(current):
+                    watch.events.append({"type": "ADDED", "object": copy.deepcopy(current)})
+            elif int(resource_version) < self.compacted_at:
+                watch.events.append({"type": "ERROR", "object": {
+                    "kind": "Status", "code": 410, "reason": "Expired",
+                    "message": f"too old resource version: {resource_version}"}})
+                watch.closed = True
+                return watch
+            else:
+                for revision, changed, old, new in self.history:
+                    if changed == key and revision > int(resource_version):
+                        watch.offer(old, new)
+            self.watches.add(watch)
+            return watch
+
+    # ------------------------------------------------------------------ test helpers
+
+    def seed_run(self, name: str, spec: RunSpec, status: RunStatus | None = None
+                 ) -> dict[str, Any]:
+        """A run as the operator leaves it: created, then its first status written."""
+        self.create((RUN, name), new_run_manifest(name, self.namespace, spec))
+        first = (status or RunStatus()).to_dict()
+        return self.update((RUN, name), lambda run: {**run, "status": first})
+
+    def run(self, name: str) -> dict[str, Any]:
+        return self.get((RUN, name))
+
+    def lease_of(self, run: str, node: str) -> dict[str, Any] | None:
+        with self.cond:
+            stored = self.objects.get((LEASE, lease_name(run, node)))
+            return copy.deepcopy(stored) if stored is not None else None
+
+
+class FakeGateway:
+    """One client's :class:`~elasticrun.api.gateway.RunAccess` to run ``name`` on ``server``."""
+
+    host = "https://fake-apiserver"
+
+    def __init__(self, server: FakeApiServer, name: str) -> None:
+        self.server = server
+        self.namespace = server.namespace
+        self.name = name
+        #: Calls made, by method name (faulted ones included), and those that got past the
+        #: faults to the server.
+        self.calls: Counter[str] = Counter()
+        self.reached: Counter[str] = Counter()
+        self._faults: dict[str, deque[Fault]] = {}
+        self._hooks: dict[str, deque[Callable[[], None]]] = {}
+
+    # ------------------------------------------------------------------ fault injection
+
+    def fail_next(self, method: str, times: int = 1, error: Fault = "connection") -> None:
+        """The next ``times`` calls of ``method`` (``"*"``: of any method) fail with ``error``:
+        an unreachable server, or a 409 (which a method answers as the real gateway does)."""
+        self._faults.setdefault(method, deque()).extend([error] * times)
+
+    def heal(self) -> None:
+        """Drop every fault not yet used."""
+        self._faults.clear()
+
+    def on_next(self, method: str, action: Callable[[], None]) -> None:
+        """Run ``action`` just before the next call of ``method`` reaches the server
+        (another writer's request landing in between, say)."""
+        self._hooks.setdefault(method, deque()).append(action)
+
+    def _request(self, method: str) -> None:
+        self.calls[method] += 1
+        hooks = self._hooks.get(method)
+        if hooks:
+            hooks.popleft()()
+        for queue in (self._faults.get(method), self._faults.get("*")):
+            if queue:
+                if queue.popleft() == "conflict":
+                    raise api_error(409, "Conflict", f"{method}: injected conflict")
+                raise ApiConnectionError(f"{method} {self.host}: injected connection error")
+        self.reached[method] += 1
+
+    def _answer(self, method: str, action: Callable[[], _T],
+                answered: frozenset[int] = frozenset()) -> _T | None:
+        """``action`` as a request of ``method``; None for an error status the real gateway
+        answers itself (``answered``), every other failure raised."""
+        try:
+            self._request(method)
+            return action()
+        except ApiError as exc:
+            if exc.status in answered:
+                return None
+            raise
+
+    # ------------------------------------------------------------------ the run
+
+    def read(self) -> dict[str, Any] | None:
+        return self._answer("read", lambda: self.server.get(self._run), NOT_FOUND)
+
+    def create(self, spec: RunSpec) -> dict[str, Any] | None:
+        manifest = new_run_manifest(self.name, self.namespace, spec)
+        return self._answer("create", lambda: self.server.create(self._run, manifest), CONFLICT)
+
+    def close(self) -> None:
+        self._answer("close", lambda: self.server.update(
+            self._run, lambda run: merge_patch(run, {"spec": {"closed": True}})))
+
+    def replace_status(self, resource_version: str | None, status: Mapping[str, Any],
+                       manager: str) -> dict[str, Any] | None:
+        body = status_body(self.namespace, self.name, resource_version, status)
+
+        def write() -> dict[str, Any]:
+            if resource_version is None:  # a custom resource is never updated unconditionally
+                raise api_error(422, "Invalid", "metadata.resourceVersion: must be specified")
+            return self.server.update(self._run, lambda run: {**run, "status": body["status"]},
+                                      resource_version)
+
+        return self._answer("replace_status", write, CONFLICT)
+
+    def announce(self, status: RunStatus) -> dict[str, Any] | None:
+        patch = announce_patch(status)
+        return self._answer("announce", lambda: self.server.update(
+            self._run, lambda run: json_patch(run, patch)), TEST_FAILED)
+
+    def watch_run(self, signal: int, resource_version: str | None,
+                  timeout_seconds: int) -> FakeWatch:
+        self._request("watch_run")
+
+        def moved(run: dict[str, Any] | None) -> bool:
+            value = (run or {}).get("status", {}).get("signal", "")
+            return str(value) != str(signal)
+
+        return self.server.watch(self._run, moved, resource_version, timeout_seconds)
+
+    # ------------------------------------------------------------------ its Leases
+
+    @property
+    def _run(self) -> Key:
+        return (RUN, self.name)
+
+    def _lease(self, node: str) -> Key:
+        return (LEASE, lease_name(self.name, node))
+
+    def leases(self) -> list[dict[str, Any]]:
+        self._request("leases")
+        label = label_value(self.name)
+        items = [lease for lease in self.server.list(LEASE)
+                 if lease.get("metadata", {}).get("labels", {}).get(crd.RUN_LABEL) == label]
+        return leases_of({"items": items}, self.name)
+
+    def lease(self, node: str) -> dict[str, Any] | None:
+        return self._answer("lease", lambda: self.server.get(self._lease(node)), NOT_FOUND)
+
+    def listed_lease(self, node: str) -> dict[str, Any] | None:
+        self._request("listed_lease")
+        wanted = lease_name(self.name, node)
+        found = [lease for lease in self.server.list(LEASE)
+                 if lease["metadata"]["name"] == wanted]
+        return found[0] if len(found) == 1 else None
+
+    def create_lease(self, manifest: Mapping[str, Any]) -> dict[str, Any] | None:
+        key = (LEASE, str(manifest["metadata"]["name"]))
+        return self._answer("create_lease", lambda: self.server.create(key, manifest), CONFLICT)
+
+    def replace_lease(self, node: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
+        body = copy.deepcopy(dict(manifest))
+        replaced = self._answer("replace_lease", lambda: self.server.update(
+            self._lease(node), lambda _: body, body.get("metadata", {}).get("resourceVersion")))
+        assert replaced is not None
+        return replaced
+
+    def patch_lease(self, node: str, patch: Mapping[str, Any],
+                    timeout: float | None = None) -> dict[str, Any] | None:
+        return self._answer("patch_lease", lambda: self.server.update(
+            self._lease(node), lambda lease: merge_patch(lease, patch)), NOT_FOUND)
+
+    def delete_lease(self, node: str, timeout: float | None = None) -> bool:
+        return self._answer("delete_lease", lambda: self.server.delete(self._lease(node)),
+                            NOT_FOUND) is not None
+
+    def watch_lease(self, node: str, resource_version: str | None,
+                    timeout_seconds: int) -> FakeWatch:
+        self._request("watch_lease")
+        return self.server.watch(self._lease(node), lambda _: True, resource_version,
+                                 timeout_seconds)
+
+def _implements(gateway: FakeGateway) -> RunAccess:
+    """mypy checks here that the fake has every method of the interface, typed alike."""
+    return gateway

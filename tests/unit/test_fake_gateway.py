@@ -1,0 +1,150 @@
+"""The in-memory gateway keeps the API server's contract the handler relies on.
+
+The executor's unit tests are only as good as the fake under them: these pin
+the resourceVersion fencing, the 404s, the announce patch's ``test`` semantics,
+the watch events and the fault injection (``tests/fakegateway.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fakegateway import LEASE, RUN, FakeApiServer, FakeGateway
+
+from elasticrun.api import crd
+from elasticrun.api.kube import ApiConnectionError, ApiError
+from elasticrun.api.model import RunSpec, RunStatus
+from elasticrun.api.naming import label_value, lease_name
+
+
+def run_with(status: RunStatus | None = None) -> tuple[FakeApiServer, FakeGateway]:
+    server = FakeApiServer()
+    server.seed_run("r", RunSpec(min_nodes=1, max_nodes=2), status)
+    return server, FakeGateway(server, "r")
+
+
+def rv(obj: dict[str, Any] | None) -> int:
+    assert obj is not None
+    return int(obj["metadata"]["resourceVersion"])
+
+
+def lease(node: str) -> dict[str, Any]:
+    return {"metadata": {"name": lease_name("r", node),
+                         "labels": {crd.RUN_LABEL: label_value("r")},
+                         "annotations": {crd.NODE_ANNOTATION: node, crd.RUN_LABEL: "r"}},
+            "spec": {"holderIdentity": node}}
+
+
+def test_every_write_gets_a_higher_resource_version_across_objects() -> None:
+    server, gateway = run_with()
+    first = gateway.read()
+    created = gateway.create_lease(lease("a"))
+    patched = gateway.patch_lease("a", {"spec": {"holderIdentity": "b"}})
+    closed = server.run("r")
+    gateway.close()
+    assert rv(first) < rv(created) < rv(patched) < rv(server.run("r"))
+    assert rv(closed) == rv(first)  # a read changes nothing
+    assert server.run("r")["spec"]["closed"] is True
+
+
+def test_a_stale_status_write_is_the_conflict_the_real_gateway_answers_with_none() -> None:
+    _, gateway = run_with()
+    read = gateway.read()
+    assert read is not None
+    written = gateway.replace_status(read["metadata"]["resourceVersion"], {"round": 1}, "m")
+    assert written is not None and written["status"] == {"round": 1}
+    assert gateway.replace_status(read["metadata"]["resourceVersion"], {"round": 2}, "m") is None
+    assert gateway.read()["status"] == {"round": 1}  # type: ignore[index]
+
+
+def test_missing_objects_are_404s_answered_as_the_real_gateway_does() -> None:
+    server = FakeApiServer()
+    gateway = FakeGateway(server, "gone")
+    assert gateway.read() is None
+    assert gateway.lease("a") is None and gateway.listed_lease("a") is None
+    assert gateway.patch_lease("a", {"spec": {}}) is None
+    assert gateway.delete_lease("a") is False
+    with pytest.raises(ApiError) as info:
+        gateway.replace_status("1", {}, "m")
+    assert info.value.not_found
+    assert gateway.create(RunSpec()) is not None and gateway.create(RunSpec()) is None
+    assert "status" not in server.run("gone")  # a create never writes the status
+
+
+def test_the_announce_test_fails_on_a_moved_counter_and_on_a_missing_one() -> None:
+    _, gateway = run_with(RunStatus(round=1, signal=3, join_notice=0))
+    raw = gateway.read()
+    assert raw is not None
+    stale = RunStatus(round=1, signal=2, join_notice=0)
+    assert gateway.announce(stale) is None
+    announced = gateway.announce(RunStatus(round=1, signal=3, join_notice=0))
+    assert announced is not None
+    assert (announced["status"]["signal"], announced["status"]["joinNotice"]) == (4, 1)
+    bare = FakeApiServer()
+    bare.create((RUN, "r"), {"metadata": {"name": "r"}, "spec": {}})
+    assert FakeGateway(bare, "r").announce(RunStatus()) is None  # no status: the test fails
+    bare.update((RUN, "r"), lambda run: {**run, "status": {"signal": 0}})
+    assert FakeGateway(bare, "r").announce(RunStatus()) is None  # no joinNotice: it fails too
+    assert "joinNotice" not in bare.run("r")["status"]  # all or nothing
+
+
+def test_the_narrow_watch_sends_added_when_the_signal_moves_and_nothing_before() -> None:
+    server, gateway = run_with(RunStatus(signal=1))
+    start = gateway.read()
+    assert start is not None
+    watch = gateway.watch_run(1, start["metadata"]["resourceVersion"], 5)
+    gateway.create_lease(lease("a"))  # another object: not this watch's
+    gateway.patch_lease("a", {"spec": {"holderIdentity": "x"}})
+    same = gateway.replace_status(start["metadata"]["resourceVersion"],
+                                  {"signal": 1, "round": 0}, "m")
+    moved = gateway.replace_status(same["metadata"]["resourceVersion"],  # type: ignore[index]
+                                   {"signal": 2, "round": 1}, "m")
+    back = gateway.replace_status(moved["metadata"]["resourceVersion"],  # type: ignore[index]
+                                  {"signal": 1, "round": 1}, "m")
+    server.delete((RUN, "r"))
+    events = iter(watch)
+    seen = [next(events) for _ in range(2)]
+    watch.close()
+    assert [(e["type"], rv(e["object"])) for e in seen] == [("ADDED", rv(moved)),
+                                                             ("DELETED", rv(back))]
+    assert list(events) == []  # closed: the stream ends
+
+
+def test_a_watch_replays_from_its_version_in_order_and_ends_on_time() -> None:
+    server, gateway = run_with()
+    gateway.create_lease(lease("a"))
+    after = gateway.patch_lease("a", {"metadata": {"annotations": {"x": "1"}}})
+    gateway.patch_lease("a", {"metadata": {"annotations": {"x": "2"}}})
+    server.delete((LEASE, after["metadata"]["name"]))  # type: ignore[index]
+    events = list(gateway.watch_lease("a", str(rv(after)), 0))
+    assert [e["type"] for e in events] == ["MODIFIED", "DELETED"]
+    assert events[0]["object"]["metadata"]["annotations"] == {
+        **lease("a")["metadata"]["annotations"], "x": "2"}
+    gateway.create_lease(lease("a"))
+    assert [e["type"] for e in gateway.watch_lease("a", None, 0)] == ["ADDED"]  # as it is
+    server.compact()
+    assert [e["object"]["code"] for e in gateway.watch_lease("a", str(rv(after)), 0)] == [410]
+
+
+def test_injected_faults_hit_the_next_calls_of_a_method_then_stop() -> None:
+    server, gateway = run_with()
+    current = gateway.read()
+    assert current is not None
+    gateway.fail_next("read", 2)
+    for _ in range(2):
+        with pytest.raises(ApiConnectionError):
+            gateway.read()
+    assert gateway.read() is not None
+    gateway.fail_next("replace_status", error="conflict")
+    assert gateway.replace_status(current["metadata"]["resourceVersion"], {}, "m") is None
+    gateway.fail_next("patch_lease", error="conflict")
+    with pytest.raises(ApiError) as info:  # no protocol answer for a 409 there: raised
+        gateway.patch_lease("a", {})
+    assert info.value.conflict
+    gateway.fail_next("*", 1)
+    with pytest.raises(ApiConnectionError):
+        gateway.leases()
+    gateway.on_next("read", lambda: server.update((RUN, "r"), lambda run: run))
+    assert rv(gateway.read()) > rv(current)  # the hook's write landed first
+    assert gateway.calls["read"] == 5

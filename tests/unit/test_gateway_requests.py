@@ -1,0 +1,93 @@
+"""The requests ``RunGateway`` sends for a node: method, path, body, query, content type.
+
+The node's Lease, its run watch and its Lease watch went straight to the
+client before they went through the gateway; these pin the requests as they
+were (literal paths, not the helpers that build them), and the protocol
+outcomes each method answers itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from elasticrun.api.gateway import RunGateway
+from elasticrun.api.kube import JSON, MERGE_PATCH, ApiError
+
+LEASES = "/apis/coordination.k8s.io/v1/namespaces/ns/leases"
+RUNS = "/apis/elasticrun.dev/v1alpha1/namespaces/ns/elasticruns"
+
+
+class RecordingClient:
+    """A client that records each request and answers ``{}`` or the error it is given."""
+
+    def __init__(self, error: ApiError | None = None) -> None:
+        self.credentials = SimpleNamespace(host="https://api")
+        self.sent: list[tuple[Any, ...]] = []
+        self.error = error
+
+    def request(self, method: str, path: str, *, body: Any = None,
+                query: Mapping[str, Any] | None = None, content_type: str = JSON,
+                timeout: float | None = None) -> dict[str, Any]:
+        self.sent.append((method, path, body, query, content_type, timeout))
+        if self.error is not None:
+            raise self.error
+        return {}
+
+    def watch(self, path: str, query: Mapping[str, Any], timeout_seconds: int) -> str:
+        self.sent.append(("WATCH", path, dict(query), timeout_seconds))
+        return "stream"
+
+
+def gateway(error: ApiError | None = None) -> tuple[RunGateway, RecordingClient]:
+    client = RecordingClient(error)
+    return RunGateway(client, "ns", "r"), client  # type: ignore[arg-type]
+
+
+def test_a_nodes_own_lease_requests() -> None:
+    access, client = gateway()
+    manifest = {"metadata": {"name": "r.a"}}
+    access.create_lease(manifest)
+    access.replace_lease("a", manifest)
+    access.patch_lease("a", {"metadata": {"annotations": {"x": None}}}, 2.0)
+    access.patch_lease("a", {"spec": {"renewTime": "t"}})
+    access.delete_lease("a", 3.0)
+    assert client.sent == [
+        ("POST", LEASES, manifest, None, JSON, None),
+        ("PUT", f"{LEASES}/r.a", manifest, None, JSON, None),
+        ("PATCH", f"{LEASES}/r.a", {"metadata": {"annotations": {"x": None}}}, None,
+         MERGE_PATCH, 2.0),
+        ("PATCH", f"{LEASES}/r.a", {"spec": {"renewTime": "t"}}, None, MERGE_PATCH, None),
+        ("DELETE", f"{LEASES}/r.a", None, None, JSON, 3.0),
+    ]
+
+
+def test_the_run_watch_and_the_lease_watch() -> None:
+    access, client = gateway()
+    assert access.watch_run(3, "7", 300) == "stream"
+    assert access.watch_lease("a", None, 60) == "stream"
+    assert client.sent == [
+        ("WATCH", RUNS, {"fieldSelector": "metadata.name=r,status.signal!=3",
+                         "resourceVersion": "7"}, 300),
+        ("WATCH", LEASES, {"fieldSelector": "metadata.name=r.a", "resourceVersion": None}, 60),
+    ]
+
+
+@pytest.mark.parametrize(("status", "answers"), [
+    (404, {"patch_lease": None, "delete_lease": False}),
+    (409, {"create_lease": None}),
+])
+def test_the_outcomes_the_gateway_answers_itself(status: int, answers: dict[str, Any]) -> None:
+    access, _ = gateway(ApiError(status, "", "", {}))
+    calls = {"create_lease": lambda: access.create_lease({"metadata": {"name": "r.a"}}),
+             "patch_lease": lambda: access.patch_lease("a", {}),
+             "delete_lease": lambda: access.delete_lease("a")}
+    for name, call in calls.items():
+        if name in answers:
+            assert call() == answers[name]
+        else:
+            with pytest.raises(ApiError):
+                call()

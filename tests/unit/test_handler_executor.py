@@ -1,0 +1,246 @@
+"""The handler's executor over the in-memory gateway: rounds formed without an API server.
+
+``next_rendezvous`` carries out :func:`elasticrun.handler.step.next_action`
+through :class:`~elasticrun.api.gateway.RunAccess`; here every node's requests
+go to one :class:`fakegateway.FakeApiServer`, which fences writes by
+resourceVersion and delivers watch events as the API server does, so the
+executor's rules (seal, lost compare-and-set, the store check, close, the join
+timeout, an unreachable server) are checked in threads of one process, with
+real TCPStores on 127.0.0.1 and timeouts of tenths of a second (the join
+timeout's test waits 1 s, the least a run's spec allows), through public calls only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+from fakegateway import FakeApiServer, FakeGateway
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousInfo,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+
+from elasticrun.api import rounds
+from elasticrun.api.leases import JOIN_ANNOTATION
+from elasticrun.api.model import RunSpec, RunStatus, StoreAddress, WaitingNode, now, parse_run
+from elasticrun.handler import handler as handler_mod
+from elasticrun.handler.handler import K8sRendezvousHandler, RunSucceededError
+from elasticrun.handler.lease import LeaseKeeper
+from elasticrun.handler.session import RunSession
+from elasticrun.handler.settings import RendezvousSettings, from_parameters
+
+RUN_NAME = "r"
+#: How long a test waits for a node's call before it counts as hung.
+BOUND = 10.0
+
+
+def settings(node: str, api_timeout: float = 0.5) -> RendezvousSettings:
+    given = from_parameters(run_id=RUN_NAME, endpoint="", min_nodes=1, max_nodes=4,
+                            local_addr="127.0.0.1", conf={"namespace": "ns", "node_name": node})
+    return dataclasses.replace(given, api_timeout=api_timeout, close_timeout=0.5,
+                               request_timeout=0.5)
+
+
+def spec(size: int) -> RunSpec:
+    return RunSpec(min_nodes=size, max_nodes=size, join_timeout=60, last_call_timeout=1,
+                   heartbeat_timeout=30, lease_renew_interval=10)
+
+
+@pytest.fixture
+def server() -> FakeApiServer:
+    return FakeApiServer("ns")
+
+
+class Nodes:
+    """Makes nodes on one server, each with its own gateway (:meth:`gateway`)."""
+
+    def __init__(self, server: FakeApiServer) -> None:
+        self.server = server
+        self.made: list[K8sRendezvousHandler] = []
+        self.gateways: dict[str, FakeGateway] = {}
+
+    def __call__(self, name: str, api_timeout: float = 0.5) -> K8sRendezvousHandler:
+        self.gateways[name] = FakeGateway(self.server, RUN_NAME)
+        node = K8sRendezvousHandler(settings(name, api_timeout), gateway=self.gateways[name])
+        self.made.append(node)
+        return node
+
+    def gateway(self, node: K8sRendezvousHandler) -> FakeGateway:
+        return self.gateways[node.settings.node_name]
+
+    def listed(self, node: K8sRendezvousHandler) -> None:
+        """Until ``node`` has listed the join requests: its last request before it waits."""
+        until(lambda: self.gateway(node).reached["leases"], f"{node.settings.node_name} to list")
+
+
+@pytest.fixture
+def nodes(server: FakeApiServer) -> Iterator[Nodes]:
+    """The test's nodes, all shut down after it."""
+    made = Nodes(server)
+    yield made
+    for node in reversed(made.made):  # rank 0, the store's host, last
+        node.shutdown()
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(4) as threads:
+        yield threads
+
+
+def join_of(server: FakeApiServer, node: str) -> str | None:
+    lease = server.lease_of(RUN_NAME, node)
+    return None if lease is None else lease["metadata"].get("annotations", {}).get(JOIN_ANNOTATION)
+
+
+def until(condition: Callable[[], object], what: str) -> None:
+    deadline = time.monotonic() + BOUND
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def observer_pending(server: FakeApiServer) -> tuple[WaitingNode, ...]:
+    """The pending join requests as another node (or the operator) lists them."""
+    session = RunSession(settings("observer"), FakeGateway(server, RUN_NAME))
+    return session.pending(parse_run(server.run(RUN_NAME)))
+
+
+def write_status(server: FakeApiServer, status: RunStatus) -> None:
+    """Another writer's compare-and-set of the whole status."""
+    current = server.run(RUN_NAME)
+    written = FakeGateway(server, RUN_NAME).replace_status(
+        current["metadata"]["resourceVersion"], status.to_dict(), "other")
+    assert written is not None
+
+
+def infos(futures: list[Future[RendezvousInfo]]) -> list[RendezvousInfo]:
+    return [future.result(BOUND) for future in futures]
+
+
+def test_two_nodes_form_one_round_with_ranks_0_and_1(
+        server: FakeApiServer, nodes: Nodes,
+        pool: ThreadPoolExecutor) -> None:
+    server.seed_run(RUN_NAME, spec(2))
+    a, b = nodes("a"), nodes("b")
+    first = pool.submit(a.next_rendezvous)
+    nodes.listed(a)
+    second = pool.submit(b.next_rendezvous)
+    got = infos([first, second])
+    assert [(info.rank, info.world_size) for info in got] == [(0, 2), (1, 2)]
+    status = server.run(RUN_NAME)["status"]
+    assert (status["round"], [p["name"] for p in status["participants"]]) == (1, ["a", "b"])
+    assert got[0].bootstrap_store_info.master_port == got[1].bootstrap_store_info.master_port
+    got[0].store.set("from-rank-0", "hello")  # one store: rank 1 reads what rank 0 wrote
+    assert got[1].store.get("from-rank-0") == b"hello"
+
+
+def test_a_lost_seal_is_retried_from_the_winners_state(
+        server: FakeApiServer, nodes: Nodes,
+        pool: ThreadPoolExecutor) -> None:
+    server.seed_run(RUN_NAME, spec(2))
+    a, b = nodes("a"), nodes("b")
+
+    def other_seals_first() -> None:
+        run = parse_run(server.run(RUN_NAME))
+        write_status(server, rounds.seal_round(run, now(), observer_pending(server)))
+
+    nodes.gateway(b).on_next("replace_status", other_seals_first)  # b's seal is fenced out
+    first = pool.submit(a.next_rendezvous)
+    nodes.listed(a)
+    got = infos([first, pool.submit(b.next_rendezvous)])
+    assert nodes.gateway(b).calls["replace_status"] == 1  # lost once, and not tried again
+    assert server.run(RUN_NAME)["status"]["round"] == 1  # the winner's round, not a second one
+    assert sorted((info.rank, info.world_size) for info in got) == [(0, 2), (1, 2)]
+
+
+def test_a_store_rank_0_did_not_announce_is_refused(
+        server: FakeApiServer, nodes: Nodes,
+        pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handler_mod, "STORE_CHECK_SECONDS", 0.2)
+    seeded = server.seed_run(RUN_NAME, spec(3))
+    leader = LeaseKeeper(FakeGateway(server, RUN_NAME), "a", 30, 10, seeded["metadata"]["uid"])
+    leader.acquire(WaitingNode(name="a", address="127.0.0.1", store_port=29400, since=now()))
+    b = nodes("b")
+    call = pool.submit(b.next_rendezvous)
+    nodes.listed(b)
+    run = parse_run(server.run(RUN_NAME))
+    sealed = rounds.seal_round(run, now(), observer_pending(server))
+    assert sealed.store == StoreAddress("127.0.0.1", 29400) and sealed.participant("a")
+    write_status(server, dataclasses.replace(sealed, store=StoreAddress("127.0.0.1", 29401)))
+    with pytest.raises(RendezvousStateError, match="refusing the store of round 1"):
+        call.result(BOUND)
+
+
+def test_a_run_closed_while_waiting_ends_the_call_and_withdraws_the_request(
+        server: FakeApiServer, nodes: Nodes,
+        pool: ThreadPoolExecutor) -> None:
+    server.seed_run(RUN_NAME, spec(2))
+    a = nodes("a")
+    call = pool.submit(a.next_rendezvous)
+    nodes.listed(a)
+    FakeGateway(server, RUN_NAME).close()
+    run = parse_run(server.run(RUN_NAME))
+    write_status(server, run.status.replace(phase="Closed", signal=run.status.signal + 1))
+    with pytest.raises(RendezvousClosedError, match="the run is closed") as info:
+        call.result(BOUND)
+    assert not isinstance(info.value, RunSucceededError)
+    assert join_of(server, "a") is None
+
+
+def test_a_succeeded_run_ends_the_call_with_exit_status_0(
+        server: FakeApiServer, nodes: Nodes) -> None:
+    server.seed_run(RUN_NAME, spec(2), RunStatus(phase="Succeeded", round=3, signal=5))
+    with pytest.raises(RunSucceededError, match="already succeeded") as info:
+        nodes("late").next_rendezvous()
+    assert info.value.code == 0
+
+
+def test_the_join_timeout_fails_the_call_and_withdraws_the_request(
+        server: FakeApiServer, nodes: Nodes) -> None:
+    """The shortest join timeout a run may have, 1 s: the one test here that takes a second."""
+    server.seed_run(RUN_NAME, dataclasses.replace(spec(2), join_timeout=1))
+    a = nodes("a")
+    started = time.monotonic()
+    with pytest.raises(RendezvousTimeoutError, match="no round formed within the join timeout"):
+        a.next_rendezvous()
+    assert 1.0 <= time.monotonic() - started < 1.5
+    assert server.lease_of(RUN_NAME, "a") is not None and join_of(server, "a") is None
+
+
+def test_an_unreachable_api_server_is_a_connection_error_within_api_timeout(
+        server: FakeApiServer, nodes: Nodes) -> None:
+    server.seed_run(RUN_NAME, spec(2))
+    a = nodes("a", 0.3)
+    nodes.gateway(a).fail_next("*", 1000)
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=r"did not answer within 0s"):
+        a.next_rendezvous()
+    assert time.monotonic() - started <= 0.3 + 0.1
+    assert nodes.gateway(a).calls["read"] >= 3  # retried, not given up at once
+    nodes.gateway(a).heal()
+
+
+def test_a_waiting_node_that_loses_the_api_server_fails_with_a_connection_error(
+        server: FakeApiServer, nodes: Nodes,
+        pool: ThreadPoolExecutor) -> None:
+    server.seed_run(RUN_NAME, spec(2))
+    a = nodes("a", 0.3)
+    call = pool.submit(a.next_rendezvous)
+    # Listed (its last request before it waits), and watching.
+    until(lambda: nodes.gateway(a).reached["leases"] and server.watches, "a to wait on its watch")
+    nodes.gateway(a).fail_next("*", 1000)
+    server.end_watches()  # the watch ends, and no request gets through again
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError, match=r"lost the watch .* \(api_timeout\)"):
+        call.result(BOUND)
+    # api_timeout, then at most the watch's next reconnect attempt (0.1, 0.2, 0.5 s apart)
+    assert time.monotonic() - started < 0.3 + 0.5 + 0.2
+    nodes.gateway(a).heal()
