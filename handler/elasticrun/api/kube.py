@@ -22,43 +22,16 @@ import urllib3
 
 from elasticrun.api import crd
 
+# What the client raises; re-exported (PEP 484's ``X as X``), so its callers name them here.
+from elasticrun.api.errors import ApiConnectionError as ApiConnectionError  # noqa: PLC0414
+from elasticrun.api.errors import ApiError as ApiError  # noqa: PLC0414
+
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"
-
-
-class ApiError(Exception):
-    """The API server answered with an error status."""
-
-    def __init__(self, status: int, reason: str, message: str, body: Mapping[str, Any]) -> None:
-        super().__init__(f"{status} {reason}: {message}")
-        self.status = status
-        self.reason = reason
-        self.message = message
-        self.body = body
-
-    @property
-    def not_found(self) -> bool:
-        return self.status == 404
-
-    @property
-    def conflict(self) -> bool:
-        return self.status == 409
-
-    @property
-    def forbidden(self) -> bool:
-        return self.status == 403
-
-    @property
-    def gone(self) -> bool:
-        return self.status == 410
-
-
-class ApiConnectionError(Exception):
-    """The API server could not be reached (refused, reset, timed out, TLS)."""
 
 
 @dataclass(frozen=True)
