@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_elector import idle_client
-from test_operator_pure import T0
 
 from elasticrun.api.leases import LeaseState
 from elasticrun.api.model import ElasticRun, RunSpec, RunStatus, WaitingNode
 from elasticrun.operator import topology
 from elasticrun.operator.reconcile import SEAL_GRACE, Members, reconcile
+
+from builders import T0, idle_client
 
 ZONE, HOST = "topology.kubernetes.io/zone", "kubernetes.io/hostname"
 KEYS = (ZONE, HOST)
