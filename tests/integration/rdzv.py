@@ -14,7 +14,7 @@ from typing import Any
 from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, run_path, runs_path
 from elasticrun.api.model import ElasticRun, parse_run
 
-from bench.apiserver import AuditEntry, AuditLog, count_writes, metric
+from controlplane.apiserver import AuditEntry, AuditLog, count_writes, metric
 
 
 @dataclass
