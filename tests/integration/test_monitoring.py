@@ -309,7 +309,7 @@ def test_alert_and_dashboard_queries_name_only_exported_series(
     wait_for(lambda: metric(operator.metrics(), "elasticrun_members_lost_total",
                             run="watched", reason="PodDeleted") == 1, 15,
              "the deleted pod's member to be counted as lost")
-    nodes[2]._lease._stop.set()  # the dead node stops renewing, as it would
+    nodes[2].lease.stop_renewing()  # the dead node stops renewing, as it would
     second = rendezvous_all(nodes[:2])
     assert {o.rank for o in second.values()} == {0, 1}
     wait_for(lambda: metric(operator.metrics(), "elasticrun_round", run="watched") == 2,

@@ -995,15 +995,14 @@ def test_a_member_removed_while_partitioned_rejoins_under_per_run_rbac(
              for i in range(2)]
     assert_all_ok(rendezvous_all(nodes))
     healed = nodes[1]
-    keeper = healed._lease
+    keeper = healed.lease
     assert keeper is not None
     first = cluster.client.request("GET", lease_path(namespace, keeper.name))["metadata"]["uid"]
-    keeper._stop.set()  # partitioned: alive, silent
+    keeper.stop_renewing()  # partitioned: alive, silent
     wait_for(lambda: [m.name for m in read_run(cluster.client, namespace, "run-a")
                       .status.lost_members] == ["run-a-1"], 15, "run-a-1 to be removed")
     wait_for(lambda: _gone(cluster, namespace, keeper.name), 10, "its Lease to be deleted")
-    keeper._stop.clear()  # the partition heals
-    keeper.start()
+    keeper.resume_renewing()  # the partition heals
     wait_for(lambda: not _gone(cluster, namespace, keeper.name), 10,
              "the healed node to create its Lease again")
     outcomes = rendezvous_all(nodes)

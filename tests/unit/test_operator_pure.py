@@ -237,7 +237,7 @@ class _Answers:
 def test_the_probe_counts_only_a_missing_or_unwell_server_as_unreachable(
         outcome: Exception | None, reachable: bool) -> None:
     api = ApiAvailability(client=_Answers(outcome))  # type: ignore[arg-type]
-    assert api._probe() is reachable
+    assert api.probe() is reachable
 
 
 # --------------------------------------------------------------------------- reported rank 0

@@ -216,3 +216,9 @@ def leases_path(namespace: str) -> str:
 
 def lease_path(namespace: str, name: str) -> str:
     return f"{leases_path(namespace)}/{quote(name)}"
+
+
+def delete_preconditions(uid: str) -> dict[str, Any]:
+    """The body of a DELETE of the object with this uid only: any other object of the same
+    name (one made after it) is left, and the server answers 409."""
+    return {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}

@@ -183,6 +183,17 @@ class LeaseKeeper:
                                         name=f"elasticrun-lease-{self.node}")
         self._thread.start()
 
+    def stop_renewing(self) -> None:
+        """Stop renewing and keep the Lease: the node looks partitioned (alive, silent),
+        and the operator removes it once the Lease expires.  :meth:`release` is how a
+        node leaves; :meth:`resume_renewing` ends the silence."""
+        self._stop.set()
+
+    def resume_renewing(self) -> None:
+        """Renew again after :meth:`stop_renewing` (a partition that heals)."""
+        self._stop.clear()
+        self.start()
+
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.interval):
             try:
