@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from elasticrun.api.kube import ApiError, KubeClient, load_credentials
+from elasticrun.operator import runrbac
 
 from conftest import ROOT, Cluster
 
@@ -198,3 +199,14 @@ def account_client(cluster: Cluster, namespace: str, name: str,
     kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, name),
                                   directory / f"{name}.kubeconfig", namespace)
     return KubeClient(load_credentials(str(kubeconfig)), timeout=10)
+
+
+def role_bound(cluster: Cluster, namespace: str, run: str) -> bool:
+    """Whether the operator made the per-run RoleBinding of ``run`` (``--per-run-rbac``)."""
+    try:
+        cluster.client.request("GET", runrbac.path("RoleBinding", namespace, run))
+    except ApiError as exc:
+        if exc.not_found:
+            return False
+        raise
+    return True
