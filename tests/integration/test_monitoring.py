@@ -19,9 +19,8 @@ from typing import Any
 
 import pytest
 import yaml
-from test_chart import apply_chart
 
-from chartkit import CHART, Helm, by_kind, one
+from chartkit import CHART, Helm, apply_chart, by_kind, one
 from conftest import ROOT, Cluster, Kubelet, OperatorProcess, wait_for
 from controlplane.promql import exposed_names, grafana_promql, metric_names
 from rdzv import metric, rendezvous_all
