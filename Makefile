@@ -14,7 +14,7 @@
 #                 ARGS='--only resize --column after' measures the Resize section alone
 #                 (k8s beside c10d, a few minutes) and merges it into docs/benchmarks.json
 #   make bench-scale  rounds of 64 to 2,048 nodes, simulated and real (docs/benchmarks-scale.md)
-#   make lint     ruff + mypy
+#   make lint     ruff + mypy + the import contracts (lint-imports; pyproject.toml)
 #   make chart-files  copy deploy/crds and deploy/admission into the chart (after editing them)
 #   make dist     the wheel and the sdist into dist/ (python -m build, offline)
 #   make cluster / cluster-down   a local single-node Kubernetes (kubelet, containerd) for
@@ -113,9 +113,12 @@ durations:
 test-fast: setup controlplane
 	CONTROLPLANE_BIN="$$(bash tests/controlplane/build.sh)" $(PY) -m pytest -m "not slow and not torchrun and not node" $(PYTEST_ARGS)
 
+# lint-imports checks the import contracts in pyproject.toml ([tool.importlinter]) on
+# this checkout's code (the path pytest and mypy use), whichever checkout the venv names.
 lint: setup
 	$(VENV)/bin/ruff check handler operator tests bench demo
 	$(VENV)/bin/mypy
+	PYTHONPATH=handler:operator $(VENV)/bin/lint-imports --no-cache
 
 # The chart carries real copies of these (helm warns about, and a registry drops,
 # links); tests/unit/test_chart_files.py fails while they differ.

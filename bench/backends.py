@@ -22,10 +22,10 @@ from typing import Any
 from elasticrun.api.kube import ApiError, run_path, runs_path
 from elasticrun.api.model import RunSpec, new_run_manifest
 
-from bench import apiserver
 from bench.pool import Pool
 from bench.proc import cpu_seconds, free_port
 from bench.servers import CRD_FILE, ControlPlane, EtcdV2Server
+from controlplane import apiserver
 
 BACKENDS = ("k8s", "c10d", "etcd-v2")
 #: torch's opt-out of sharing rank 0's TCPStore with the workers ("1" = off).

@@ -40,11 +40,12 @@ sys.path.insert(0, str(ROOT))
 
 from elasticrun.api.kube import run_path  # noqa: E402
 
-from bench import apiserver, backends, dnsshim, floor, report, scale_report, scenarios  # noqa: E402
+from bench import backends, dnsshim, floor, report, scale_report, scenarios  # noqa: E402
 from bench.backends import K8sBackend, Run, Timing  # noqa: E402
 from bench.pool import Pool, worker_env  # noqa: E402
 from bench.proc import cpu_seconds, machine, stop_pid  # noqa: E402
 from bench.run import arguments, commit, directories, versions  # noqa: E402
+from controlplane import apiserver  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ then renews the nodes' Leases until stdin closes.
 
 A simulated node sends what a real handler of a large run sends, built by the
 product's own code: it reads the run, creates its Lease with its join request
-(``LeaseKeeper``'s manifest, ``WaitingNode`` as the handler writes it), opens
+(:func:`elasticrun.api.leases.node_lease`, ``WaitingNode`` as the handler writes it), opens
 the narrow watch (``status.signal!=S`` from the resourceVersion it read) and, in
 runs of 256 nodes or more, the watch of its own Lease, where the operator writes
 its place in the round, and renews its Lease with the handler's merge patch.  It
@@ -28,11 +28,11 @@ import json
 import ssl
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import (
     MERGE_PATCH,
     USER_AGENT,
@@ -43,10 +43,10 @@ from elasticrun.api.kube import (
     run_path,
     runs_path,
 )
-from elasticrun.api.leases import ASSIGNMENT_ANNOTATION, read_assignment
+from elasticrun.api.leases import ASSIGNMENT_ANNOTATION, node_lease, read_assignment
 from elasticrun.api.model import RunSpec, WaitingNode, format_time, now
+from elasticrun.api.naming import lease_name
 from elasticrun.api.rounds import members_told_by_lease
-from elasticrun.handler.lease import LeaseKeeper
 
 #: Bound on one request, and on a whole formation as a node sees it.
 REQUEST_BOUND = 60.0
@@ -197,7 +197,9 @@ class SimNode:
         self.requests = shared.connection()
         self.watch = shared.connection()
         self.mailbox = shared.connection()
-        self.lease: LeaseKeeper | None = None
+        #: The name of its Lease, once created; the holder it writes there, as a handler's.
+        self.lease: str | None = None
+        self.holder = f"{name}@{uuid.uuid4().hex[:8]}"
 
     async def rendezvous(self) -> dict[str, Any]:
         """Read the run, join through the Lease, wait for the round on both watches.
@@ -209,13 +211,12 @@ class SimNode:
         s = self.shared
         run = json.loads(await self.requests.request("GET", run_path(s.namespace, s.run)))
         spec, meta = run["spec"], run["metadata"]
-        self.lease = LeaseKeeper(RunGateway(None, s.namespace, s.run),  # type: ignore[arg-type]
-                                 self.name, spec["heartbeatTimeoutSeconds"],
-                                 spec["leaseRenewIntervalSeconds"], meta["uid"])
         join = WaitingNode(name=self.name, address="127.0.0.1", store_port=self.port,
                            since=now())
-        created = json.loads(await self.requests.request(
-            "POST", leases_path(s.namespace), self.lease._manifest(join)))  # the handler's body
+        self.lease = lease_name(s.run, self.name)
+        body = node_lease(s.run, self.name, self.holder, spec["heartbeatTimeoutSeconds"],
+                          meta["uid"], now(), join)  # the handler's body
+        created = json.loads(await self.requests.request("POST", leases_path(s.namespace), body))
         signal = (run.get("status") or {}).get("signal", 0)
         watches = [asyncio.create_task(self._from_run(signal, meta["resourceVersion"]))]
         if members_told_by_lease(RunSpec.from_dict(spec)):  # as the handler does
@@ -245,7 +246,7 @@ class SimNode:
 
     async def _from_lease(self, join: WaitingNode, resource_version: str) -> dict[str, Any]:
         assert self.lease is not None
-        query = {"fieldSelector": f"metadata.name={self.lease.name}",
+        query = {"fieldSelector": f"metadata.name={self.lease}",
                  "resourceVersion": resource_version}
         async for line in watch_lines(self.mailbox, leases_path(self.shared.namespace),
                                        query):
@@ -259,11 +260,11 @@ class SimNode:
     async def renew(self, interval: float) -> None:
         """The handler's renewal: a merge patch of renewTime, every ``interval``."""
         assert self.lease is not None
-        path = lease_path(self.shared.namespace, self.lease.name)
+        path = lease_path(self.shared.namespace, self.lease)
         while True:
             await asyncio.sleep(interval)
             body = {"spec": {"renewTime": format_time(now()),
-                             "holderIdentity": self.lease.holder}}
+                             "holderIdentity": self.holder}}
             try:
                 await self.requests.request("PATCH", path, body, MERGE_PATCH)
             except (HttpError, OSError, asyncio.IncompleteReadError):

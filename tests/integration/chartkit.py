@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import json
 import os
 import re
@@ -18,11 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
+from elasticrun.api import crd
 from elasticrun.api.kube import ApiError, KubeClient, load_credentials
+from elasticrun.operator import runrbac
 
-from conftest import ROOT, Cluster
+from conftest import CRD_FILE, ROOT, Cluster
 
 CHART = ROOT / "charts" / "elasticrun"
 HELM_BUILD = ROOT / "tests" / "helmtool" / "build.sh"
@@ -198,3 +202,72 @@ def account_client(cluster: Cluster, namespace: str, name: str,
     kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, name),
                                   directory / f"{name}.kubeconfig", namespace)
     return KubeClient(load_credentials(str(kubeconfig)), timeout=10)
+
+
+def role_bound(cluster: Cluster, namespace: str, run: str) -> bool:
+    """Whether the operator made the per-run RoleBinding of ``run`` (``--per-run-rbac``)."""
+    try:
+        cluster.client.request("GET", runrbac.path("RoleBinding", namespace, run))
+    except ApiError as exc:
+        if exc.not_found:
+            return False
+        raise
+    return True
+
+
+# --------------------------------------------------------------------------- the chart applied
+
+NAMESPACE_LABEL = "kubernetes.io/metadata.name"
+CERT_MANAGER_KINDS = {"Certificate", "Issuer"}
+
+
+def pin_webhook(docs: list[dict[str, Any]], namespace: str) -> list[dict[str, Any]]:
+    """A copy whose webhook can only ever see pods of ``namespace``."""
+    out = copy.deepcopy(docs)
+    for config in by_kind(out, "MutatingWebhookConfiguration"):
+        for hook in config["webhooks"]:
+            hook["namespaceSelector"] = {"matchExpressions": [
+                {"key": NAMESPACE_LABEL, "operator": "In", "values": [namespace]}]}
+    return out
+
+
+def apply_chart(cluster: Cluster, docs: list[dict[str, Any]], namespace: str,
+                request: pytest.FixtureRequest) -> None:
+    """Apply everything but the CRD (checked against the live one) and cert-manager kinds."""
+    request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
+    for doc in by_kind(docs, "CustomResourceDefinition"):
+        assert_same_as_live_crd(cluster, doc)
+    rest = [d for d in pin_webhook(docs, namespace)
+            if d["kind"] != "CustomResourceDefinition" and d["kind"] not in CERT_MANAGER_KINDS]
+    apply(cluster, rest)
+    for doc in rest:
+        meta = doc["metadata"]
+        where = ["-n", meta["namespace"]] if meta.get("namespace") else []
+        kind = doc["kind"].lower() if "/" not in doc["apiVersion"] else \
+            f"{doc['kind'].lower()}.{doc['apiVersion'].split('/')[0]}"
+        got = cluster.kubectl("get", kind, meta["name"], *where, "-o", "yaml")
+        live = yaml.safe_load(got.stdout)
+        assert live["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm", meta
+    if any(d["kind"] == "Deployment" for d in rest):
+        deployment = one(rest, "Deployment")
+        got = yaml.safe_load(cluster.kubectl(
+            "get", "deployment", deployment["metadata"]["name"], "-n",
+            deployment["metadata"]["namespace"], "-o", "yaml").stdout)
+        # What the API server stored is what the chart meant (nothing pruned or rejected).
+        spec = got["spec"]["template"]["spec"]["containers"][0]
+        assert spec["args"] == deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def assert_same_as_live_crd(cluster: Cluster, rendered: dict[str, Any]) -> None:
+    live = yaml.safe_load(cluster.kubectl(
+        "get", "crd", crd.CRD_NAME, "-o", "yaml").stdout)
+    source = yaml.safe_load(CRD_FILE.read_text())
+    assert rendered["spec"] == source["spec"]
+    for key in ("group", "names", "scope"):
+        assert live["spec"][key] == rendered["spec"][key]
+    assert [v["name"] for v in live["spec"]["versions"]] == \
+        [v["name"] for v in rendered["spec"]["versions"]]
+    dry = cluster.kubectl("apply", "--server-side", "--dry-run=server", "--force-conflicts",
+                          "--field-manager=chart-test", "-f", "-",
+                          input=yaml.safe_dump(rendered), check=False)
+    assert dry.returncode == 0, dry.stderr

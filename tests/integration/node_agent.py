@@ -66,6 +66,8 @@ for extra in (ROOT / "handler", ROOT / "operator"):
 import torch.distributed.elastic.utils.store as store_util  # noqa: E402
 
 from elasticrun.api.gateway import RunGateway  # noqa: E402
+from elasticrun.api.kube import KubeClient  # noqa: E402
+from elasticrun.api.leases import JOIN_ANNOTATION  # noqa: E402
 from elasticrun.handler.calls import connect_client  # noqa: E402
 from elasticrun.handler.handler import K8sRendezvousHandler  # noqa: E402
 from elasticrun.handler.settings import RendezvousSettings, from_parameters  # noqa: E402
@@ -136,18 +138,30 @@ class DyingGateway(RunGateway):
         die(self.node, self.point, sealed_round)
 
 
-class JoinThenDie(K8sRendezvousHandler):
-    """A node that SIGKILLs itself right after its join request was written."""
+class JoinThenDie(KubeClient):
+    """A client that SIGKILLs its process right after the node's join request was written:
+    the first write that puts a join annotation on a Lease (its create, or the patch of
+    its annotations) and succeeds."""
 
-    def _join(self) -> None:
-        super()._join()
-        die(self.settings.node_name, DIES_AFTER_JOIN, 0)
+    def __init__(self, settings: RendezvousSettings) -> None:
+        connected = connect_client(settings)
+        super().__init__(connected.credentials, connected.timeout, connected.user_agent)
+        self.node = settings.node_name
+
+    def request(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        answer = super().request(method, path, **kwargs)
+        body = kwargs.get("body")
+        meta = body.get("metadata") if isinstance(body, dict) else None
+        annotations = (meta.get("annotations") if isinstance(meta, dict) else None) or {}
+        if "/leases" in path and annotations.get(JOIN_ANNOTATION):
+            die(self.node, DIES_AFTER_JOIN, 0)
+        return answer
 
 
 def build(args: argparse.Namespace) -> K8sRendezvousHandler:
     settings = settings_from(args)
     if args.die_at == DIES_AFTER_JOIN:
-        return JoinThenDie(settings)
+        return K8sRendezvousHandler(settings, client=JoinThenDie(settings))
     if args.die_at in DIE_POINTS:
         return K8sRendezvousHandler(settings, gateway=DyingGateway(settings, args.die_at))
     return K8sRendezvousHandler(settings)
@@ -242,15 +256,15 @@ def agent_loop(handler: K8sRendezvousHandler, args: argparse.Namespace) -> int:
             emit("error", node, type=type(exc).__name__, message=str(exc))
             return 1
         done += 1
-        emit("rendezvous", node, round=handler._round, rank=info.rank,
+        emit("rendezvous", node, round=handler.round, rank=info.rank,
              world=info.world_size, store=[info.bootstrap_store_info.master_addr,
                                            info.bootstrap_store_info.master_port])
-        first_leader = info.rank == 0 and handler._round == 1
+        first_leader = info.rank == 0 and handler.round == 1
         if args.die_at == LEADER_DIES and first_leader:
-            die(node, LEADER_DIES, handler._round)
+            die(node, LEADER_DIES, handler.round)
         if args.use_store:
             ok = use_store(info, node)
-            emit("store", node, round=handler._round, ok=ok)
+            emit("store", node, round=handler.round, ok=ok)
             if not ok:
                 continue  # the workers failed: torch's agent re-enters the rendezvous
         if args.rounds and done >= args.rounds:
@@ -260,8 +274,8 @@ def agent_loop(handler: K8sRendezvousHandler, args: argparse.Namespace) -> int:
         while (waiting := handler.num_nodes_waiting()) == 0:
             time.sleep(0.1)
         if args.die_at == LEADER_DIES_AT_ADMISSION and first_leader:
-            die(node, LEADER_DIES_AT_ADMISSION, handler._round)
-        emit("restart", node, round=handler._round, waiting=waiting)
+            die(node, LEADER_DIES_AT_ADMISSION, handler.round)
+        emit("restart", node, round=handler.round, waiting=waiting)
     return 0
 
 

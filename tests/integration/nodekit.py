@@ -9,8 +9,9 @@ from typing import Any
 import yaml
 
 from elasticrun.api.kube import ApiError
+from elasticrun.api.model import ElasticRun
 
-from conftest import Cluster, wait_for
+from conftest import ROOT, Cluster, wait_for
 from controlplane import localize
 from rdzv import read_run
 
@@ -72,3 +73,58 @@ def delete_member(cluster: Cluster, namespace: str, run: str, member: str) -> fl
                        f"the operator to remove {member}")
     assert reasons == ["PodDeleted"], reasons
     return time.monotonic() - deleted
+
+
+# --------------------------------------------------------------------------- runs of the examples
+
+EXAMPLES = ROOT / "deploy" / "examples"
+#: Long enough to delete a member mid-run and re-form; about a minute on 2 cores.
+LONG_TRAINING = ["--epochs", "300", "--steps-per-epoch", "10"]
+INTEGRATIONS = ROOT / "deploy" / "integrations"
+TRAIN_IN_IMAGE = f"{localize.EXAMPLES_IN_IMAGE}/train.py"
+#: Long enough for a loss and a replacement (300 epochs end in about 25 s on three
+#: nodes here, before a replacement pod is up).
+TRAINING = ["--epochs", "2000", "--steps-per-epoch", "10"]
+
+
+def elastic_run(name: str, min_nodes: int, max_nodes: int) -> dict[str, Any]:
+    """The run an example's pods join, created up front with short timeouts for tests."""
+    return {"apiVersion": "elasticrun.dev/v1alpha1", "kind": "ElasticRun",
+            "metadata": {"name": name},
+            "spec": {"minNodes": min_nodes, "maxNodes": max_nodes, "lastCallTimeoutSeconds": 2,
+                     "heartbeatTimeoutSeconds": 6, "leaseRenewIntervalSeconds": 2}}
+
+
+def create_run(cluster: Cluster, namespace: str, body: dict[str, Any]) -> None:
+    cluster.client.request("POST", f"/apis/elasticrun.dev/v1alpha1/namespaces/{namespace}"
+                                   "/elasticruns", body=body)
+
+
+def round_with(cluster: Cluster, namespace: str, run: str, members: int,
+               after: int = 0, without: str | None = None,
+               including: str | None = None) -> ElasticRun | None:
+    current = read_run(cluster.client, namespace, run)
+    names = {p.name for p in current.status.participants}
+    if (current.status.round > after and len(names) == members and without not in names
+            and (including is None or including in names)):
+        return current
+    return None
+
+
+def pods_of(cluster: Cluster, namespace: str, selector: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = cluster.client.request(
+        "GET", f"/api/v1/namespaces/{namespace}/pods", query={"labelSelector": selector})["items"]
+    return items
+
+
+def logs(cluster: Cluster, namespace: str, pod: str) -> str:
+    return cluster.kubectl("logs", "-n", namespace, pod, "--tail=400", check=False).stdout
+
+
+def with_args(command: list[str], args: list[str]) -> list[str]:
+    return [*command[:command.index(TRAIN_IN_IMAGE) + 1], *args]
+
+
+def condition(obj: dict[str, Any], kind: str) -> bool:
+    return any(c.get("type") == kind and c.get("status") == "True"
+               for c in (obj.get("status") or {}).get("conditions") or [])

@@ -15,6 +15,7 @@ from typing import Any
 from elasticrun.api import crd
 from elasticrun.api.kube import KubeClient
 
+from conftest import Cluster
 from controlplane.kubelet import UNSCHEDULED, Kubelet
 
 #: Kueue's gate on the new pods of an elastic Job until their slice is admitted.
@@ -79,6 +80,21 @@ def create_owned_pod(pods: Kubelet, name: str, run: str, owner: dict[str, Any] |
         return created
     return pods.set_status(name, {
         "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+        "conditions": [{"type": "Ready", "status": "True"}],
+        "containerStatuses": [{"name": "trainer", "image": "trainer:latest", "imageID": "",
+                               "ready": True, "restartCount": 0, "started": True,
+                               "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]})
+
+
+def pod_on(cluster: Cluster, pods: Kubelet, name: str, run: str, node: str) -> None:
+    """A Running training pod of ``run`` bound to ``node`` (the test plays its kubelet)."""
+    cluster.client.request("POST", f"/api/v1/namespaces/{pods.namespace}/pods", body={
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": {"elasticrun.dev/run": run}},
+        "spec": {"nodeName": node,
+                 "containers": [{"name": "trainer", "image": "trainer:latest"}]}})
+    pods.set_status(name, {
+        "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
         "conditions": [{"type": "Ready", "status": "True"}],
         "containerStatuses": [{"name": "trainer", "image": "trainer:latest", "imageID": "",
                                "ready": True, "restartCount": 0, "started": True,

@@ -7,14 +7,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, run_path, runs_path
-from elasticrun.api.model import ElasticRun, parse_run
+from elasticrun.api.model import ElasticRun, RunSpec, parse_run
 
-from bench.apiserver import AuditEntry, AuditLog, count_writes, metric
+from conftest import TEST_NODE_CONF, Cluster
+from controlplane.apiserver import AuditEntry, AuditLog, count_writes, metric
 
 
 @dataclass
@@ -178,3 +180,47 @@ def spec_observed(client: KubeClient, namespace: str, run: str) -> bool:
 def operator_round(operator: Any, run: str) -> float:
     """The round the operator last saw for ``run`` (its ``elasticrun_round`` gauge)."""
     return metric(operator.metrics(), "elasticrun_round", run=run)
+
+
+def make_run(cluster: Cluster, namespace: str, name: str, min_nodes: int, max_nodes: int,
+             last_call: int) -> None:
+    """The run as a user's manifest creates it (the handlers find it there)."""
+    spec = RunSpec(min_nodes=min_nodes, max_nodes=max_nodes,
+                   join_timeout=int(TEST_NODE_CONF["join_timeout"]),
+                   last_call_timeout=last_call,
+                   heartbeat_timeout=int(TEST_NODE_CONF["heartbeat_timeout"]),
+                   lease_renew_interval=int(TEST_NODE_CONF["lease_interval"]))
+    assert RunGateway(cluster.client, namespace, name).create(spec) is not None
+
+
+@dataclass
+class Agent:
+    """A member's torch agent: re-joins whenever ``num_nodes_waiting()`` is positive."""
+
+    handler: Any
+    #: (round, world size) of every round this agent's node was in, in order.
+    rounds: list[tuple[int, int]] = field(default_factory=list)
+    error: BaseException | None = None
+    stop: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def start(self, first: tuple[int, int]) -> None:
+        self.rounds.append(first)
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while not self.stop.is_set():
+                if self.handler.num_nodes_waiting() > 0:
+                    info = self.handler.next_rendezvous()
+                    run = self.handler.watcher.latest
+                    self.rounds.append((run.status.round if run else -1, info.world_size))
+                self.stop.wait(0.1)  # torch's monitor interval
+        except BaseException as exc:
+            self.error = exc
+
+    def halt(self) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(30)

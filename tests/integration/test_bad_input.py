@@ -210,7 +210,7 @@ def test_round_going_back_is_refused_by_the_members(make_handler: Any, cluster: 
                                                     namespace: str) -> None:
     a, _, _ = _round_two(make_handler, cluster, namespace, "backwards")
     _set_round_back(cluster, namespace, "backwards")
-    wait_for(lambda: a.watcher._error is not None, 10, "a's watch to deliver the edit")
+    wait_for(lambda: a.watcher.error is not None, 10, "a's watch to deliver the edit")
     with pytest.raises(RendezvousStateError,
                        match=r"status\.round: went back from 2 to 1") as info:
         a.next_rendezvous()
@@ -367,7 +367,7 @@ def test_names_at_kubernetes_limits(operator: OperatorProcess, make_handler: Any
         assert len(lease["metadata"]["name"]) <= 253
         assert len(lease["metadata"]["labels"][crd.RUN_LABEL]) <= 63
     # The operator maps the hashed Leases back to the members: a silent one is removed.
-    handlers[1]._lease._stop.set()
+    handlers[1].lease.stop_renewing()
     wait_for(lambda: handlers[0].num_nodes_waiting() >= 1, 15,
              "the operator to notice the silent member of the long-named run")
     lost = read_run(cluster.client, namespace, run_name).status.lost_members[-1]
@@ -487,14 +487,14 @@ def test_a_poisoned_round_is_bounded_and_an_admins_reset_is_kept(
     consistently(lambda: read_run(cluster.client, namespace, "poisoned").status.round == 5
                  and _repair_events(cluster, namespace, "poisoned") == [],
                  RECONCILES, "the operator undid the admin's reset")
-    assert all(h.watcher._error is None for h in (a, b))
+    assert all(h.watcher.error is None for h in (a, b))
     c = make_handler("poisoned", "c", min_nodes=2, max_nodes=3, last_call_timeout=10)
     fresh = [a, b, c]
     again = _one_after_the_other(cluster, namespace, "poisoned", [c, a, b])
     assert sorted(o.rank for o in again.values()) == [0, 1, 2]
     assert {o.world_size for o in again.values()} == {3}
     formed = read_run(cluster.client, namespace, "poisoned").status.round
-    assert 5 < formed < 10 and all(h._round == formed for h in fresh)
+    assert 5 < formed < 10 and all(h.round == formed for h in fresh)
 
     # A round at the maximum: no round can follow it, so the operator repairs it to
     # the round it defends (the one just formed) and the members re-form after it.
@@ -519,7 +519,7 @@ def test_a_poisoned_round_is_bounded_and_an_admins_reset_is_kept(
     assert_all_ok(last)
     assert sorted(o.rank for o in last.values()) == [0, 1, 2]
     final = read_run(cluster.client, namespace, "poisoned").status.round
-    assert formed < final < formed + 4 and all(h._round == final for h in fresh)
+    assert formed < final < formed + 4 and all(h.round == final for h in fresh)
     record("poisoned counter (status.round)", group="bad input",
            fault=f"status.round 2**63-1, then {top - 1} (members and operator saw it), then "
                  f"an admin's round 5; later {top}",

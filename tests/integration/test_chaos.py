@@ -468,7 +468,7 @@ def test_128_nodes_join_at_once_with_watches_closed_every_2s(
     # Exactly once: no node was handed a round twice or skipped one, and each
     # watch delivered each signal once however often it was re-opened (the seal,
     # the leave, the close: at most 3 events, not one per reconnection).
-    assert all(h._round == 1 for h in rest)
+    assert all(h.round == 1 for h in rest)
     events = sorted(h.watcher.events_received for h in rest)
     assert events[-1] <= 3, events[-10:]
     reopened = sum(h.watcher.watches_opened for h in rest) - sum(opened[:-1])
@@ -555,7 +555,7 @@ def test_run_deleted_mid_round_then_recreated(operator: OperatorProcess, make_ha
     again, c = make("a"), make("c")
     outcomes = rendezvous_all([again, c], timeout=60)
     assert_all_ok(outcomes)
-    got = {h.settings.node_name: (h._round, outcomes[h.settings.node_name].rank,
+    got = {h.settings.node_name: (h.round, outcomes[h.settings.node_name].rank,
                                   outcomes[h.settings.node_name].world_size) for h in (again, c)}
     assert {r for r, _, _ in got.values()} == {1}, got  # one new round, the same for both
     assert sorted(rank for _, rank, _ in got.values()) == [0, 1], got
@@ -596,7 +596,7 @@ def test_dead_nodes_join_request_does_not_leak_into_a_recreated_run(
     assert_all_ok(outcomes)
     took = time.monotonic() - started
     assert sorted(o.rank for o in outcomes.values()) == [0, 1]
-    assert {h._round for h in nodes} == {1}
+    assert {h.round for h in nodes} == {1}
     run = read_run(cluster.client, namespace, "ghost")
     assert run.status.member_names == {"n1", "n2"}, run.status
     record("SIGKILLed node's stale join vs a re-created run",

@@ -10,7 +10,6 @@ installed from deploy/crds/, is compared and dry-run applied instead.
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -22,73 +21,18 @@ import yaml
 from elasticrun.api import crd
 
 from chartkit import (
+    CERT_MANAGER_KINDS,
     CHART,
+    NAMESPACE_LABEL,
     Helm,
-    apply,
+    apply_chart,
     by_kind,
-    delete_cluster_scoped,
     one,
 )
 from conftest import CRD_FILE, ROOT, Cluster
 
 #: The fixtures helm, helm_binary and extra_namespace.
 pytest_plugins = ("chartfixtures",)
-
-CERT_MANAGER_KINDS = {"Certificate", "Issuer"}
-NAMESPACE_LABEL = "kubernetes.io/metadata.name"
-
-
-def pin_webhook(docs: list[dict[str, Any]], namespace: str) -> list[dict[str, Any]]:
-    """A copy whose webhook can only ever see pods of ``namespace``."""
-    out = copy.deepcopy(docs)
-    for config in by_kind(out, "MutatingWebhookConfiguration"):
-        for hook in config["webhooks"]:
-            hook["namespaceSelector"] = {"matchExpressions": [
-                {"key": NAMESPACE_LABEL, "operator": "In", "values": [namespace]}]}
-    return out
-
-
-def apply_chart(cluster: Cluster, docs: list[dict[str, Any]], namespace: str,
-                request: pytest.FixtureRequest) -> None:
-    """Apply everything but the CRD (checked against the live one) and cert-manager kinds."""
-    request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
-    for doc in by_kind(docs, "CustomResourceDefinition"):
-        assert_same_as_live_crd(cluster, doc)
-    rest = [d for d in pin_webhook(docs, namespace)
-            if d["kind"] != "CustomResourceDefinition" and d["kind"] not in CERT_MANAGER_KINDS]
-    apply(cluster, rest)
-    for doc in rest:
-        meta = doc["metadata"]
-        where = ["-n", meta["namespace"]] if meta.get("namespace") else []
-        kind = doc["kind"].lower() if "/" not in doc["apiVersion"] else \
-            f"{doc['kind'].lower()}.{doc['apiVersion'].split('/')[0]}"
-        got = cluster.kubectl("get", kind, meta["name"], *where, "-o", "yaml")
-        live = yaml.safe_load(got.stdout)
-        assert live["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm", meta
-    if any(d["kind"] == "Deployment" for d in rest):
-        deployment = one(rest, "Deployment")
-        got = yaml.safe_load(cluster.kubectl(
-            "get", "deployment", deployment["metadata"]["name"], "-n",
-            deployment["metadata"]["namespace"], "-o", "yaml").stdout)
-        # What the API server stored is what the chart meant (nothing pruned or rejected).
-        spec = got["spec"]["template"]["spec"]["containers"][0]
-        assert spec["args"] == deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-
-
-def assert_same_as_live_crd(cluster: Cluster, rendered: dict[str, Any]) -> None:
-    live = yaml.safe_load(cluster.kubectl(
-        "get", "crd", crd.CRD_NAME, "-o", "yaml").stdout)
-    source = yaml.safe_load(CRD_FILE.read_text())
-    assert rendered["spec"] == source["spec"]
-    for key in ("group", "names", "scope"):
-        assert live["spec"][key] == rendered["spec"][key]
-    assert [v["name"] for v in live["spec"]["versions"]] == \
-        [v["name"] for v in rendered["spec"]["versions"]]
-    dry = cluster.kubectl("apply", "--server-side", "--dry-run=server", "--force-conflicts",
-                          "--field-manager=chart-test", "-f", "-",
-                          input=yaml.safe_dump(rendered), check=False)
-    assert dry.returncode == 0, dry.stderr
-
 
 # --------------------------------------------------------------------------- lint & source
 

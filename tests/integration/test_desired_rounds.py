@@ -12,25 +12,21 @@ is positive.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from owned import create_job, create_owned_pod, patch_job
-from test_security import _status_ok
 
 from elasticrun.api import crd
-from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import MERGE_PATCH, KubeClient, load_credentials, run_path
 from elasticrun.api.model import RunSpec, new_run_manifest
 from elasticrun.operator import runrbac
 
-from chartkit import request_token, token_kubeconfig
-from conftest import TEST_NODE_CONF, Cluster, Kubelet, OperatorProcess, wait_for
-from rdzv import read_run, rendezvous_all, start_rendezvous
+from chartkit import request_token, role_bound, token_kubeconfig
+from conftest import Cluster, Kubelet, OperatorProcess, wait_for
+from rdzv import Agent, make_run, read_run, rendezvous_all, start_rendezvous
 
 #: A last call long enough that a round formed well inside it did not wait for it.
 LONG_LAST_CALL = 30
@@ -39,17 +35,6 @@ LONG_LAST_CALL = 30
 def _ok(outcomes: dict[str, Any]) -> None:
     errors = {n: o.error for n, o in outcomes.items() if o.error}
     assert not errors, errors
-
-
-def make_run(cluster: Cluster, namespace: str, name: str, min_nodes: int, max_nodes: int,
-             last_call: int) -> None:
-    """The run as a user's manifest creates it (the handlers find it there)."""
-    spec = RunSpec(min_nodes=min_nodes, max_nodes=max_nodes,
-                   join_timeout=int(TEST_NODE_CONF["join_timeout"]),
-                   last_call_timeout=last_call,
-                   heartbeat_timeout=int(TEST_NODE_CONF["heartbeat_timeout"]),
-                   lease_renew_interval=int(TEST_NODE_CONF["lease_interval"]))
-    assert RunGateway(cluster.client, namespace, name).create(spec) is not None
 
 
 def desired_size(cluster: Cluster, namespace: str, name: str, size: int) -> None:
@@ -86,39 +71,6 @@ def desire(cluster: Cluster, namespace: str, name: str, size: int) -> None:
                            body={"status": {"desired": size, "desiredFrom": "Job/train"}},
                            content_type=MERGE_PATCH)
     desired_size(cluster, namespace, name, size)
-
-
-@dataclass
-class Agent:
-    """A member's torch agent: re-joins whenever ``num_nodes_waiting()`` is positive."""
-
-    handler: Any
-    #: (round, world size) of every round this agent's node was in, in order.
-    rounds: list[tuple[int, int]] = field(default_factory=list)
-    error: BaseException | None = None
-    stop: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
-
-    def start(self, first: tuple[int, int]) -> None:
-        self.rounds.append(first)
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        try:
-            while not self.stop.is_set():
-                if self.handler.num_nodes_waiting() > 0:
-                    info = self.handler.next_rendezvous()
-                    run = self.handler.watcher.latest
-                    self.rounds.append((run.status.round if run else -1, info.world_size))
-                self.stop.wait(0.1)  # torch's monitor interval
-        except BaseException as exc:
-            self.error = exc
-
-    def halt(self) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join(30)
 
 
 def _agents(handlers: list[Any], outcomes: dict[str, Any], round_: int) -> list[Agent]:
@@ -322,7 +274,7 @@ def test_a_pods_forged_desired_size_restarts_nobody_and_the_operator_restores_th
     op = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path,
                          extra_args=["--per-run-rbac"]).start()
     try:
-        wait_for(lambda: _status_ok(cluster, namespace, "forge"), 20, "the per-run Role")
+        wait_for(lambda: role_bound(cluster, namespace, "forge"), 20, "the per-run Role")
         kubeconfig = token_kubeconfig(cluster, request_token(cluster, namespace, "trainer"),
                                       tmp_path / "trainer.kubeconfig", namespace)
         job = create_job(cluster.client, namespace, "forge", "forge", parallelism=2)

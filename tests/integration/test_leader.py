@@ -20,12 +20,11 @@ import pytest
 
 from elasticrun.api import crd
 from elasticrun.api.gateway import RunGateway
-from elasticrun.api.kube import OPERATOR_USER_AGENT, ApiError, lease_path
+from elasticrun.api.kube import OPERATOR_USER_AGENT, ApiError, delete_preconditions, lease_path
 from elasticrun.api.leases import ASSIGNMENT_ANNOTATION
 from elasticrun.api.model import format_time, now, parse_run
 from elasticrun.operator import webhook
 from elasticrun.operator.elector import LEASE_NAME
-from elasticrun.operator.executor import _preconditions
 
 from chartkit import (
     Helm,
@@ -111,7 +110,7 @@ def the_leader(replicas: list[OperatorProcess], timeout: float = 20) -> Operator
 
 def silence(cluster: Cluster, namespace: str, node: Any, name: str) -> None:
     """The node stops renewing its Lease (alive, partitioned); wait until it is removed."""
-    node._lease._stop.set()
+    node.lease.stop_renewing()
     wait_for(lambda: any(m.name == name for m in
                          read_run(cluster.client, namespace, "ha").status.lost_members),
              20, f"{name} to be removed")
@@ -235,7 +234,7 @@ def test_a_stale_leaders_late_writes_are_refused_by_the_api_server(
     assert gateway.replace_status(stale.resource_version, late, "elasticrun-operator") is None
     with pytest.raises(ApiError) as refused:
         cluster.client.request("DELETE", gateway.lease_path(observed["metadata"]["name"]),
-                               body=_preconditions(old_uid))
+                               body=delete_preconditions(old_uid))
     assert refused.value.status == 409
     assert gateway.assign("f1", assignment, old_uid) is False
     after = read_run(cluster.client, namespace, "fence")

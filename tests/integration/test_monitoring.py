@@ -19,9 +19,8 @@ from typing import Any
 
 import pytest
 import yaml
-from test_chart import apply_chart
 
-from chartkit import CHART, Helm, by_kind, one
+from chartkit import CHART, Helm, apply_chart, by_kind, one
 from conftest import ROOT, Cluster, Kubelet, OperatorProcess, wait_for
 from controlplane.promql import exposed_names, grafana_promql, metric_names
 from rdzv import metric, rendezvous_all
@@ -309,7 +308,7 @@ def test_alert_and_dashboard_queries_name_only_exported_series(
     wait_for(lambda: metric(operator.metrics(), "elasticrun_members_lost_total",
                             run="watched", reason="PodDeleted") == 1, 15,
              "the deleted pod's member to be counted as lost")
-    nodes[2]._lease._stop.set()  # the dead node stops renewing, as it would
+    nodes[2].lease.stop_renewing()  # the dead node stops renewing, as it would
     second = rendezvous_all(nodes[:2])
     assert {o.rank for o in second.values()} == {0, 1}
     wait_for(lambda: metric(operator.metrics(), "elasticrun_round", run="watched") == 2,

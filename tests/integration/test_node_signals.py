@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_desired_rounds import Agent, make_run
+from owned import pod_on
 
 from elasticrun.api.kube import MERGE_PATCH, ApiError
 from elasticrun.api.model import now
@@ -34,7 +34,7 @@ from conftest import (
     running_operator,
     wait_for,
 )
-from rdzv import is_waiting, read_run, rendezvous_all, start_rendezvous
+from rdzv import Agent, is_waiting, make_run, read_run, rendezvous_all, start_rendezvous
 from timings import HEARTBEAT, LAST_CALL, RECONCILES, outlasting
 
 #: The signals of these tests, one per policy (keys nobody else sets on these Nodes).
@@ -75,21 +75,6 @@ def nodes(cluster: Cluster) -> Iterator[Callable[[str], str]]:
 def taint(cluster: Cluster, node: str, *keys: str) -> None:
     cluster.client.request("PATCH", f"/api/v1/nodes/{node}", content_type=MERGE_PATCH, body={
         "spec": {"taints": [{"key": k, "effect": "NoSchedule"} for k in keys]}})
-
-
-def pod_on(cluster: Cluster, pods: Kubelet, name: str, run: str, node: str) -> None:
-    """A Running training pod of ``run`` bound to ``node`` (the test plays its kubelet)."""
-    cluster.client.request("POST", f"/api/v1/namespaces/{pods.namespace}/pods", body={
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "labels": {"elasticrun.dev/run": run}},
-        "spec": {"nodeName": node,
-                 "containers": [{"name": "trainer", "image": "trainer:latest"}]}})
-    pods.set_status(name, {
-        "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
-        "conditions": [{"type": "Ready", "status": "True"}],
-        "containerStatuses": [{"name": "trainer", "image": "trainer:latest", "imageID": "",
-                               "ready": True, "restartCount": 0, "started": True,
-                               "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}]})
 
 
 def signal_events(cluster: Cluster, namespace: str) -> list[str]:

@@ -85,7 +85,7 @@ def test_pod_loss_removes_member_and_signals_survivors(
     lost = _lost(cluster, namespace, "pods", "p2")
     assert lost is not None and lost.reason == reason, lost
     assert lost.round == 1
-    victim._lease._stop.set()  # the dead node stops renewing, as it would
+    victim.lease.stop_renewing()  # the dead node stops renewing, as it would
     second = rendezvous_all(survivors)
     _ok(second)
     formed = time.monotonic() - started
@@ -103,7 +103,7 @@ def test_expired_lease_removes_a_silent_member(operator: OperatorProcess, make_h
     nodes = [make_handler("quiet", f"n{i}", min_nodes=3, heartbeat_timeout=2,
                           lease_renew_interval=1) for i in range(3)]
     _ok(rendezvous_all(nodes))
-    nodes[1]._lease._stop.set()  # a partitioned node: alive, silent
+    nodes[1].lease.stop_renewing()  # a partitioned node: alive, silent
     started = time.monotonic()
     wait_for(lambda: nodes[0].num_nodes_waiting() >= 1 and nodes[2].num_nodes_waiting() >= 1,
              15, "survivors to see the expired lease")
@@ -147,7 +147,7 @@ def test_round_completes_with_operator_killed_and_restart_loses_nothing(
     consistently(unchanged, window, "the restarted operator changed the round")
     # The control: the same operator does remove a member that stops renewing, within
     # such a window, so the window above would have shown a wrong removal.
-    late._lease._stop.set()
+    late.lease.stop_renewing()
     silent = time.monotonic()
     wait_for(lambda: _lost(cluster, namespace, "restart", "n2"), window + MARGIN,
              "the restarted operator to remove a silent member")

@@ -62,7 +62,7 @@ def test_indexes_arriving_3_0_2_1_get_ranks_by_index_and_a_replacement_takes_its
     deleted = time.monotonic()
     wait_for(lambda: all(h.num_nodes_waiting() >= 1 for h in survivors), 15,
              "the survivors to see the index-2 Pod's loss")
-    nodes["arrive-3"]._lease._stop.set()  # the deleted Pod's node stops renewing, as it would
+    nodes["arrive-3"].lease.stop_renewing()  # the deleted Pod's node stops renewing, as it would
     lost = [m for m in read_run(cluster.client, namespace, run).status.lost_members
             if m.name == "arrive-3"]
     assert lost and lost[0].reason == "PodDeleted", lost

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from owned import create_job, create_owned_pod
-from test_node_signals import pod_on
+from owned import create_job, create_owned_pod, pod_on
 
 from elasticrun.api import crd
 from elasticrun.api.model import Desired

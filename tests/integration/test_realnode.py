@@ -25,56 +25,24 @@ from elasticrun.api.naming import lease_name
 from conftest import ROOT, Cluster, wait_for
 from controlplane.node import NODE_IP, NODE_NAME, host_paths, read_tunables
 from nodekit import (
+    EXAMPLES,
+    LONG_TRAINING,
     OPERATOR_DEPLOYMENT,
     RELEASE_NAMESPACE,
     apply_example,
+    create_run,
     delete_member,
+    elastic_run,
+    logs,
     operator_pods,
+    pods_of,
+    round_with,
     wait_pod_phase,
 )
 from rdzv import read_run
 
 pytest_plugins = ("nodefixtures",)
 pytestmark = [pytest.mark.node, pytest.mark.slow]
-
-EXAMPLES = ROOT / "deploy" / "examples"
-#: Long enough to delete a member mid-run and re-form; about a minute on 2 cores.
-LONG_TRAINING = ["--epochs", "300", "--steps-per-epoch", "10"]
-
-
-def elastic_run(name: str, min_nodes: int, max_nodes: int) -> dict[str, Any]:
-    """The run an example's pods join, created up front with short timeouts for tests."""
-    return {"apiVersion": "elasticrun.dev/v1alpha1", "kind": "ElasticRun",
-            "metadata": {"name": name},
-            "spec": {"minNodes": min_nodes, "maxNodes": max_nodes, "lastCallTimeoutSeconds": 2,
-                     "heartbeatTimeoutSeconds": 6, "leaseRenewIntervalSeconds": 2}}
-
-
-def create_run(cluster: Cluster, namespace: str, body: dict[str, Any]) -> None:
-    cluster.client.request("POST", f"/apis/elasticrun.dev/v1alpha1/namespaces/{namespace}"
-                                   "/elasticruns", body=body)
-
-
-def round_with(cluster: Cluster, namespace: str, run: str, members: int,
-               after: int = 0, without: str | None = None,
-               including: str | None = None) -> ElasticRun | None:
-    current = read_run(cluster.client, namespace, run)
-    names = {p.name for p in current.status.participants}
-    if (current.status.round > after and len(names) == members and without not in names
-            and (including is None or including in names)):
-        return current
-    return None
-
-
-def pods_of(cluster: Cluster, namespace: str, selector: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = cluster.client.request(
-        "GET", f"/api/v1/namespaces/{namespace}/pods", query={"labelSelector": selector})["items"]
-    return items
-
-
-def logs(cluster: Cluster, namespace: str, pod: str) -> str:
-    return cluster.kubectl("logs", "-n", namespace, pod, "--tail=400", check=False).stdout
-
 
 # --------------------------------------------------------------------------- the node
 

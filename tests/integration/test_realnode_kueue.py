@@ -20,11 +20,20 @@ from typing import Any
 
 import pytest
 import yaml
-from test_realnode import create_run, elastic_run, logs, pods_of, round_with
-from test_realnode_launchers import INTEGRATIONS, TRAINING, condition, with_args
 
 from conftest import Cluster, consistently, wait_for
 from controlplane import addons, localize
+from nodekit import (
+    INTEGRATIONS,
+    TRAINING,
+    condition,
+    create_run,
+    elastic_run,
+    logs,
+    pods_of,
+    round_with,
+    with_args,
+)
 from rdzv import read_run
 from timings import RECONCILES
 

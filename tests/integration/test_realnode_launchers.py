@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 import yaml
-from test_realnode import create_run, elastic_run, logs, pods_of, round_with
 
 from elasticrun.operator.reconcile import DESIRED_ABOVE_MAX, DESIRED_CONDITION
 
@@ -29,23 +28,24 @@ from chartkit import Helm, build_helm
 from conftest import ROOT, Cluster, consistently, wait_for
 from controlplane import addons, localize
 from controlplane.node import NODE_IP
-from nodekit import RELEASE, RELEASE_NAMESPACE
+from nodekit import (
+    INTEGRATIONS,
+    RELEASE,
+    RELEASE_NAMESPACE,
+    TRAINING,
+    condition,
+    create_run,
+    elastic_run,
+    logs,
+    pods_of,
+    round_with,
+    with_args,
+)
 from rdzv import read_run
 from timings import outlasting
 
 pytest_plugins = ("nodefixtures",)
 pytestmark = [pytest.mark.node, pytest.mark.slow]
-
-INTEGRATIONS = ROOT / "deploy" / "integrations"
-TRAIN_IN_IMAGE = f"{localize.EXAMPLES_IN_IMAGE}/train.py"
-#: Long enough for a loss and a replacement (300 epochs end in about 25 s on three
-#: nodes here, before a replacement pod is up).
-TRAINING = ["--epochs", "2000", "--steps-per-epoch", "10"]
-
-
-def with_args(command: list[str], args: list[str]) -> list[str]:
-    return [*command[:command.index(TRAIN_IN_IMAGE) + 1], *args]
-
 
 def apply_integration(cluster: Cluster, namespace: str, path: Path,
                       args: list[str]) -> list[dict[str, Any]]:
@@ -77,11 +77,6 @@ def pod_identity(cluster: Cluster, namespace: str, selector: str) -> dict[str, t
     return {p["metadata"]["name"]: (p["metadata"]["uid"], sum(
         c.get("restartCount", 0) for c in (p.get("status") or {}).get("containerStatuses") or []))
         for p in pods_of(cluster, namespace, selector)}
-
-
-def condition(obj: dict[str, Any], kind: str) -> bool:
-    return any(c.get("type") == kind and c.get("status") == "True"
-               for c in (obj.get("status") or {}).get("conditions") or [])
 
 
 def lose_one_and_replace(cluster: Cluster, namespace: str, run: str, selector: str

@@ -16,14 +16,25 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from test_realnode import EXAMPLES, LONG_TRAINING, create_run, elastic_run, logs, round_with
 
 from elasticrun.api.model import ElasticRun
 
 from conftest import Cluster, consistently, wait_for
 from controlplane.node import NODE_NAME
 from leaderkit import agent_of, by_agent, holder, mutated_on_dry_run, run_writes
-from nodekit import RELEASE_NAMESPACE, apply_example, delete_member, lost_reasons, operator_pods
+from nodekit import (
+    EXAMPLES,
+    LONG_TRAINING,
+    RELEASE_NAMESPACE,
+    apply_example,
+    create_run,
+    delete_member,
+    elastic_run,
+    logs,
+    lost_reasons,
+    operator_pods,
+    round_with,
+)
 from rdzv import AuditLog
 from timings import RECONCILES, outlasting
 

@@ -58,6 +58,7 @@ from chartkit import (
     by_kind,
     delete_cluster_scoped,
     request_token,
+    role_bound,
     token_kubeconfig,
 )
 from conftest import Cluster, ProcessGroup, consistently, wait_for
@@ -724,7 +725,7 @@ def test_runs_whose_names_collided_stay_apart_and_the_operator_touches_no_other_
     """Run ``team``'s node ``b.b-0`` and run ``team.b``'s node ``b-0`` were both ``team.b.b-0``."""
     victim_config = _account(cluster, namespace, tmp_path, "team.b", "sa-victim")
     attacker_config = _account(cluster, namespace, tmp_path, "team", "sa-attacker")
-    wait_for(lambda: all(_status_ok(cluster, namespace, r) for r in ("team", "team.b")), 20,
+    wait_for(lambda: all(role_bound(cluster, namespace, r) for r in ("team", "team.b")), 20,
              "the per-run Roles")
     victims = [make_handler("team.b", f"b-{i}", min_nodes=2, kubeconfig=victim_config,
                             heartbeat_timeout=4, lease_renew_interval=1, last_call_timeout=1)
@@ -774,16 +775,6 @@ def test_runs_whose_names_collided_stay_apart_and_the_operator_touches_no_other_
            recovery_seconds=None)
 
 
-def _status_ok(cluster: Cluster, namespace: str, run: str) -> bool:
-    try:
-        cluster.client.request("GET", runrbac.path("RoleBinding", namespace, run))
-    except ApiError as exc:
-        if exc.not_found:
-            return False
-        raise
-    return True
-
-
 def _gone(cluster: Cluster, namespace: str, name: str) -> bool:
     try:
         cluster.client.request("GET", lease_path(namespace, name))
@@ -812,7 +803,7 @@ def test_an_unlabelled_squat_on_a_nodes_lease_name_is_an_error_naming_it(
                                  "namespace": namespace}]})
     stranger = _client(token_kubeconfig(cluster, request_token(cluster, namespace, "stranger"),
                                         tmp_path / "stranger.kubeconfig", namespace))
-    wait_for(lambda: _status_ok(cluster, namespace, "sq"), 20, "the per-run Role")
+    wait_for(lambda: role_bound(cluster, namespace, "sq"), 20, "the per-run Role")
     stranger.request("POST", leases_path(namespace), query={"fieldManager": "squatter-tool"},
                      body={"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                            "metadata": {"name": lease_name("sq", "sq-0")},
@@ -902,7 +893,7 @@ def test_another_accounts_pod_named_like_a_podless_member_removes_nobody(
     monkeypatch.delenv("POD_NAME", raising=False)
     monkeypatch.delenv("POD_UID", raising=False)
     config = _account(cluster, namespace, tmp_path, "pl", "sa-pl")
-    wait_for(lambda: _status_ok(cluster, namespace, "pl"), 20, "the per-run Role")
+    wait_for(lambda: role_bound(cluster, namespace, "pl"), 20, "the per-run Role")
     uid = pods.create("pl-0", "pl")["metadata"]["uid"]
     conf = {"min_nodes": 2, "kubeconfig": config, "heartbeat_timeout": 4,
             "lease_renew_interval": 1, "last_call_timeout": 1}
@@ -995,15 +986,14 @@ def test_a_member_removed_while_partitioned_rejoins_under_per_run_rbac(
              for i in range(2)]
     assert_all_ok(rendezvous_all(nodes))
     healed = nodes[1]
-    keeper = healed._lease
+    keeper = healed.lease
     assert keeper is not None
     first = cluster.client.request("GET", lease_path(namespace, keeper.name))["metadata"]["uid"]
-    keeper._stop.set()  # partitioned: alive, silent
+    keeper.stop_renewing()  # partitioned: alive, silent
     wait_for(lambda: [m.name for m in read_run(cluster.client, namespace, "run-a")
                       .status.lost_members] == ["run-a-1"], 15, "run-a-1 to be removed")
     wait_for(lambda: _gone(cluster, namespace, keeper.name), 10, "its Lease to be deleted")
-    keeper._stop.clear()  # the partition heals
-    keeper.start()
+    keeper.resume_renewing()  # the partition heals
     wait_for(lambda: not _gone(cluster, namespace, keeper.name), 10,
              "the healed node to create its Lease again")
     outcomes = rendezvous_all(nodes)

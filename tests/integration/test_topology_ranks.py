@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_desired_rounds import make_run
-from test_node_signals import pod_on
+from owned import pod_on
 
 from elasticrun.api.kube import ApiError
 
 from conftest import Cluster, Kubelet, running_operator, wait_for
-from rdzv import is_waiting, read_run, start_rendezvous
+from rdzv import is_waiting, make_run, read_run, start_rendezvous
 
 ZONE, HOST = "topology.kubernetes.io/zone", "kubernetes.io/hostname"
 #: Long enough for the operator's summary (written once the joins are quiet for a

@@ -22,7 +22,7 @@ from elasticrun.api.model import ElasticRun, RunStatus
 from elasticrun.handler.session import RunSession
 from elasticrun.handler.settings import from_parameters
 
-from test_rounds import at, run, sealed
+from builders import at, run, sealed
 
 
 class Clock:

@@ -15,8 +15,6 @@ import datetime as dt
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_operator_pure import _joined
-from test_step import CLOCK, defers, knows
 
 from elasticrun.api import rounds, untrusted
 from elasticrun.api.leases import LeaseState
@@ -26,7 +24,7 @@ from elasticrun.handler.step import next_action
 from elasticrun.operator.owners import NO_OWNER, Ownership
 from elasticrun.operator.reconcile import SEAL_GRACE, Members, reconcile
 
-from test_rounds import at, run, sealed, waiting
+from builders import CLOCK, at, defers, joined_leases, knows, run, sealed, waiting
 
 LAST_CALL = 30
 
@@ -116,7 +114,7 @@ def on_leases(r: ElasticRun, joined: dict[str, dt.datetime], members: tuple[str,
     """``r`` as the operator holds it (its uid), and the Leases of ``joined`` and ``members``."""
     leases = {}
     for name, when in joined.items():
-        leases.update(_joined([name], when))
+        leases.update(joined_leases([name], when))
     for name in members:
         leases[name] = LeaseState(node=name, holder=name, renewed=at(99), duration=10,
                                   owner_uid="uid", seen=at(99))

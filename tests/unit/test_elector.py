@@ -28,6 +28,8 @@ from elasticrun.operator.elector import (
     still_leading,
 )
 
+from builders import idle_client
+
 TIMING = Timing()
 WALL = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -134,9 +136,7 @@ def test_the_fenced_client_refuses_every_write_while_not_leading(
     sent: list[str] = []
     monkeypatch.setattr(KubeClient, "request",
                         lambda self, method, path, **_: sent.append(method) or {})
-    inner = KubeClient.__new__(KubeClient)
-    inner.credentials, inner.timeout, inner.user_agent, inner._pool = (
-        None, 1.0, "ua", None)  # type: ignore[assignment]
+    inner = idle_client()
     leading = False
     fenced = FencedClient(inner, lambda: leading)
     for method in ("POST", "PUT", "PATCH", "DELETE"):
@@ -260,14 +260,6 @@ def test_a_garbage_lease_is_taken_over_without_a_hot_loop() -> None:
             await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(scenario())
-
-
-def idle_client() -> KubeClient:
-    """A client that never connects: for a Controller whose I/O a test does not reach."""
-    client = KubeClient.__new__(KubeClient)
-    client.credentials, client.timeout, client.user_agent, client._pool = (
-        None, 1.0, "ua", None)  # type: ignore[assignment]
-    return client
 
 
 def test_the_controller_decides_only_between_lead_and_follow() -> None:

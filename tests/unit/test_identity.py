@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiError
-from elasticrun.api.leases import LeaseState, lease_run, lease_state, owned_by
+from elasticrun.api.leases import LeaseState, lease_run, lease_state, node_lease, owned_by
 from elasticrun.api.model import (
     ElasticRun,
     LostMember,
@@ -26,6 +26,7 @@ from elasticrun.api.model import (
     RunSpec,
     RunStatus,
     StoreAddress,
+    WaitingNode,
 )
 from elasticrun.api.naming import label_value, lease_name
 from elasticrun.operator import runrbac
@@ -115,6 +116,25 @@ def test_only_a_lease_owned_by_the_run_under_its_name_is_genuine() -> None:
     assert not owned_by(lease_state(_lease("r", "n0", owner=None)), "r", "uid-r")
     assert not owned_by(lease_state(_lease("r", "n0", name="r.n1")), "r", "uid-r")
     assert not owned_by(lease_state(_lease("r", "n0")), "r", None)
+
+
+@settings(max_examples=200)
+@given(run=run_names, node=node_names)
+def test_the_lease_a_node_creates_is_its_runs_genuine_lease(run: str, node: str) -> None:
+    """What an agent (and the scale benchmark's simulated node) POSTs: named, labelled and
+    owned so that every reader takes it for this run's Lease of this node, join included."""
+    join = WaitingNode(name=node, address="10.0.0.7", store_port=29400, since=T0)
+    body = node_lease(run, node, "agent@1", 15, "uid-r", T0, join)
+    assert body["metadata"]["name"] == lease_name(run, node)
+    assert lease_run(body) == run
+    stored = {**body, "metadata": {**body["metadata"], "uid": "lease-uid"}}  # the server's
+    state = lease_state(stored, seen=T0)
+    assert owned_by(state, run, "uid-r") and state.node == node and state.holder == "agent@1"
+    assert state.join == join and state.duration == 15 and state.renewed == T0
+    plain = node_lease(run, node, "agent@1", 15, None, T0)
+    plain["metadata"]["uid"] = "lease-uid"
+    assert lease_run(plain) == run and lease_state(plain).join is None
+    assert not owned_by(lease_state(plain), run, "uid-r")
 
 
 # --------------------------------------------------------------------------- per-run RBAC

@@ -67,7 +67,7 @@ def test_a_loss_is_followed_in_place_and_a_newcomer_restarts_the_workers() -> No
     from elasticrun.api import rounds
     from elasticrun.handler.step import has_newcomers, in_place_move
 
-    from test_rounds import at, run, sealed, waiting
+    from builders import at, run, sealed, waiting
 
     full = sealed("a", "b", "c")
     lost = rounds.remove_member(full, "c", "PodFailed", at(1))

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_operator_pure import T0, running_run
 
 from elasticrun.api import rounds
 from elasticrun.api.leases import LeaseState
@@ -17,6 +16,8 @@ from elasticrun.api.model import ElasticRun, RunStatus, WaitingNode
 from elasticrun.operator import nodesignals as ns
 from elasticrun.operator.metrics import Metrics
 from elasticrun.operator.reconcile import NODE_SIGNALS_CONDITION, Members, reconcile
+
+from builders import T0, running_run
 
 CORDON = ns.Signal("taint", "node.kubernetes.io/unschedulable", policy="exclude")
 SPOT = ns.Signal("taint", "example.com/spot-itn", policy="drain")

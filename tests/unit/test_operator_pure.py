@@ -14,7 +14,6 @@ from elasticrun.api.leases import LeaseState, Unreachable, pending_joins
 from elasticrun.api.model import (
     ElasticRun,
     InvalidRunError,
-    Participant,
     RunSpec,
     RunStatus,
     StoreAddress,
@@ -32,7 +31,7 @@ from elasticrun.operator.reconcile import (
     set_condition,
 )
 
-T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+from builders import T0, joined_leases, running_run
 
 
 def pod(status: dict[str, Any] | None = None, **meta: Any) -> dict[str, Any]:
@@ -84,15 +83,6 @@ def test_a_restarted_container_is_a_loss_only_after_the_first_sight() -> None:
 
 
 # --------------------------------------------------------------------------- reconcile
-
-
-def running_run(spec: RunSpec | None = None, **status: Any) -> ElasticRun:
-    participants = tuple(Participant(name=n, rank=i, address="10.0.0.1", store_port=1 + i,
-                                     pod=n) for i, n in enumerate(("a", "b", "c")))
-    base = RunStatus(phase="Running", round=1, signal=1, participants=participants,
-                     store=StoreAddress("10.0.0.1", 1), sealed_at=T0)
-    return ElasticRun("r", "ns", spec or RunSpec(min_nodes=2, max_nodes=3),
-                      base.replace(**status), "7", generation=3)
 
 
 def test_closing_by_spec_closes_the_status_and_signals_everyone() -> None:
@@ -277,7 +267,7 @@ class _Answers:
 def test_the_probe_counts_only_a_missing_or_unwell_server_as_unreachable(
         outcome: Exception | None, reachable: bool) -> None:
     api = ApiAvailability(client=_Answers(outcome))  # type: ignore[arg-type]
-    assert api._probe() is reachable
+    assert api.probe() is reachable
 
 
 # --------------------------------------------------------------------------- reported rank 0
@@ -346,20 +336,13 @@ def test_an_expired_lease_of_a_node_already_removed_is_deleted() -> None:
     assert reconcile(run, Members(leases=live), T0).delete_leases == []
 
 
-def _joined(names: list[str], at: dt.datetime) -> dict[str, LeaseState]:
-    join = {n: WaitingNode(name=n, address="10.0.0.1", store_port=29400, since=at)
-            for n in names}
-    return {n: LeaseState(node=n, holder=n, renewed=at, duration=10, join=join[n],
-                          owner_uid="uid", seen=at) for n in names}
-
-
 @pytest.mark.parametrize("size", [3, 64])
 def test_the_operator_seals_at_once_where_nodes_leave_it_the_seal(size: int) -> None:
     """Small runs: nodes seal, the operator waits SEAL_GRACE.  Large runs: nobody to wait for."""
     names = [f"n{i:03d}" for i in range(size)]
     run = ElasticRun("r", "ns", RunSpec(min_nodes=size, max_nodes=size), RunStatus(), "7",
                      uid="uid")
-    plan = reconcile(run, Members(leases=_joined(names, T0)), T0)
+    plan = reconcile(run, Members(leases=joined_leases(names, T0)), T0)
     if size < rounds.DEFER_SEAL_FROM:
         assert not plan.sealed and plan.wake_at == T0 + dt.timedelta(seconds=SEAL_GRACE)
     else:
@@ -382,7 +365,7 @@ def test_in_large_runs_the_seal_leaves_the_signal_and_tells_each_member_on_its_l
     names = [f"n{i:03d}" for i in range(size)]
     run = ElasticRun("r", "ns", RunSpec(min_nodes=size, max_nodes=size), RunStatus(signal=4),
                      "7", uid="uid")
-    leases = _joined(names, T0)
+    leases = joined_leases(names, T0)
     plan = reconcile(run, Members(leases=leases), T0 + dt.timedelta(seconds=SEAL_GRACE))
     assert plan.sealed and plan.status is not None
     if size < rounds.TELL_BY_LEASE_FROM:
@@ -399,7 +382,7 @@ def test_in_large_runs_the_seal_leaves_the_signal_and_tells_each_member_on_its_l
 def test_a_restarted_operator_tells_only_the_members_not_yet_told() -> None:
     names = [f"n{i:03d}" for i in range(256)]
     spec = RunSpec(min_nodes=256, max_nodes=256)
-    leases = _joined(names, T0)
+    leases = joined_leases(names, T0)
     sealed_run = ElasticRun("r", "ns", spec, RunStatus(), "7", uid="uid")
     status = reconcile(sealed_run, Members(leases=leases), T0).status
     assert status is not None
@@ -417,7 +400,7 @@ def test_a_restarted_operator_tells_only_the_members_not_yet_told() -> None:
 def test_a_re_forming_round_is_told_nothing() -> None:
     names = [f"n{i:03d}" for i in range(256)]
     spec = RunSpec(min_nodes=256, max_nodes=256)
-    leases = _joined(names, T0)
+    leases = joined_leases(names, T0)
     status = reconcile(ElasticRun("r", "ns", spec, RunStatus(), "7", uid="uid"),
                        Members(leases=leases), T0).status
     assert status is not None

@@ -9,39 +9,14 @@ from dataclasses import replace
 from elasticrun.api import rounds
 from elasticrun.api.leases import LeaseState, pending_joins
 from elasticrun.api.model import (
-    ElasticRun,
     LostMember,
-    Participant,
     RunSpec,
     RunStatus,
     StoreAddress,
     WaitingNode,
 )
 
-T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
-
-
-def at(seconds: float) -> dt.datetime:
-    return T0 + dt.timedelta(seconds=seconds)
-
-
-def waiting(*names: str, since: float = 0.0) -> tuple[WaitingNode, ...]:
-    return tuple(WaitingNode(name=n, address=f"10.0.0.{i}", store_port=29400 + i,
-                             since=at(since + i)) for i, n in enumerate(names))
-
-
-def run(status: RunStatus, min_nodes: int = 2, max_nodes: int = 4, last_call: int = 30,
-        closed: bool = False, annotations: dict[str, str] | None = None) -> ElasticRun:
-    spec = RunSpec(min_nodes=min_nodes, max_nodes=max_nodes, last_call_timeout=last_call,
-                   closed=closed)
-    return ElasticRun("r", "ns", spec, status, "1", annotations=annotations or {})
-
-
-def sealed(*names: str, round_: int = 1) -> RunStatus:
-    return RunStatus(phase="Running", round=round_, signal=round_, participants=tuple(
-        Participant(name=n, rank=i, address=f"10.0.0.{i}", store_port=29400 + i)
-        for i, n in enumerate(names)))
-
+from builders import T0, at, run, sealed, waiting
 
 # --------------------------------------------------------------------------- decide_seal
 

@@ -12,33 +12,15 @@ import datetime as dt
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elasticrun.api.model import Assignment, RunStatus, StoreAddress, WaitingNode
+from elasticrun.api.model import Assignment, RunStatus, StoreAddress
 from elasticrun.handler import step
 from elasticrun.handler.step import Knowledge, next_action
 
-from test_rounds import at, run, sealed, waiting
-
-OWN_SINCE = dt.datetime(2026, 1, 1, 0, 0, 5, tzinfo=dt.UTC)
-CLOCK = 1000.0  # monotonic seconds at the start of next_rendezvous
-JOIN_TIMEOUT = 60.0
-
-
-def knows(status: RunStatus, node: str = "a", pending: tuple[WaitingNode, ...] = (),
-          previous_round: int = 0, joined: bool = True, listed: bool = True,
-          **spec: int) -> Knowledge:
-    return Knowledge(node=node, run=run(status, **spec), previous_round=previous_round,
-                     join_deadline=CLOCK + JOIN_TIMEOUT, pending=pending, joined=joined,
-                     listed=listed)
+from builders import CLOCK, JOIN_TIMEOUT, OWN_SINCE, at, defers, knows, run, sealed, waiting
 
 
 def completes(action: step.Action, rank: int) -> bool:
     return isinstance(action, step.Complete) and action.assignment.rank == rank
-
-
-def defers(status: RunStatus, node: str = "a", wait: float = 10.0, **spec: int) -> Knowledge:
-    """A node of a large run that joined and leaves sealing to the operator for ``wait`` s."""
-    own = WaitingNode(name=node, address="10.0.0.9", store_port=29400, since=OWN_SINCE)
-    return knows(status, node, listed=False, **spec).replace(defer_until=CLOCK + wait, own=own)
 
 
 def test_the_first_step_joins_unless_the_run_is_closed() -> None:

@@ -12,7 +12,7 @@ from elasticrun.api.leases import JOIN_ANNOTATION, join_value
 from elasticrun.api.model import StoreAddress, WaitingNode
 from elasticrun.api.naming import label_value, lease_name
 from elasticrun.api.stores import announced_store, store_problem
-from elasticrun.handler.store import StoreAddressError, _bind_address
+from elasticrun.handler.store import StoreAddressError, bind_address
 
 SINCE = dt.datetime(2026, 1, 1, 0, 0, 5, tzinfo=dt.UTC)
 HONEST = StoreAddress("10.0.0.1", 29400)
@@ -65,9 +65,9 @@ def test_a_run_without_uid_trusts_no_store() -> None:
 
 
 def test_an_address_that_does_not_resolve_is_refused_not_bound_to_every_interface() -> None:
-    assert _bind_address("127.0.0.2") == "127.0.0.2"
+    assert bind_address("127.0.0.2") == "127.0.0.2"
     with pytest.raises(StoreAddressError) as info:
-        _bind_address("no-such-host.invalid")
+        bind_address("no-such-host.invalid")
     message = str(info.value)
     assert "'no-such-host.invalid' does not resolve" in message
     assert "never on all interfaces" in message

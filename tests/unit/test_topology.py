@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_elector import idle_client
-from test_operator_pure import T0
 
 from elasticrun.api.leases import LeaseState
 from elasticrun.api.model import ElasticRun, RunSpec, RunStatus, WaitingNode
 from elasticrun.operator import topology
 from elasticrun.operator.reconcile import SEAL_GRACE, Members, reconcile
+
+from builders import T0, idle_client
 
 ZONE, HOST = "topology.kubernetes.io/zone", "kubernetes.io/hostname"
 KEYS = (ZONE, HOST)
@@ -147,7 +147,7 @@ def test_the_controller_keeps_node_values_for_the_pods_bound_to_them() -> None:
     async def scenario() -> None:
         client = idle_client()
         off = Controller(client, Metrics())
-        assert not off.reads_nodes and off._topology(("ns", "r")) is None
+        assert not off.reads_nodes and off.pod_topology(("ns", "r")) is None
         controller = Controller(client, Metrics(), topology_keys=KEYS)
         assert controller.reads_nodes and controller.node_signals is None
         controller.node_event("ADDED", node("n1", **{ZONE: "zone-a", HOST: "n1"}))
@@ -157,15 +157,15 @@ def test_the_controller_keeps_node_values_for_the_pods_bound_to_them() -> None:
                 "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}",
                              "labels": {"elasticrun.dev/run": "r"}},
                 "spec": {"nodeName": bound}})
-        assert controller._topology(("ns", "r")) == {
+        assert controller.pod_topology(("ns", "r")) == {
             "p1": ("uid-p1", ("zone-a", "n1")), "p3": ("uid-p3", ("zone-a", "n1"))}
         controller.node_event("MODIFIED", node("n1", **{ZONE: "zone-b", HOST: "n1"}))
         controller.pod_event("DELETED", {
             "metadata": {"name": "p3", "namespace": "ns", "uid": "uid-p3",
                          "labels": {"elasticrun.dev/run": "r"}}, "spec": {"nodeName": "n1"}})
-        assert controller._topology(("ns", "r")) == {"p1": ("uid-p1", ("zone-b", "n1"))}
+        assert controller.pod_topology(("ns", "r")) == {"p1": ("uid-p1", ("zone-b", "n1"))}
         controller.node_event("DELETED", node("n1"))
-        assert controller._topology(("ns", "r")) == {}
+        assert controller.pod_topology(("ns", "r")) == {}
         await controller.stop()
 
     asyncio.run(scenario())

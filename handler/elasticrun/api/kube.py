@@ -22,43 +22,16 @@ import urllib3
 
 from elasticrun.api import crd
 
+# What the client raises; re-exported (PEP 484's ``X as X``), so its callers name them here.
+from elasticrun.api.errors import ApiConnectionError as ApiConnectionError  # noqa: PLC0414
+from elasticrun.api.errors import ApiError as ApiError  # noqa: PLC0414
+
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"
-
-
-class ApiError(Exception):
-    """The API server answered with an error status."""
-
-    def __init__(self, status: int, reason: str, message: str, body: Mapping[str, Any]) -> None:
-        super().__init__(f"{status} {reason}: {message}")
-        self.status = status
-        self.reason = reason
-        self.message = message
-        self.body = body
-
-    @property
-    def not_found(self) -> bool:
-        return self.status == 404
-
-    @property
-    def conflict(self) -> bool:
-        return self.status == 409
-
-    @property
-    def forbidden(self) -> bool:
-        return self.status == 403
-
-    @property
-    def gone(self) -> bool:
-        return self.status == 410
-
-
-class ApiConnectionError(Exception):
-    """The API server could not be reached (refused, reset, timed out, TLS)."""
 
 
 @dataclass(frozen=True)
@@ -243,3 +216,9 @@ def leases_path(namespace: str) -> str:
 
 def lease_path(namespace: str, name: str) -> str:
     return f"{leases_path(namespace)}/{quote(name)}"
+
+
+def delete_preconditions(uid: str) -> dict[str, Any]:
+    """The body of a DELETE of the object with this uid only: any other object of the same
+    name (one made after it) is left, and the server answers 409."""
+    return {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elasticrun.api import crd, untrusted
-from elasticrun.api.model import Assignment, InvalidRunError, RunStatus, StoreAddress, WaitingNode
+from elasticrun.api.model import (
+    Assignment,
+    InvalidRunError,
+    RunStatus,
+    StoreAddress,
+    WaitingNode,
+    format_time,
+)
 from elasticrun.api.naming import label_value, lease_name
 from elasticrun.api.rounds import arrival_key
 
@@ -245,6 +252,34 @@ def join_value(node: WaitingNode) -> str:
     entry = node.to_dict()
     entry.pop("name", None)
     return json.dumps(entry, sort_keys=True)
+
+
+def node_lease(run: str, node: str, holder: str, duration: int, owner_uid: str | None,
+               renewed: dt.datetime, join: WaitingNode | None = None) -> dict[str, Any]:
+    """A node's Lease as its agent creates (or takes over) it, renewed at ``renewed``.
+
+    Named for the run and the node (:func:`~elasticrun.api.naming.lease_name`),
+    labelled and annotated with both (:func:`lease_run` reads them back), owned by
+    the run when its uid is known (deleting the run deletes its Leases), and
+    carrying the join request ``join`` when the node asks to join at once.
+    """
+    stamp = format_time(renewed)
+    meta: dict[str, Any] = {
+        "name": lease_name(run, node),
+        "labels": {crd.RUN_LABEL: label_value(run)},
+        "annotations": {crd.NODE_ANNOTATION: node, crd.RUN_LABEL: run},
+    }
+    if join is not None:
+        meta["annotations"][JOIN_ANNOTATION] = join_value(join)
+    if owner_uid:
+        meta["ownerReferences"] = [{
+            "apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": run,
+            "uid": owner_uid, "blockOwnerDeletion": False}]
+    return {
+        "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta,
+        "spec": {"holderIdentity": holder, "leaseDurationSeconds": duration,
+                 "acquireTime": stamp, "renewTime": stamp},
+    }
 
 
 def read_join(node: str | None, raw: Any, where: str) -> tuple[WaitingNode | None, str | None]:

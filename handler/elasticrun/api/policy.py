@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 
-from elasticrun.api.kube import ApiConnectionError, ApiError
+from elasticrun.api.errors import ApiConnectionError, ApiError
 
 #: Pauses between retries of a failing call (the last one repeats).
 RETRY_DELAYS = (0.05, 0.1, 0.2, 0.5, 1.0, 2.0)

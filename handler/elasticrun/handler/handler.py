@@ -345,6 +345,16 @@ class K8sRendezvousHandler(RendezvousHandler):
         """The watch cache of the run (None before the first rendezvous)."""
         return self._session.watcher if self._session is not None else None
 
+    @property
+    def lease(self) -> LeaseKeeper | None:
+        """The keeper of the node's Lease (None before the first rendezvous)."""
+        return self._lease
+
+    @property
+    def round(self) -> int:
+        """The round this node last completed (0 before its first, and after shutdown)."""
+        return self._round
+
     # ------------------------------------------------------------------ the executor
 
     def _carry_out(self, session: RunSession, known: step.Knowledge,

@@ -14,7 +14,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from elasticrun.api import crd
 from elasticrun.api.gateway import RunAccess
 from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.leases import (
@@ -25,10 +24,11 @@ from elasticrun.api.leases import (
     holder_alive,
     join_value,
     lease_run,
+    node_lease,
     unreachable_value,
 )
 from elasticrun.api.model import WaitingNode, format_time, now
-from elasticrun.api.naming import label_value, lease_name
+from elasticrun.api.naming import lease_name
 
 log = logging.getLogger(__name__)
 
@@ -74,23 +74,8 @@ class LeaseKeeper:
         self.acquired = False
 
     def _manifest(self, join: WaitingNode | None = None) -> dict[str, Any]:
-        stamp = format_time(now())
-        meta: dict[str, Any] = {
-            "name": self.name,
-            "labels": {crd.RUN_LABEL: label_value(self.run)},
-            "annotations": {crd.NODE_ANNOTATION: self.node, crd.RUN_LABEL: self.run},
-        }
-        if join is not None:
-            meta["annotations"][JOIN_ANNOTATION] = join_value(join)
-        if self.owner_uid:
-            meta["ownerReferences"] = [{
-                "apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": self.run,
-                "uid": self.owner_uid, "blockOwnerDeletion": False}]
-        return {
-            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta,
-            "spec": {"holderIdentity": self.holder, "leaseDurationSeconds": self.duration,
-                     "acquireTime": stamp, "renewTime": stamp},
-        }
+        return node_lease(self.run, self.node, self.holder, self.duration, self.owner_uid,
+                          now(), join)
 
     def acquire(self, join: WaitingNode | None = None) -> None:
         """Take the Lease (asking to join at once), refusing a name a live agent holds."""
@@ -184,6 +169,17 @@ class LeaseKeeper:
         self._thread = threading.Thread(target=self._renew_loop, daemon=True,
                                         name=f"elasticrun-lease-{self.node}")
         self._thread.start()
+
+    def stop_renewing(self) -> None:
+        """Stop renewing and keep the Lease: the node looks partitioned (alive, silent),
+        and the operator removes it once the Lease expires.  :meth:`release` is how a
+        node leaves; :meth:`resume_renewing` ends the silence."""
+        self._stop.set()
+
+    def resume_renewing(self) -> None:
+        """Renew again after :meth:`stop_renewing` (a partition that heals)."""
+        self._stop.clear()
+        self.start()
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.interval):

@@ -30,7 +30,7 @@ class StoreHost:
     """
 
     def __init__(self, address: str, port: int = 0, timeout: float = 300.0) -> None:
-        bind_host = _bind_address(address)
+        bind_host = bind_address(address)
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -107,7 +107,7 @@ class RoundStores:
         self._retired = self.host = None
 
 
-def _bind_address(address: str) -> str:
+def bind_address(address: str) -> str:
     """The IP to bind for ``address`` (an IP, or a name that resolves to this host).
 
     Raises StoreAddressError when ``address`` does not resolve.

@@ -132,6 +132,11 @@ class RunWatcher:
             self._version += 1
             self._cond.notify_all()
 
+    @property
+    def error(self) -> Exception | None:
+        """What the watch learned that makes waiting pointless (:meth:`check` raises it)."""
+        return self._error
+
     def check(self) -> None:
         """Raise what the watch learned that makes waiting pointless."""
         if self._error is not None:

@@ -65,7 +65,11 @@ class ApiAvailability:
             log.warning("the API server is unreachable; no member is removed for an "
                         "expired Lease until it is back and its holder had time to renew")
 
-    def _probe(self) -> bool:
+    def probe(self) -> bool:
+        """One GET of ``/readyz``: whether the API server is reachable and well.
+
+        Unreachable or answering 5xx is not; any other answer, a refusal
+        included, is (it answered)."""
         try:
             self.client.request("GET", "/readyz", timeout=self.timeout)
         except ApiConnectionError:
@@ -83,6 +87,6 @@ class ApiAvailability:
 
     async def run(self) -> None:
         while True:
-            reachable = await asyncio.to_thread(self._probe)
+            reachable = await asyncio.to_thread(self.probe)
             self.record(reachable, now())
             await asyncio.sleep(self.interval)

@@ -331,7 +331,7 @@ class Controller:
                 found[pod] = Shown(node, signals)
         return found
 
-    def _topology(self, key: Key) -> dict[str, tuple[str | None, tuple[str, ...]]] | None:
+    def pod_topology(self, key: Key) -> dict[str, tuple[str | None, tuple[str, ...]]] | None:
         """Per pod of the run, its uid and its Node's topology values (pods on a Node
         without any are left out); None when no topology keys are configured."""
         if not self.topology_keys:
@@ -493,7 +493,7 @@ class Controller:
         found = self._shown(key)
         if found is not None:
             await self._report_signals(run, found, indexed)
-        placed = self._topology(key)
+        placed = self.pod_topology(key)
         members = self._members(key, run, indexed, owned, found, placed)
         plan = reconcile(run, members, now())
         if plan.sealed or plan.delete_leases:

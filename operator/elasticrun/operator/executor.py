@@ -17,7 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from elasticrun.api.gateway import RunGateway
-from elasticrun.api.kube import APPLY_PATCH, ApiConnectionError, ApiError, KubeClient
+from elasticrun.api.kube import (
+    APPLY_PATCH,
+    ApiConnectionError,
+    ApiError,
+    KubeClient,
+    delete_preconditions,
+)
 from elasticrun.api.leases import LeaseState, lease_state, owned_by
 from elasticrun.api.model import Assignment, ElasticRun, InvalidRunError, RunStatus, now, parse_run
 from elasticrun.api.ordering import newer, resource_version
@@ -294,7 +300,7 @@ class PlanExecutor:
         try:
             await asyncio.to_thread(
                 self.client.request, "DELETE", gateway.lease_path(lease.name),
-                body=_preconditions(lease.uid))
+                body=delete_preconditions(lease.uid))
         except ApiError as exc:
             if exc.not_found or exc.conflict:
                 tried.pop(lease.uid, None)
@@ -319,12 +325,8 @@ class PlanExecutor:
         fine, anything else is logged and left."""
         try:
             await asyncio.to_thread(self.client.request, "DELETE", path,
-                                    body=_preconditions(uid) if uid else None)
+                                    body=delete_preconditions(uid) if uid else None)
         except ApiError as exc:
             if not exc.not_found:
                 log.warning("DELETE %s failed: %s", path, exc)
 
-
-def _preconditions(uid: str) -> dict[str, Any]:
-    """DeleteOptions that delete the object with this uid, or nothing (409)."""
-    return {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"uid": uid}}
