@@ -273,6 +273,7 @@ def idle_client() -> KubeClient:
 def test_the_controller_decides_only_between_lead_and_follow() -> None:
     from elasticrun.operator.controller import Controller
     from elasticrun.operator.metrics import Metrics
+    from elasticrun.operator.runstate import RunState
 
     async def scenario() -> None:
         controller = Controller(idle_client(), Metrics())
@@ -282,7 +283,7 @@ def test_the_controller_decides_only_between_lead_and_follow() -> None:
             reconciled.append(key)
 
         controller.queue.work = reconcile
-        controller.runs = {("ns", "a"): {}, ("ns", "b"): {}}
+        controller.states = {("ns", "a"): RunState(raw={}), ("ns", "b"): RunState(raw={})}
         controller.enqueue(("ns", "a"))  # a follower: events queue nothing
         await asyncio.sleep(0.05)
         assert reconciled == []

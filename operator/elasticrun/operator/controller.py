@@ -22,12 +22,12 @@ from typing import Any
 
 from elasticrun.api import untrusted
 from elasticrun.api.kube import KubeClient
-from elasticrun.api.leases import LeaseState, RenewalClock, lease_run, lease_state, owned_by
+from elasticrun.api.leases import LeaseState, lease_run, lease_state, owned_by
 from elasticrun.api.model import ElasticRun, InvalidRunError, now, parse_run
-from elasticrun.api.ordering import RoundMark, older
+from elasticrun.api.ordering import older
 from elasticrun.operator.apihealth import ApiAvailability
 from elasticrun.operator.executor import PlanExecutor
-from elasticrun.operator.liveness import Loss, pod_loss, restart_count
+from elasticrun.operator.liveness import pod_loss, restart_count
 from elasticrun.operator.metrics import Metrics
 from elasticrun.operator.nodesignals import (
     Shown,
@@ -48,6 +48,7 @@ from elasticrun.operator.owners import (
     pod_view,
 )
 from elasticrun.operator.reconcile import Members, missing_leases, reconcile
+from elasticrun.operator.runstate import RunState
 from elasticrun.operator.topology import node_topology
 from elasticrun.operator.workqueue import Key, WorkQueue
 
@@ -80,10 +81,9 @@ class Controller:
                  topology_keys: tuple[str, ...] = ()) -> None:
         self.client = client
         self.metrics = metrics
-        self.runs: dict[Key, dict[str, Any]] = {}
-        #: Pod losses per run, by (pod name, pod uid): a namesake Pod's events
-        #: neither make nor hide another Pod's loss.
-        self.pod_losses: dict[Key, dict[tuple[str, str | None], Loss]] = {}
+        #: What the operator keeps of each run (:class:`RunState`): forgetting a run
+        #: is one ``pop``.
+        self.states: dict[Key, RunState] = {}
         #: The restart count first seen per Pod, by (namespace, uid or name).
         self.pod_restarts: dict[tuple[str, str], int] = {}
         #: The run's owned pods as last seen, by uid (or name): what tells a pod set
@@ -95,20 +95,13 @@ class Controller:
         #: The workloads that own the run's pods, read by name (the source of status.desired).
         self.owners = OwnerReader(client)
         self.lease_index: Mapping[Key, Iterable[tuple[str, LeaseState]]] | None = None
-        #: When the operator saw each Lease of a run renewed, by node: liveness is what
-        #: the operator observed, never the time a node wrote.
-        self.renewals: dict[Key, RenewalClock] = {}
         #: Lease deletions since memory was last handed back, and when the last one came.
         self._deleted_leases = 0
         self._last_deletion = 0.0
-        #: When the operator first saw a member or waiting node without a Lease.
-        self._missing: dict[tuple[Key, str], dt.datetime] = {}
-        #: The highest status.round seen per run: a round going back is repaired.
-        self._round_marks: dict[Key, RoundMark] = {}
         self.queue = WorkQueue(self.reconcile, workers)
         self.observer = Observer(client, metrics)
         self.executor = PlanExecutor(client, self.observer, self._accept_written, self.enqueue,
-                                     per_run_rbac, store_policy_port)
+                                     per_run_rbac, store_policy_port, self.states)
         self.api = ApiAvailability(client, on_change=metrics.api_changed)
         #: The configured node signals; None when the operator does not read Nodes.
         self.node_signals = node_signals
@@ -118,14 +111,23 @@ class Controller:
         self.topology_keys = topology_keys
         #: The topology values of each Node that has any, by Node name.
         self.node_topology: dict[str, tuple[str, ...]] = {}
-        #: The Node of each of the run's pods (``spec.nodeName``), by pod name: what
-        #: ties a member (its ``pod``) to a Node.  Kept only while Nodes are read.
-        self.pod_nodes: dict[Key, dict[str, str]] = {}
-        #: The uid of each of those pods, by pod name: a waiting entry of another Pod
-        #: of that name gets none of this Pod's topology.
-        self.pod_uids: dict[Key, dict[str, str]] = {}
         #: Side tasks that live as long as the controller: the API probe, the caBundle check.
         self._tasks: list[asyncio.Task[None]] = []
+
+    def held(self, key: Key) -> RunState | None:
+        """The run's state if the operator holds the run, else None."""
+        state = self.states.get(key)
+        return state if state is not None and state.held else None
+
+    def _pods_state(self, key: Key) -> RunState:
+        """The run's state for a pod fact (made if need be; :meth:`_tidy` drops it again)."""
+        return self.states.setdefault(key, RunState())
+
+    def _tidy(self, key: Key) -> None:
+        """Drop the state of a run not held once its pods say nothing any more."""
+        state = self.states.get(key)
+        if state is not None and state.idle:
+            del self.states[key]
 
     @property
     def reads_nodes(self) -> bool:
@@ -144,8 +146,9 @@ class Controller:
         """Start deciding: the work queue runs and every run held is reconciled, so what
         a previous leader left half done is seen again from the API server's state."""
         self.queue.start()
-        for key in list(self.runs):
-            self.enqueue(key)
+        for key, state in list(self.states.items()):
+            if state.held:
+                self.enqueue(key)
 
     async def follow(self) -> None:
         """Stop deciding: in-flight reconciles are cancelled and timers dropped; the
@@ -191,22 +194,15 @@ class Controller:
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", ""), meta.get("name", ""))
         if event_type == "DELETED":
-            self.runs.pop(key, None)
-            self._round_marks.pop(key, None)
-            self.pod_losses.pop(key, None)
-            self.renewals.pop(key, None)
-            self.pod_nodes.pop(key, None)
-            self.pod_uids.pop(key, None)
-            self._missing = {k: v for k, v in self._missing.items() if k[0] != key}
+            self.states.pop(key, None)
             self.observer.forget(key)
-            self.executor.forget(key)
             self.owners.forget(key)
             self.observer.in_background(
                 self.executor.delete_orphaned_leases(key, meta.get("uid")))
             return
         raw = dict(body)
-        current = self.runs.get(key)
-        if current is not None and older(raw, current):
+        current = self.held(key)
+        if current is not None and current.raw is not None and older(raw, current.raw):
             return  # our own write already gave us something newer
         self._accept(key, raw)
         self.enqueue(key)
@@ -227,13 +223,12 @@ class Controller:
         if event_type == "DELETED":
             self.pod_restarts.pop((namespace, uid or pod), None)
         if loss is None:
-            losses = self.pod_losses.get(key)
-            if losses is not None:
-                losses.pop(pod_key, None)
-                if not losses:
-                    del self.pod_losses[key]
+            state = self.states.get(key)
+            if state is not None:
+                state.pod_losses.pop(pod_key, None)
+                self._tidy(key)
             return
-        losses = self.pod_losses.setdefault(key, {})
+        losses = self._pods_state(key).pod_losses
         if pod_key not in losses:
             log.info("%s/%s: %s", namespace, run, loss.message)
         losses[pod_key] = loss
@@ -271,26 +266,22 @@ class Controller:
         that moved to another Node has its run looked at again."""
         if not self.reads_nodes or not pod:
             return
-        uids = self.pod_uids.setdefault(key, {})
+        state = self._pods_state(key)
         if event_type == "DELETED" or uid is None:
-            uids.pop(pod, None)
+            state.pod_uids.pop(pod, None)
         else:
-            uids[pod] = uid
-        if not uids:
-            del self.pod_uids[key]
-        nodes = self.pod_nodes.setdefault(key, {})
+            state.pod_uids[pod] = uid
+        nodes = state.pod_nodes
         spec = untrusted.mapping(body.get("spec"))
         node = None if event_type == "DELETED" else untrusted.text(spec.get("nodeName"))
         if nodes.get(pod) == node:
-            if not nodes:
-                del self.pod_nodes[key]
+            self._tidy(key)
             return
         if node is None:
             nodes.pop(pod, None)
         else:
             nodes[pod] = node
-        if not nodes:
-            del self.pod_nodes[key]
+        self._tidy(key)
         self.enqueue(key)
 
     def node_event(self, event_type: str, body: Mapping[str, Any]) -> None:
@@ -314,8 +305,8 @@ class Controller:
             changed = self.signal_memory.observe(name, signals, now()) or changed
         if not changed:
             return
-        for key, nodes in self.pod_nodes.items():
-            if name in nodes.values():
+        for key, state in list(self.states.items()):
+            if name in state.pod_nodes.values():
                 self.enqueue(key)
 
     def _shown(self, key: Key) -> dict[str, Shown] | None:
@@ -325,7 +316,8 @@ class Controller:
             return None
         at = now()
         found: dict[str, Shown] = {}
-        for pod, node in self.pod_nodes.get(key, {}).items():
+        state = self.states.get(key)
+        for pod, node in (state.pod_nodes if state else {}).items():
             signals = self.signal_memory.showing(node, at)
             if signals:
                 found[pod] = Shown(node, signals)
@@ -336,8 +328,8 @@ class Controller:
         without any are left out); None when no topology keys are configured."""
         if not self.topology_keys:
             return None
-        uids = self.pod_uids.get(key, {})
-        return {pod: (uids.get(pod), values) for pod, node in self.pod_nodes.get(key, {}).items()
+        state = self.states.get(key) or RunState()
+        return {pod: (state.pod_uids.get(pod), values) for pod, node in state.pod_nodes.items()
                 if (values := self.node_topology.get(node))}
 
     async def _report_signals(self, run: ElasticRun, found: Mapping[str, Shown],
@@ -396,7 +388,8 @@ class Controller:
         meta = body.get("metadata") or {}
         key = (str(meta.get("namespace") or ""), run)
         state = lease_state(body)
-        clock = self.renewals.setdefault(key, RenewalClock()) if key in self.runs else None
+        held = self.held(key)
+        clock = held.renewals if held is not None else None
         if state.node is not None and clock is not None:
             if event_type == "DELETED":
                 clock.forget(state.node)
@@ -406,13 +399,13 @@ class Controller:
 
     def _accept(self, key: Key, raw: dict[str, Any]) -> None:
         """Keep ``raw`` as the newest copy of the run, and report what changed."""
-        self.runs[key] = raw
+        self._pods_state(key).raw = raw
         self.observer.observe(key, raw)
 
     def _accept_written(self, key: Key, raw: dict[str, Any]) -> None:
         """A copy the operator wrote; dropped if the run was deleted meanwhile, so that
         no state (or metric series) of a deleted run comes back."""
-        if key in self.runs:
+        if self.held(key) is not None:
             self._accept(key, raw)
 
     # ------------------------------------------------------------------ reconcile
@@ -450,34 +443,32 @@ class Controller:
         operator first saw it so, not from a time a node wrote.
         """
         at = now()
-        # A run deleted meanwhile keeps nothing (a throwaway clock).
-        clock = self.renewals.setdefault(key, RenewalClock()) if key in self.runs \
-            else RenewalClock()
-        observed = {node: clock.observe(node, state, at) for node, state in leases.items()}
+        # A run deleted meanwhile keeps nothing (a throwaway state).
+        held = self.held(key) or RunState()
+        observed = {node: held.renewals.observe(node, state, at)
+                    for node, state in leases.items()}
         missing = missing_leases(run.status, observed)
         for name in missing:
-            if key in self.runs:
-                self._missing.setdefault((key, name), at)
-        for gone in [k for k in self._missing if k[0] == key and k[1] not in missing]:
-            del self._missing[gone]
-        losses = self.pod_losses.get(key, {})
+            held.missing.setdefault(name, at)
+        for gone in [name for name in held.missing if name not in missing]:
+            del held.missing[gone]
+        losses = held.pod_losses
         return Members(leases=observed,
                        pod_losses={pod: loss for (pod, _), loss in losses.items()},
                        pod_losses_by_uid={uid: loss for (_, uid), loss in losses.items()
                                           if uid is not None},
-                       missing_since={name: self._missing.get((key, name), at)
-                                      for name in missing},
+                       missing_since={name: held.missing.get(name, at) for name in missing},
                        lease_clock_start=self.api.lease_clock_start(at), ownership=owned,
                        node_signals=node_signals, topology=topology)
 
     async def reconcile(self, key: Key) -> None:
-        raw = self.runs.get(key)
-        if raw is None:
+        held = self.held(key)
+        if held is None or held.raw is None:
             return
-        mark = self._round_marks.get(key, RoundMark())
+        raw, mark = held.raw, held.mark
         try:
             run = parse_run(raw)
-            self._round_marks[key] = mark.advance(run)
+            held.mark = mark.advance(run)
         except InvalidRunError as exc:
             uid = (raw.get("metadata") or {}).get("uid")
             await self.executor.repair(key, raw, exc, min_round=mark.floor(uid))
@@ -505,8 +496,7 @@ class Controller:
             members = self._members(key, run, listed, owned, found, placed)
             plan = reconcile(run, members, now())
             indexed.update(listed)
-        if key in self.renewals:
-            self.renewals[key].retain(lambda node: node in indexed)
+        held.renewals.retain(lambda node: node in indexed)
         written = await self.executor.carry_out(run, plan, members.leases)
         if written is None:
             return
@@ -523,7 +513,8 @@ class Controller:
             self.schedule(key, wake)
 
     def _forget_stale_losses(self, key: Key, run: ElasticRun) -> None:
-        losses = self.pod_losses.get(key)
+        state = self.states.get(key)
+        losses = state.pod_losses if state is not None else None
         if not losses:
             return
         status = run.status
@@ -534,5 +525,3 @@ class Controller:
         for pod, uid in list(losses):
             if pod not in referenced and uid not in uids:
                 del losses[(pod, uid)]
-        if not losses:
-            del self.pod_losses[key]

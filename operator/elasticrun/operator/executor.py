@@ -24,6 +24,7 @@ from elasticrun.api.ordering import newer, resource_version
 from elasticrun.operator import netpol, runrbac
 from elasticrun.operator.observer import COMPONENT, Observer
 from elasticrun.operator.reconcile import Plan, repair
+from elasticrun.operator.runstate import RunState
 
 log = logging.getLogger(__name__)
 
@@ -44,25 +45,20 @@ class PlanExecutor:
     def __init__(self, client: KubeClient, observer: Observer,
                  accept: Callable[[Key, dict[str, Any]], None],
                  enqueue: Callable[[Key], None], per_run_rbac: bool = False,
-                 store_policy_port: int | None = None) -> None:
+                 store_policy_port: int | None = None,
+                 states: dict[Key, RunState] | None = None) -> None:
         self.client = client
         #: Give every run a NetworkPolicy of its own for this store port (0: any port;
         #: None: none), elasticrun.operator.netpol.
         self.store_policy_port = store_policy_port
-        self._policy_applied: dict[Key, str] = {}
         #: Give runs naming a ServiceAccount a Role of their own (elasticrun.operator.runrbac).
         self.per_run_rbac = per_run_rbac
         self.observer = observer
         self.accept = accept
         self.enqueue = enqueue
-        self._rbac_applied: dict[Key, str] = {}
-        self._invalid_reported: dict[Key, str] = {}
-        #: Per run, the round last told and the members told of it: the Lease
-        #: index shows a written assignment only after its event arrives, and a
-        #: reconcile in between must not write it again.
-        self._told: dict[Key, tuple[int, set[str]]] = {}
-        #: Per run, Leases whose deletion failed: by uid, (failures, monotonic retry time).
-        self._delete_failures: dict[Key, dict[str, tuple[int, float]]] = {}
+        #: The controller's run states (:class:`RunState`), where what was applied,
+        #: told and repaired is kept.
+        self.states: dict[Key, RunState] = {} if states is None else states
         #: Threads of their own: the default pool has cores + 4 threads, and a
         #: large round's assignments would queue behind each other there.
         self._assigners = ThreadPoolExecutor(ASSIGN_CONCURRENCY,
@@ -71,16 +67,12 @@ class PlanExecutor:
     def gateway(self, key: Key) -> RunGateway:
         return RunGateway(self.client, *key)
 
-    def forget(self, key: Key) -> None:
-        self._rbac_applied.pop(key, None)
-        self._policy_applied.pop(key, None)
-        self._invalid_reported.pop(key, None)
-        self._told.pop(key, None)
-        self._delete_failures.pop(key, None)
+    def state(self, key: Key) -> RunState:
+        return self.states.setdefault(key, RunState())
 
     def readable(self, key: Key) -> None:
         """The run's status reads again: a later invalid one is reported anew."""
-        self._invalid_reported.pop(key, None)
+        self.state(key).invalid_reported = None
 
     async def carry_out(self, run: ElasticRun, plan: Plan,
                         leases: Mapping[str, LeaseState] | None = None) -> ElasticRun | None:
@@ -126,10 +118,11 @@ class PlanExecutor:
         object or nowhere.
         """
         round_number = assignments[0][1].round
-        told_round, told = self._told.get(key, (0, set()))
+        state = self.state(key)
+        told_round, told = state.told
         if told_round != round_number:
             told = set()
-            self._told[key] = (round_number, told)
+            state.told = (round_number, told)
         loop = asyncio.get_running_loop()
 
         async def tell(node: str, assignment: Assignment) -> None:
@@ -164,9 +157,10 @@ class PlanExecutor:
     async def repair(self, key: Key, raw: Mapping[str, Any], error: InvalidRunError,
                      min_round: int) -> None:
         """A hand-edited status the model cannot read: make every node re-form a round."""
-        if self._invalid_reported.get(key) == str(error):
+        state = self.state(key)
+        if state.invalid_reported == str(error):
             return
-        self._invalid_reported[key] = str(error)
+        state.invalid_reported = str(error)
         meta = raw.get("metadata") or {}
         log.warning("%s/%s: invalid status (%s); repairing", *key, error)
         status = repair(raw.get("status"), error, now(), int(meta.get("generation") or 0),
@@ -177,7 +171,7 @@ class PlanExecutor:
         if written is None:
             # Our copy is stale.  While the status is unreadable nobody else
             # writes the run, so no newer event may come to re-queue it: read it.
-            self._invalid_reported.pop(key, None)
+            state.invalid_reported = None
             fresh = await asyncio.to_thread(gateway.read)
             if fresh is not None and newer(resource_version(fresh), resource_version(raw)):
                 self.accept(key, fresh)
@@ -208,7 +202,8 @@ class PlanExecutor:
         role = runrbac.role(run.name, run.namespace, run.uid, names)
         binding = runrbac.role_binding(run.name, run.namespace, run.uid, account)
         fingerprint = json.dumps([role, binding], sort_keys=True)
-        if self._rbac_applied.get(key) == fingerprint:
+        state = self.state(key)
+        if state.rbac_applied == fingerprint:
             return
         for manifest in (role, binding):
             await asyncio.to_thread(
@@ -216,7 +211,7 @@ class PlanExecutor:
                 runrbac.path(manifest["kind"], run.namespace, run.name), body=manifest,
                 query={"fieldManager": runrbac.MANAGER, "force": "true"},
                 content_type=APPLY_PATCH)
-        self._rbac_applied[key] = fingerprint
+        state.rbac_applied = fingerprint
         log.info("%s/%s: Role %s allows ServiceAccount %s this run and %d Lease(s)", *key,
                  runrbac.object_name(run.name), account, len(names))
 
@@ -227,12 +222,13 @@ class PlanExecutor:
         key = (run.namespace, run.name)
         manifest = netpol.policy(run.name, run.namespace, run.uid, self.store_policy_port)
         fingerprint = json.dumps(manifest, sort_keys=True)
-        if self._policy_applied.get(key) == fingerprint:
+        state = self.state(key)
+        if state.policy_applied == fingerprint:
             return
         await asyncio.to_thread(
             self.client.request, "PATCH", netpol.path(run.namespace, run.name), body=manifest,
             query={"fieldManager": netpol.MANAGER, "force": "true"}, content_type=APPLY_PATCH)
-        self._policy_applied[key] = fingerprint
+        state.policy_applied = fingerprint
         log.info("%s/%s: NetworkPolicy %s admits only the run's pods to %s", *key,
                  netpol.object_name(run.name),
                  f"port {self.store_policy_port}" if self.store_policy_port else "its pods")
@@ -286,7 +282,7 @@ class PlanExecutor:
         """
         assert lease.name is not None and lease.uid is not None
         key = (run.namespace, run.name)
-        tried = self._delete_failures.setdefault(key, {})
+        tried = self.state(key).delete_failures
         failures, retry_at = tried.get(lease.uid, (0, 0.0))
         clock = time.monotonic()
         if clock < retry_at:
