@@ -24,8 +24,8 @@ from elasticrun.api.kube import OPERATOR_USER_AGENT, ApiError, lease_path
 from elasticrun.api.leases import ASSIGNMENT_ANNOTATION
 from elasticrun.api.model import format_time, now, parse_run
 from elasticrun.operator import webhook
+from elasticrun.operator.deletions import _preconditions
 from elasticrun.operator.elector import LEASE_NAME
-from elasticrun.operator.executor import _preconditions
 
 from chartkit import (
     Helm,

@@ -15,8 +15,10 @@ from typing import Any
 from elasticrun.api.leases import RenewalClock
 from elasticrun.api.ordering import RoundMark
 from elasticrun.operator.liveness import Loss
+from elasticrun.operator.runobjects import Done
+from elasticrun.operator.workqueue import Key
 
-Key = tuple[str, str]  # (namespace, run)
+__all__ = ["Key", "RunState"]
 
 
 @dataclass
@@ -42,10 +44,9 @@ class RunState:
     #: The uid of each of those pods, by pod name: a waiting entry of another Pod of
     #: that name gets none of this Pod's topology.
     pod_uids: dict[str, str] = field(default_factory=dict)
-    #: Fingerprints of the run's Role and RoleBinding, and of its NetworkPolicy, as
-    #: last applied (an unchanged object is not applied again).
-    rbac_applied: str | None = None
-    policy_applied: str | None = None
+    #: What the operator did for the run: the objects it last applied, the problems it
+    #: reported (an input of :func:`~.reconcile.reconcile`).
+    done: Done = field(default_factory=Done)
     #: The status error last repaired: the same error is not repaired twice.
     invalid_reported: str | None = None
     #: The round last told on the Leases and the members told of it: the Lease index
