@@ -1,10 +1,13 @@
-"""The operator's intake: the newest ElasticRun bodies, Pod losses, and one reconcile per run.
+"""The operator's intake: the newest ElasticRun bodies, Leases, and one reconcile per run.
 
-kopf delivers the watch events (ElasticRuns, Pods, Leases); the controller
-keeps what they say, queues the run (:mod:`.workqueue`), decides with the pure
+kopf delivers the watch events (ElasticRuns, Pods, Nodes, Leases); the
+controller keeps what they say in one :class:`~.runstate.RunState` per run
+(Pods and Nodes through :class:`~.podintake.PodIntake`), queues the run
+(:mod:`.workqueue`), decides with the pure
 :func:`~elasticrun.operator.reconcile.reconcile`, and hands the plan to
-:class:`~.executor.PlanExecutor`.  :class:`~.observer.Observer` turns every
-change of a run into Events and metrics, whoever wrote it.
+:class:`~.executor.PlanExecutor`, which carries it out.
+:class:`~.observer.Observer` turns every change of a run into Events and
+metrics, whoever wrote it.
 """
 
 from __future__ import annotations
