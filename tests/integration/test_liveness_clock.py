@@ -361,7 +361,7 @@ def test_junk_leases_bound_the_operators_events_and_memory(
     posted an Event for each and kept what it learnt of them after they were deleted."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from elasticrun.operator.observer import PROBLEM_EVENTS_PER_RUN
+    from elasticrun.operator.runobjects import PROBLEM_EVENTS_PER_RUN
 
     admin = cluster.client
     admin.request("POST", f"/apis/{crd.API_VERSION}/namespaces/{namespace}/{crd.PLURAL}", body={

@@ -265,6 +265,7 @@ def test_a_garbage_lease_is_taken_over_without_a_hot_loop() -> None:
 def test_the_controller_decides_only_between_lead_and_follow() -> None:
     from elasticrun.operator.controller import Controller
     from elasticrun.operator.metrics import Metrics
+    from elasticrun.operator.runstate import RunState
 
     async def scenario() -> None:
         controller = Controller(idle_client(), Metrics())
@@ -274,7 +275,7 @@ def test_the_controller_decides_only_between_lead_and_follow() -> None:
             reconciled.append(key)
 
         controller.queue.work = reconcile
-        controller.runs = {("ns", "a"): {}, ("ns", "b"): {}}
+        controller.states = {("ns", "a"): RunState(raw={}), ("ns", "b"): RunState(raw={})}
         controller.enqueue(("ns", "a"))  # a follower: events queue nothing
         await asyncio.sleep(0.05)
         assert reconciled == []

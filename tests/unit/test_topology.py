@@ -147,7 +147,7 @@ def test_the_controller_keeps_node_values_for_the_pods_bound_to_them() -> None:
     async def scenario() -> None:
         client = idle_client()
         off = Controller(client, Metrics())
-        assert not off.reads_nodes and off.pod_topology(("ns", "r")) is None
+        assert not off.reads_nodes and off.pods.topology(("ns", "r")) is None
         controller = Controller(client, Metrics(), topology_keys=KEYS)
         assert controller.reads_nodes and controller.node_signals is None
         controller.node_event("ADDED", node("n1", **{ZONE: "zone-a", HOST: "n1"}))
@@ -157,15 +157,15 @@ def test_the_controller_keeps_node_values_for_the_pods_bound_to_them() -> None:
                 "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}",
                              "labels": {"elasticrun.dev/run": "r"}},
                 "spec": {"nodeName": bound}})
-        assert controller.pod_topology(("ns", "r")) == {
+        assert controller.pods.topology(("ns", "r")) == {
             "p1": ("uid-p1", ("zone-a", "n1")), "p3": ("uid-p3", ("zone-a", "n1"))}
         controller.node_event("MODIFIED", node("n1", **{ZONE: "zone-b", HOST: "n1"}))
         controller.pod_event("DELETED", {
             "metadata": {"name": "p3", "namespace": "ns", "uid": "uid-p3",
                          "labels": {"elasticrun.dev/run": "r"}}, "spec": {"nodeName": "n1"}})
-        assert controller.pod_topology(("ns", "r")) == {"p1": ("uid-p1", ("zone-b", "n1"))}
+        assert controller.pods.topology(("ns", "r")) == {"p1": ("uid-p1", ("zone-b", "n1"))}
         controller.node_event("DELETED", node("n1"))
-        assert controller.pod_topology(("ns", "r")) == {}
+        assert controller.pods.topology(("ns", "r")) == {}
         await controller.stop()
 
     asyncio.run(scenario())

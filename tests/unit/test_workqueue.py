@@ -7,7 +7,7 @@ import datetime as dt
 
 from elasticrun.api.kube import ApiConnectionError
 from elasticrun.api.model import now
-from elasticrun.operator.workqueue import Key, WorkQueue
+from elasticrun.operator.workqueue import BACKOFF_CAP_SECONDS, Backoff, Key, WorkQueue
 
 
 def test_a_run_is_queued_once_however_often_it_is_woken() -> None:
@@ -106,3 +106,44 @@ def test_a_run_woken_while_it_is_reconciled_waits_and_is_reconciled_once_more() 
     asyncio.run(scenario())
     assert overlaps == []
     assert calls == [("ns", "r"), ("ns", "r")]
+
+
+def test_a_runs_failures_back_off_per_run_up_to_the_cap_and_a_success_resets() -> None:
+    at = now()
+    backoff = Backoff(clock=lambda: at, cap=BACKOFF_CAP_SECONDS)
+
+    def pauses(key: Key, count: int, base: float) -> list[float]:
+        return [(backoff.failed(key, base) - at).total_seconds() for _ in range(count)]
+
+    assert pauses(("ns", "r"), 4, 1.0) == [1.0, 2.0, 4.0, 8.0]
+    assert pauses(("ns", "other"), 2, 5.0) == [5.0, 10.0]  # its own count
+    assert pauses(("ns", "r"), 8, 1.0)[-1] == BACKOFF_CAP_SECONDS
+    backoff.succeeded(("ns", "r"))
+    assert pauses(("ns", "r"), 1, 1.0) == [1.0]
+    assert backoff.failures(("ns", "other")) == 2
+
+
+def test_the_queue_backs_a_failing_run_off_and_forgets_it_once_it_succeeds() -> None:
+    calls: list[Key] = []
+    at = now()
+    backoff = Backoff(clock=lambda: at)
+
+    async def scenario() -> None:
+        async def work(key: Key) -> None:
+            calls.append(key)
+            if len(calls) < 3:
+                raise ApiConnectionError("refused")
+
+        queue = WorkQueue(work, workers=1, backoff=backoff)
+        queue.start()
+        for expected in (1, 2):
+            queue.enqueue(("ns", "r"))  # an event wakes it at once, as always
+            await asyncio.sleep(0.05)
+            assert backoff.failures(("ns", "r")) == expected
+        queue.enqueue(("ns", "r"))
+        await asyncio.sleep(0.05)
+        assert backoff.failures(("ns", "r")) == 0
+        await queue.stop()
+
+    asyncio.run(scenario())
+    assert len(calls) == 3

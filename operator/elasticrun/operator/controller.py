@@ -1,10 +1,13 @@
-"""The operator's intake: the newest ElasticRun bodies, Pod losses, and one reconcile per run.
+"""The operator's intake: the newest ElasticRun bodies, Leases, and one reconcile per run.
 
-kopf delivers the watch events (ElasticRuns, Pods, Leases); the controller
-keeps what they say, queues the run (:mod:`.workqueue`), decides with the pure
+kopf delivers the watch events (ElasticRuns, Pods, Nodes, Leases); the
+controller keeps what they say in one :class:`~.runstate.RunState` per run
+(Pods and Nodes through :class:`~.podintake.PodIntake`), queues the run
+(:mod:`.workqueue`), decides with the pure
 :func:`~elasticrun.operator.reconcile.reconcile`, and hands the plan to
-:class:`~.executor.PlanExecutor`.  :class:`~.observer.Observer` turns every
-change of a run into Events and metrics, whoever wrote it.
+:class:`~.executor.PlanExecutor`, which carries it out.
+:class:`~.observer.Observer` turns every change of a run into Events and
+metrics, whoever wrote it.
 """
 
 from __future__ import annotations
@@ -20,22 +23,17 @@ import time
 from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any
 
-from elasticrun.api import untrusted
 from elasticrun.api.kube import KubeClient
-from elasticrun.api.leases import LeaseState, RenewalClock, lease_run, lease_state, owned_by
+from elasticrun.api.leases import LeaseState, lease_run, lease_state, owned_by
 from elasticrun.api.model import ElasticRun, InvalidRunError, now, parse_run
-from elasticrun.api.ordering import RoundMark, older
+from elasticrun.api.ordering import older
 from elasticrun.operator.apihealth import ApiAvailability
 from elasticrun.operator.executor import PlanExecutor
-from elasticrun.operator.liveness import Loss, pod_loss, restart_count
 from elasticrun.operator.metrics import Metrics
 from elasticrun.operator.nodesignals import (
     Shown,
     Signal,
-    SignalMemory,
     counts,
-    read_node,
-    shown,
 )
 from elasticrun.operator.observer import COMPONENT, Observer
 from elasticrun.operator.ownerreader import OwnerReader
@@ -43,12 +41,11 @@ from elasticrun.operator.owners import (
     NO_OWNER,
     Ownership,
     PodView,
-    ownership,
-    pod_run,
-    pod_view,
 )
-from elasticrun.operator.reconcile import Members, missing_leases, reconcile
-from elasticrun.operator.topology import node_topology
+from elasticrun.operator.podintake import PodIntake
+from elasticrun.operator.reconcile import Members, missing_leases, plan_repair, reconcile
+from elasticrun.operator.runobjects import Settings
+from elasticrun.operator.runstate import RunState
 from elasticrun.operator.workqueue import Key, WorkQueue
 
 __all__ = ["COMPONENT", "Controller", "Key"]
@@ -80,57 +77,58 @@ class Controller:
                  topology_keys: tuple[str, ...] = ()) -> None:
         self.client = client
         self.metrics = metrics
-        self.runs: dict[Key, dict[str, Any]] = {}
-        #: Pod losses per run, by (pod name, pod uid): a namesake Pod's events
-        #: neither make nor hide another Pod's loss.
-        self.pod_losses: dict[Key, dict[tuple[str, str | None], Loss]] = {}
-        #: The restart count first seen per Pod, by (namespace, uid or name).
-        self.pod_restarts: dict[tuple[str, str], int] = {}
-        #: The run's owned pods as last seen, by uid (or name): what tells a pod set
-        #: change (the owners are read again) from a status update.
-        self.run_pods: dict[Key, dict[str, PodView]] = {}
-        #: kopf's index of the runs' owned pods (``handlers.owned_pods_by_run``), listed
-        #: before any run is reconciled: the pods a reconcile counts.
-        self.pod_index: Mapping[Key, Iterable[PodView]] | None = None
+        #: What the operator keeps of each run (:class:`RunState`): forgetting a run
+        #: is one ``pop``.
+        self.states: dict[Key, RunState] = {}
         #: The workloads that own the run's pods, read by name (the source of status.desired).
         self.owners = OwnerReader(client)
+        #: What the run's pods and their Nodes say.
+        self.pods = PodIntake(self.states, self.owners, self.enqueue, node_signals,
+                              topology_keys)
         self.lease_index: Mapping[Key, Iterable[tuple[str, LeaseState]]] | None = None
-        #: When the operator saw each Lease of a run renewed, by node: liveness is what
-        #: the operator observed, never the time a node wrote.
-        self.renewals: dict[Key, RenewalClock] = {}
         #: Lease deletions since memory was last handed back, and when the last one came.
         self._deleted_leases = 0
         self._last_deletion = 0.0
-        #: When the operator first saw a member or waiting node without a Lease.
-        self._missing: dict[tuple[Key, str], dt.datetime] = {}
-        #: The highest status.round seen per run: a round going back is repaired.
-        self._round_marks: dict[Key, RoundMark] = {}
         self.queue = WorkQueue(self.reconcile, workers)
         self.observer = Observer(client, metrics)
+        #: The flags that add objects beside each run (its Role, its NetworkPolicy).
+        self.settings = Settings(per_run_rbac, store_policy_port)
         self.executor = PlanExecutor(client, self.observer, self._accept_written, self.enqueue,
-                                     per_run_rbac, store_policy_port)
+                                     self.states)
         self.api = ApiAvailability(client, on_change=metrics.api_changed)
-        #: The configured node signals; None when the operator does not read Nodes.
-        self.node_signals = node_signals
-        #: What each Node shows, held against flapping (only Nodes showing something).
-        self.signal_memory = SignalMemory()
-        #: The configured topology keys (``--topology-keys``); () when off.
-        self.topology_keys = topology_keys
-        #: The topology values of each Node that has any, by Node name.
-        self.node_topology: dict[str, tuple[str, ...]] = {}
-        #: The Node of each of the run's pods (``spec.nodeName``), by pod name: what
-        #: ties a member (its ``pod``) to a Node.  Kept only while Nodes are read.
-        self.pod_nodes: dict[Key, dict[str, str]] = {}
-        #: The uid of each of those pods, by pod name: a waiting entry of another Pod
-        #: of that name gets none of this Pod's topology.
-        self.pod_uids: dict[Key, dict[str, str]] = {}
         #: Side tasks that live as long as the controller: the API probe, the caBundle check.
         self._tasks: list[asyncio.Task[None]] = []
 
+    def held(self, key: Key) -> RunState | None:
+        """The run's state if the operator holds the run, else None."""
+        state = self.states.get(key)
+        return state if state is not None and state.held else None
+
     @property
     def reads_nodes(self) -> bool:
-        """Whether the operator watches Nodes: for node signals, for topology keys, or both."""
-        return self.node_signals is not None or bool(self.topology_keys)
+        return self.pods.reads_nodes
+
+    @property
+    def node_signals(self) -> tuple[Signal, ...] | None:
+        return self.pods.node_signals
+
+    @property
+    def topology_keys(self) -> tuple[str, ...]:
+        return self.pods.topology_keys
+
+    @property
+    def pod_index(self) -> Mapping[Key, Iterable[PodView]] | None:
+        return self.pods.pod_index
+
+    @pod_index.setter
+    def pod_index(self, index: Mapping[Key, Iterable[PodView]] | None) -> None:
+        self.pods.pod_index = index
+
+    def pod_event(self, event_type: str, body: Mapping[str, Any]) -> None:
+        self.pods.pod_event(event_type, body)
+
+    def node_event(self, event_type: str, body: Mapping[str, Any]) -> None:
+        self.pods.node_event(event_type, body)
 
     def start(self, decide: bool = True) -> None:
         """Start observing; and deciding too unless ``decide`` is False (a replica under
@@ -144,8 +142,9 @@ class Controller:
         """Start deciding: the work queue runs and every run held is reconciled, so what
         a previous leader left half done is seen again from the API server's state."""
         self.queue.start()
-        for key in list(self.runs):
-            self.enqueue(key)
+        for key, state in list(self.states.items()):
+            if state.held:
+                self.enqueue(key)
 
     async def follow(self) -> None:
         """Stop deciding: in-flight reconciles are cancelled and timers dropped; the
@@ -191,195 +190,18 @@ class Controller:
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", ""), meta.get("name", ""))
         if event_type == "DELETED":
-            self.runs.pop(key, None)
-            self._round_marks.pop(key, None)
-            self.pod_losses.pop(key, None)
-            self.renewals.pop(key, None)
-            self.pod_nodes.pop(key, None)
-            self.pod_uids.pop(key, None)
-            self._missing = {k: v for k, v in self._missing.items() if k[0] != key}
+            self.states.pop(key, None)
             self.observer.forget(key)
-            self.executor.forget(key)
             self.owners.forget(key)
             self.observer.in_background(
                 self.executor.delete_orphaned_leases(key, meta.get("uid")))
             return
         raw = dict(body)
-        current = self.runs.get(key)
-        if current is not None and older(raw, current):
+        current = self.held(key)
+        if current is not None and current.raw is not None and older(raw, current.raw):
             return  # our own write already gave us something newer
         self._accept(key, raw)
         self.enqueue(key)
-
-    def pod_event(self, event_type: str, body: Mapping[str, Any]) -> None:
-        meta = body.get("metadata") or {}
-        namespace, pod = meta.get("namespace", ""), meta.get("name", "")
-        run = pod_run(body)
-        if not run:
-            return
-        key = (namespace, run)
-        uid = meta.get("uid") if isinstance(meta.get("uid"), str) and meta.get("uid") else None
-        pod_key = (pod, uid)
-        self._track_pod(key, event_type, uid or pod, body)
-        self._track_node(key, event_type, pod, uid, body)
-        first = self.pod_restarts.setdefault((namespace, uid or pod), restart_count(body))
-        loss = pod_loss(body, event_type, first)
-        if event_type == "DELETED":
-            self.pod_restarts.pop((namespace, uid or pod), None)
-        if loss is None:
-            losses = self.pod_losses.get(key)
-            if losses is not None:
-                losses.pop(pod_key, None)
-                if not losses:
-                    del self.pod_losses[key]
-            return
-        losses = self.pod_losses.setdefault(key, {})
-        if pod_key not in losses:
-            log.info("%s/%s: %s", namespace, run, loss.message)
-        losses[pod_key] = loss
-        self.enqueue(key)
-
-    def _track_pod(self, key: Key, event_type: str, pod_key: str,
-                   body: Mapping[str, Any]) -> None:
-        """Keep the pod for the run's desired size; a pod added or gone, or its owner
-        changed, has the run's owners read again.
-
-        Only pods with a controller are kept: a pod nobody owns gives no size
-        and is never counted as coming.
-        """
-        pods = self.run_pods.get(key, {})
-        old = pods.get(pod_key)
-        view = None if event_type == "DELETED" else pod_view(body)
-        if view is not None and view.owner is None:
-            view = None
-        if old == view:
-            return
-        if view is None:
-            pods.pop(pod_key, None)
-            if not pods:
-                self.run_pods.pop(key, None)
-        else:
-            self.run_pods[key] = pods
-            pods[pod_key] = view
-        if old is None or view is None or old.owner != view.owner or old.live != view.live:
-            self.owners.invalidate(key)
-        self.enqueue(key)
-
-    def _track_node(self, key: Key, event_type: str, pod: str, uid: str | None,
-                    body: Mapping[str, Any]) -> None:
-        """Keep the pod's Node (``spec.nodeName``) and uid while Nodes are read; a pod
-        that moved to another Node has its run looked at again."""
-        if not self.reads_nodes or not pod:
-            return
-        uids = self.pod_uids.setdefault(key, {})
-        if event_type == "DELETED" or uid is None:
-            uids.pop(pod, None)
-        else:
-            uids[pod] = uid
-        if not uids:
-            del self.pod_uids[key]
-        nodes = self.pod_nodes.setdefault(key, {})
-        spec = untrusted.mapping(body.get("spec"))
-        node = None if event_type == "DELETED" else untrusted.text(spec.get("nodeName"))
-        if nodes.get(pod) == node:
-            if not nodes:
-                del self.pod_nodes[key]
-            return
-        if node is None:
-            nodes.pop(pod, None)
-        else:
-            nodes[pod] = node
-        if not nodes:
-            del self.pod_nodes[key]
-        self.enqueue(key)
-
-    def node_event(self, event_type: str, body: Mapping[str, Any]) -> None:
-        """A Node changed: its topology values are kept, what it shows is held
-        (:class:`SignalMemory`), and the runs with a pod on it are looked at again when
-        either changed."""
-        name = untrusted.text(untrusted.mapping(body.get("metadata")).get("name"))
-        if name is None or not self.reads_nodes:
-            return
-        changed = False
-        if self.topology_keys:
-            values = () if event_type == "DELETED" else node_topology(body, self.topology_keys)
-            changed = self.node_topology.get(name, ()) != values
-            if values:
-                self.node_topology[name] = values
-            else:
-                self.node_topology.pop(name, None)
-        if self.node_signals is not None:
-            signals = () if event_type == "DELETED" else shown(self.node_signals,
-                                                               read_node(body))
-            changed = self.signal_memory.observe(name, signals, now()) or changed
-        if not changed:
-            return
-        for key, nodes in self.pod_nodes.items():
-            if name in nodes.values():
-                self.enqueue(key)
-
-    def _shown(self, key: Key) -> dict[str, Shown] | None:
-        """What the Node of each of the run's pods shows, by pod (pods on a Node that
-        shows nothing are left out)."""
-        if self.node_signals is None:
-            return None
-        at = now()
-        found: dict[str, Shown] = {}
-        for pod, node in self.pod_nodes.get(key, {}).items():
-            signals = self.signal_memory.showing(node, at)
-            if signals:
-                found[pod] = Shown(node, signals)
-        return found
-
-    def pod_topology(self, key: Key) -> dict[str, tuple[str | None, tuple[str, ...]]] | None:
-        """Per pod of the run, its uid and its Node's topology values (pods on a Node
-        without any are left out); None when no topology keys are configured."""
-        if not self.topology_keys:
-            return None
-        uids = self.pod_uids.get(key, {})
-        return {pod: (uids.get(pod), values) for pod, node in self.pod_nodes.get(key, {}).items()
-                if (values := self.node_topology.get(node))}
-
-    async def _report_signals(self, run: ElasticRun, found: Mapping[str, Shown],
-                              leases: Mapping[str, LeaseState]) -> None:
-        """One Warning Event per (pod, signal) while it shows, naming the member or
-        waiting node on that pod, and the run's signal gauge."""
-        key = (run.namespace, run.name)
-        entries = {p.pod: f"member {p.name}" for p in run.status.participants if p.pod}
-        for joining in [w for w in run.status.waiting] + [
-                s.join for s in leases.values() if s.join is not None]:
-            if joining.pod:
-                entries.setdefault(joining.pod, f"waiting node {joining.name}")
-        subjects: set[str] = set()
-        for pod, entry in sorted(found.items()):
-            who = entries.get(pod, "no node yet")
-            for signal in entry.signals:
-                subject = f"{pod} {signal.name}"
-                subjects.add(subject)
-                await self.observer.report_once(
-                    run, subject, "NodeSignal",
-                    f"pod {pod} ({who}) on Node {entry.node} shows {signal.name} "
-                    f"({signal.policy})")
-        self.observer.retain_problems(key, "NodeSignal", subjects)
-        self.metrics.node_signals(run.namespace, run.name, counts(found))
-
-    def _signal_wake(self, found: Mapping[str, Shown]) -> dt.datetime | None:
-        """When a held signal of the run's Nodes stops counting (the run is looked at then)."""
-        at = now()
-        ends = [e for s in found.values() if (e := self.signal_memory.expires(s.node, at))]
-        return min(ends) if ends else None
-
-    async def _ownership(self, key: Key) -> Ownership:
-        """What the owners of the run's live pods say (read by name, cached per run)."""
-        if self.pod_index is not None:
-            pods = list(self.pod_index.get(key, ()))
-        else:
-            pods = list(self.run_pods.get(key, {}).values())
-        refs = {p.owner for p in pods if p.owner is not None and p.live}
-        if not refs:
-            self.owners.forget(key)
-            return NO_OWNER
-        return ownership(pods, await asyncio.to_thread(self.owners.resolve, key, refs))
 
     def lease_event(self, body: Mapping[str, Any], event_type: str = "") -> None:
         """A Lease changed: note when the operator saw it (if its run exists), queue the run.
@@ -396,7 +218,8 @@ class Controller:
         meta = body.get("metadata") or {}
         key = (str(meta.get("namespace") or ""), run)
         state = lease_state(body)
-        clock = self.renewals.setdefault(key, RenewalClock()) if key in self.runs else None
+        held = self.held(key)
+        clock = held.renewals if held is not None else None
         if state.node is not None and clock is not None:
             if event_type == "DELETED":
                 clock.forget(state.node)
@@ -406,13 +229,13 @@ class Controller:
 
     def _accept(self, key: Key, raw: dict[str, Any]) -> None:
         """Keep ``raw`` as the newest copy of the run, and report what changed."""
-        self.runs[key] = raw
+        self.states.setdefault(key, RunState()).raw = raw
         self.observer.observe(key, raw)
 
     def _accept_written(self, key: Key, raw: dict[str, Any]) -> None:
         """A copy the operator wrote; dropped if the run was deleted meanwhile, so that
         no state (or metric series) of a deleted run comes back."""
-        if key in self.runs:
+        if self.held(key) is not None:
             self._accept(key, raw)
 
     # ------------------------------------------------------------------ reconcile
@@ -450,63 +273,58 @@ class Controller:
         operator first saw it so, not from a time a node wrote.
         """
         at = now()
-        # A run deleted meanwhile keeps nothing (a throwaway clock).
-        clock = self.renewals.setdefault(key, RenewalClock()) if key in self.runs \
-            else RenewalClock()
-        observed = {node: clock.observe(node, state, at) for node, state in leases.items()}
+        # A run deleted meanwhile keeps nothing (a throwaway state).
+        held = self.held(key) or RunState()
+        observed = {node: held.renewals.observe(node, state, at)
+                    for node, state in leases.items()}
         missing = missing_leases(run.status, observed)
         for name in missing:
-            if key in self.runs:
-                self._missing.setdefault((key, name), at)
-        for gone in [k for k in self._missing if k[0] == key and k[1] not in missing]:
-            del self._missing[gone]
-        losses = self.pod_losses.get(key, {})
+            held.missing.setdefault(name, at)
+        for gone in [name for name in held.missing if name not in missing]:
+            del held.missing[gone]
+        losses = held.pod_losses
         return Members(leases=observed,
                        pod_losses={pod: loss for (pod, _), loss in losses.items()},
                        pod_losses_by_uid={uid: loss for (_, uid), loss in losses.items()
                                           if uid is not None},
-                       missing_since={name: self._missing.get((key, name), at)
-                                      for name in missing},
+                       missing_since={name: held.missing.get(name, at) for name in missing},
                        lease_clock_start=self.api.lease_clock_start(at), ownership=owned,
                        node_signals=node_signals, topology=topology)
 
     async def reconcile(self, key: Key) -> None:
-        raw = self.runs.get(key)
-        if raw is None:
+        held = self.held(key)
+        if held is None or held.raw is None:
             return
-        mark = self._round_marks.get(key, RoundMark())
+        raw, mark = held.raw, held.mark
         try:
             run = parse_run(raw)
-            self._round_marks[key] = mark.advance(run)
+            held.mark = mark.advance(run)
         except InvalidRunError as exc:
             uid = (raw.get("metadata") or {}).get("uid")
-            await self.executor.repair(key, raw, exc, min_round=mark.floor(uid))
+            fix = plan_repair(raw, exc, now(), mark.floor(uid), held.invalid_reported)
+            if fix is not None:
+                await self.executor.repair(key, raw, fix, str(exc))
             return
-        self.executor.readable(key)
-        await self.executor.ensure_network_policy(run)
+        held.invalid_reported = None  # readable again: a later invalid status is repaired
         indexed = self._indexed_leases(key, run)
-        await self.executor.ensure_rbac(run, indexed)
-        for node, state in indexed.items():
-            await self.observer.report_once(run, node, "UnreadableJoin", state.problem)
-        self.observer.retain_problems(key, "UnreadableJoin", set(indexed))
-        owned = await self._ownership(key)
-        found = self._shown(key)
+        owned = await self.pods.ownership(key)
+        found = self.pods.shown(key)
         if found is not None:
-            await self._report_signals(run, found, indexed)
-        placed = self.pod_topology(key)
+            self.metrics.node_signals(run.namespace, run.name, counts(found))
+        placed = self.pods.topology(key)
         members = self._members(key, run, indexed, owned, found, placed)
-        plan = reconcile(run, members, now())
+        plan = reconcile(run, members, now(), self.settings, held.done)
         if plan.sealed or plan.delete_leases:
             # The Lease index comes from another watch than the run and may lag
             # behind it (always so right after a start).  Sealing a round or
-            # removing a member acts on Lease data, so decide again from a
-            # consistent LIST, which is at least as new as the run we hold.
+            # removing a member acts on Lease data, so the plan carried out is
+            # decided from a consistent LIST instead, which is at least as new as
+            # the run we hold; the first plan only said that one is needed.
             listed = await self._listed_leases(key, run)
             members = self._members(key, run, listed, owned, found, placed)
-            plan = reconcile(run, members, now())
+            plan = reconcile(run, members, now(), self.settings, held.done)
             indexed.update(listed)
-        if key in self.renewals:
-            self.renewals[key].retain(lambda node: node in indexed)
+        held.renewals.retain(lambda node: node in indexed)
         written = await self.executor.carry_out(run, plan, members.leases)
         if written is None:
             return
@@ -516,14 +334,15 @@ class Controller:
         if refresh is not None:
             owners_at = now() + dt.timedelta(seconds=refresh)
             wake = owners_at if wake is None else min(wake, owners_at)
-        signals_at = self._signal_wake(found) if found else None
+        signals_at = self.pods.signal_wake(found) if found else None
         if signals_at is not None:
             wake = signals_at if wake is None else min(wake, signals_at)
         if wake is not None:
             self.schedule(key, wake)
 
     def _forget_stale_losses(self, key: Key, run: ElasticRun) -> None:
-        losses = self.pod_losses.get(key)
+        state = self.states.get(key)
+        losses = state.pod_losses if state is not None else None
         if not losses:
             return
         status = run.status
@@ -534,5 +353,3 @@ class Controller:
         for pod, uid in list(losses):
             if pod not in referenced and uid not in uids:
                 del losses[(pod, uid)]
-        if not losses:
-            del self.pod_losses[key]

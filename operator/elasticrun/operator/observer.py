@@ -26,10 +26,6 @@ log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, run)
 COMPONENT = "elasticrun-operator"
-#: At most this many problems of one kind are reported one by one per run; past
-#: it, one summary Event says the rest are only logged.  Anyone who may write a
-#: Lease can make thousands of unreadable ones.
-PROBLEM_EVENTS_PER_RUN = 20
 
 
 class Observer:
@@ -39,59 +35,12 @@ class Observer:
         self.client = client
         self.metrics = metrics
         self._seen: dict[Key, RunStatus] = {}
-        #: The problems reported per run, by (reason, node or annotation): one Event each.
-        self._problems: dict[Key, dict[tuple[str, str], str]] = {}
-        #: The (run, reason) pairs whose problems are past PROBLEM_EVENTS_PER_RUN.
-        self._summarised: set[tuple[Key, str]] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._instance = socket.gethostname()
 
     def forget(self, key: Key) -> None:
         self._seen.pop(key, None)
-        self._problems.pop(key, None)
-        self._summarised = {k for k in self._summarised if k[0] != key}
         self.metrics.forget(*key)
-
-    async def report_once(self, run: ElasticRun, subject: str, reason: str,
-                          problem: str | None) -> None:
-        """One Warning Event per object with a problem (something a pod wrote); nothing is
-        retried.
-
-        The subject is reported again only after its problem went away, whatever
-        it is changed to meanwhile; past :data:`PROBLEM_EVENTS_PER_RUN` subjects of
-        one reason, the run gets one summary Event and the rest are only logged.
-        """
-        key = (run.namespace, run.name)
-        problems = self._problems.get(key, {})
-        if problem is None:
-            if problems.pop((reason, subject), None) is not None and not problems:
-                del self._problems[key]
-            return
-        if (reason, subject) in problems:
-            return
-        if sum(1 for r, _ in problems if r == reason) >= PROBLEM_EVENTS_PER_RUN:
-            log.debug("%s/%s: %s", run.namespace, run.name, problem)
-            if (key, reason) not in self._summarised:
-                self._summarised.add((key, reason))
-                await self.post_event(run, "Warning", reason, (
-                    f"more than {PROBLEM_EVENTS_PER_RUN} objects of this run have {reason} "
-                    "problems; further ones are only logged by the operator"))
-            return
-        self._problems.setdefault(key, problems)[(reason, subject)] = problem
-        log.warning("%s/%s: %s", run.namespace, run.name, problem)
-        await self.post_event(run, "Warning", reason, problem)
-
-    def retain_problems(self, key: Key, reason: str, subjects: set[str]) -> None:
-        """Forget the ``reason`` problems of subjects that are gone (their Leases deleted)."""
-        problems = self._problems.get(key)
-        if not problems:
-            return
-        for gone in [k for k in problems if k[0] == reason and k[1] not in subjects]:
-            del problems[gone]
-        if not problems:
-            del self._problems[key]
-        if sum(1 for r, _ in problems if r == reason) < PROBLEM_EVENTS_PER_RUN:
-            self._summarised.discard((key, reason))
 
     def observe(self, key: Key, raw: Mapping[str, Any]) -> None:
         try:

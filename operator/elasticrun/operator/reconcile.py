@@ -1,8 +1,10 @@
 """What the operator should do with one ElasticRun, as a pure function.
 
-``reconcile`` takes the run, what Kubernetes says about its members, and the
-time, and returns a :class:`Plan`: at most one compare-and-set of the status,
-plus Events, annotation clean-up and deletion.  The controller executes plans;
+``reconcile`` takes the run, what Kubernetes says about its members, the time,
+the operator's settings and what it already did for the run, and returns a
+:class:`Plan`: the objects beside the run to apply (:mod:`.runobjects`), problem
+Events, at most one compare-and-set of the status, assignments, Lease and run
+deletion, annotation clean-up and Events.  The executor carries plans out;
 everything decided here is unit-testable without a cluster, and an operator
 restarted mid-round decides from the API server's state alone.
 """
@@ -28,7 +30,7 @@ from elasticrun.api.model import (
     next_signal,
     set_condition,
 )
-from elasticrun.operator import nodesignals, topology
+from elasticrun.operator import nodesignals, runobjects, topology
 from elasticrun.operator.liveness import Loss, member_pod_loss
 from elasticrun.operator.owners import NO_OWNER, Ownership, coming
 
@@ -103,6 +105,13 @@ class Plan:
     #: Members to tell their place in the round on their Lease, rank 0 first
     #: (after ``status``, if any, is written).
     assignments: list[tuple[str, Assignment]] = field(default_factory=list)
+    #: The run's own objects to apply, before anything else (they changed).
+    apply: list[runobjects.Apply] = field(default_factory=list)
+    #: Problem Events, posted whatever becomes of the status write, and the run's
+    #: problem memory after them.
+    report: runobjects.Report = field(default_factory=runobjects.Report)
+    #: With ``delete_run``: the run's own objects, deleted before it.
+    delete_objects: list[str] = field(default_factory=list)
 
     def wake(self, when: dt.datetime | None) -> None:
         if when is not None and (self.wake_at is None or when < self.wake_at):
@@ -213,7 +222,21 @@ def _phase(status: RunStatus) -> str:
     return "Degraded" if status.degraded else "Running"
 
 
-def reconcile(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
+def reconcile(run: ElasticRun, members: Members, now: dt.datetime,
+              settings: runobjects.Settings = runobjects.NO_SETTINGS,
+              done: runobjects.Done = runobjects.NOTHING_DONE) -> Plan:
+    """Everything the operator does for the run: its objects and problem reports
+    (:mod:`.runobjects`, from ``settings`` and what was ``done``), then the run's rules."""
+    plan = _rules(run, members, now)
+    plan.apply = runobjects.applies(run, members.leases, settings, done)
+    plan.report = runobjects.problem_reports(run, members.leases, members.node_signals,
+                                             settings, done.problems)
+    if plan.delete_run:
+        plan.delete_objects = runobjects.owned_paths(run, settings)
+    return plan
+
+
+def _rules(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
     """The rules below, in order; each one may end the pass with its own plan.
 
     A new rule goes where its order matters: before ``_seal_backstop`` if it
@@ -674,6 +697,30 @@ def lost_since(old: RunStatus, new: RunStatus) -> list[LostMember]:
     """Lost-member records in ``new`` that ``old`` did not have (for Events and metrics)."""
     seen = {(m.name, m.round, m.reason, m.time) for m in old.lost_members}
     return [m for m in new.lost_members if (m.name, m.round, m.reason, m.time) not in seen]
+
+
+@dataclass(frozen=True)
+class Repair:
+    """The status to write in place of an unreadable one, and the Event once it took."""
+
+    status: dict[str, object]
+    event: tuple[str, str, str]
+
+
+def plan_repair(raw: Mapping[str, object], error: Exception, now: dt.datetime,
+                min_round: int, repaired: str | None) -> Repair | None:
+    """The repair of a run whose status the model cannot read; None when this very error
+    was repaired already (``repaired``: the last one), so a status nobody can fix costs
+    one write, not one per reconcile."""
+    if repaired == str(error):
+        return None
+    meta = raw.get("metadata")
+    meta = meta if isinstance(meta, Mapping) else {}
+    generation = meta.get("generation")
+    status = repair(raw.get("status"), error, now,
+                    generation if isinstance(generation, int) else 0, min_round=min_round)
+    return Repair(status, ("Warning", "InvalidStatus",
+                           f"status could not be read ({error}); the round is re-formed"))
 
 
 def repair(raw_status: object, error: Exception, now: dt.datetime, generation: int,

@@ -5,8 +5,12 @@ most once, and a key woken while a worker reconciles it waits until that
 reconcile is over, then goes into the queue once.  Two passes at once would
 both act on the same Lease index: two status writes of which one must lose,
 and every member of a large run told its place twice.  A reconcile that
-raises is tried again after the delay :func:`elasticrun.api.policy.requeue_delay`
-gives for its error.
+raises is tried again after a back-off of its own run (:class:`Backoff`): the
+delay :func:`elasticrun.api.policy.requeue_delay` gives for its error, doubled
+per failure of that run in a row, up to :data:`BACKOFF_CAP_SECONDS`, and
+forgotten once the run's reconcile succeeds (controller-runtime's per-item
+exponential rate limiter).  One run that always fails costs a request every
+few minutes, not every second, and delays no other run.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import contextlib
 import datetime as dt
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.model import now
@@ -25,11 +30,42 @@ log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, run)
 
+#: The longest pause between reconciles of a run that keeps failing.
+BACKOFF_CAP_SECONDS = 300.0
+
+
+@dataclass
+class Backoff:
+    """Per-run retry times after failed reconciles: each failure in a row doubles the
+    pause (from the error's base delay) up to ``cap``; a success starts again."""
+
+    clock: Callable[[], dt.datetime] = now
+    cap: float = BACKOFF_CAP_SECONDS
+    _failures: dict[Key, int] = field(default_factory=dict)
+
+    def failed(self, key: Key, base: float) -> dt.datetime:
+        """When to reconcile ``key`` again after one more failure (base: the first pause)."""
+        failures = self._failures.get(key, 0)
+        self._failures[key] = failures + 1
+        return self.clock() + dt.timedelta(seconds=self.delay(base, failures))
+
+    def delay(self, base: float, failures: int) -> float:
+        """The pause after ``failures`` earlier failures in a row."""
+        return min(base * 2.0 ** min(failures, 32), self.cap)
+
+    def succeeded(self, key: Key) -> None:
+        self._failures.pop(key, None)
+
+    def failures(self, key: Key) -> int:
+        return self._failures.get(key, 0)
+
 
 class WorkQueue:
-    def __init__(self, work: Callable[[Key], Awaitable[None]], workers: int = 2) -> None:
+    def __init__(self, work: Callable[[Key], Awaitable[None]], workers: int = 2,
+                 backoff: Backoff | None = None) -> None:
         self.work = work
         self.workers = workers
+        self.backoff = backoff or Backoff()
         self._queue: asyncio.Queue[Key] | None = None
         self._queued: set[Key] = set()
         #: Keys a worker is reconciling, and those of them woken meanwhile.
@@ -88,10 +124,14 @@ class WorkQueue:
         try:
             await self.work(key)
         except (ApiError, ApiConnectionError) as exc:
-            delay = requeue_delay(exc)
-            log.warning("reconciling %s/%s failed: %s; retrying in %gs", *key, exc, delay)
-            self.schedule(key, now() + dt.timedelta(seconds=delay))
+            retry = self.backoff.failed(key, requeue_delay(exc))
+            log.warning("reconciling %s/%s failed: %s; retrying in %.1fs", *key, exc,
+                        (retry - now()).total_seconds())
+            self.schedule(key, retry)
         except Exception as exc:
-            delay = requeue_delay(exc)
-            log.exception("reconciling %s/%s failed; retrying in %gs", *key, delay)
-            self.schedule(key, now() + dt.timedelta(seconds=delay))
+            retry = self.backoff.failed(key, requeue_delay(exc))
+            log.exception("reconciling %s/%s failed; retrying in %.1fs", *key,
+                          (retry - now()).total_seconds())
+            self.schedule(key, retry)
+        else:
+            self.backoff.succeeded(key)
