@@ -38,7 +38,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from elasticrun.api.kube import run_path  # noqa: E402
+from elasticrun.api import rounds  # noqa: E402
+from elasticrun.api.change import change_status  # noqa: E402
+from elasticrun.api.gateway import RunGateway  # noqa: E402
+from elasticrun.api.kube import lease_path, run_path  # noqa: E402
+from elasticrun.api.model import ElasticRun, RunStatus, now, parse_run  # noqa: E402
+from elasticrun.api.naming import lease_name  # noqa: E402
+from elasticrun.handler.session import SEAL_MANAGER  # noqa: E402
 
 from bench import backends, dnsshim, floor, report, scale_report, scenarios  # noqa: E402
 from bench.backends import K8sBackend, Run, Timing  # noqa: E402
@@ -77,6 +83,8 @@ TIMING_KEEP_ALIVE = 60
 #: only a real handler serves one.  Newcomers are ranked by their Lease's
 #: creationTimestamp (whole seconds), so more than a second makes rank 0 real.
 REAL_HEAD_START = 1.5
+#: Bound on the survivors' learning of a loss (:func:`loss_round`).
+LOSS_BOUND = 30.0
 
 
 class SimNodes:
@@ -92,8 +100,10 @@ class SimNodes:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                 start_new_session=True, bufsize=1))
         self.results: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-        self._readers: list[threading.Thread] = []
+        #: ``change`` lines: a formed node saw its round change (:mod:`bench.simnode`).
+        self.changes: list[dict[str, Any]] = []
+        self._changed = threading.Condition()
+        self._expected = 0
 
     @property
     def pids(self) -> list[int]:
@@ -104,25 +114,37 @@ class SimNodes:
             assert proc.stdin is not None
             proc.stdin.write(json.dumps({**config, "nodes": share}) + "\n")
             proc.stdin.flush()
-            reader = threading.Thread(target=self._read, args=(proc, len(share)), daemon=True)
-            reader.start()
-            self._readers.append(reader)
+            self._expected += len(share)
+            threading.Thread(target=self._read, args=(proc,), daemon=True).start()
 
-    def _read(self, proc: subprocess.Popen[str], expected: int) -> None:
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        """Every line of one process: its nodes' formations, then the members' changes."""
         assert proc.stdout is not None
-        for _ in range(expected):
-            line = proc.stdout.readline()
-            if not line:
-                return
-            with self._lock:
-                self.results.append(json.loads(line))
+        for line in proc.stdout:
+            with self._changed:
+                got = json.loads(line)
+                (self.changes if got.get("event") == "change" else self.results).append(got)
+                self._changed.notify_all()
+
+    def _wait(self, enough: Any, bound: float) -> None:
+        deadline = time.monotonic() + bound
+        with self._changed:
+            while not enough() and time.monotonic() < deadline:
+                self._changed.wait(min(0.1, max(0.0, deadline - time.monotonic())))
 
     def collect(self, bound: float) -> list[dict[str, Any]]:
-        deadline = time.monotonic() + bound
-        for reader in self._readers:
-            reader.join(max(0.0, deadline - time.monotonic()))
-        with self._lock:
+        """The formation of every simulated node (those that reported within ``bound``)."""
+        self._wait(lambda: len(self.results) >= self._expected, bound)
+        with self._changed:
             return list(self.results)
+
+    def changed(self, who: set[str], bound: float) -> dict[str, float]:
+        """When each of ``who`` learnt that its round changed (those that did within ``bound``)."""
+        def told() -> dict[str, float]:
+            return {c["node"]: float(c["t"]) for c in self.changes if c["node"] in who}
+        self._wait(lambda: len(told()) >= len(who), bound)
+        with self._changed:
+            return told()
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -155,6 +177,67 @@ def _object_facts(backend: K8sBackend, run: Run) -> dict[str, Any]:
     return {"object_bytes": len(json.dumps(raw, separators=(",", ":"))),
             "field_managers": sorted({str(m.get("manager")) for m in managers}),
             "managed_fields_entries": len(managers)}
+
+
+class _RunStatus:
+    """The run's status as :func:`~elasticrun.api.change.change_status` reads and writes it,
+    over the coordinator's client: the departing node's writes, made for it."""
+
+    def __init__(self, gateway: RunGateway) -> None:
+        self.gateway = gateway
+
+    def read(self, bound: float | None = None) -> ElasticRun | None:
+        raw = self.gateway.read()
+        return None if raw is None else parse_run(raw)
+
+    def replace_status(self, run: ElasticRun, status: RunStatus,
+                       bound: float | None = None) -> ElasticRun | None:
+        raw = self.gateway.replace_status(run.resource_version, status.to_dict(), SEAL_MANAGER)
+        return None if raw is None else parse_run(raw)
+
+
+def lose_member(backend: K8sBackend, run: Run, node: str) -> None:
+    """``node`` is lost the way a handler's ``shutdown()`` loses it when its join request
+    cannot be withdrawn: its Lease deleted (as the floor's loss), then its departure
+    (:func:`~elasticrun.api.rounds.leave`) written in one compare-and-set.
+
+    The operator would count a deleted Lease as a loss only after the run's
+    heartbeat (``LeaseMissing``, minutes in these runs), and a loss it sees at
+    once needs a Pod; the departure is what tells the survivors here, as the
+    k8s recovery benchmark's ``shutdown()`` trigger does.
+    """
+    assert run.namespace is not None
+    gateway = RunGateway(backend.control_plane.api, run.namespace, run.name)
+    backend.control_plane.api.request(
+        "DELETE", lease_path(run.namespace, lease_name(run.name, node)))
+    change_status(_RunStatus(gateway),
+                  lambda current: rounds.leave(current.status, node, now(), finished=False),
+                  what=f"remove {node}")
+
+
+def loss_round(backend: K8sBackend, pool: Pool, sims: SimNodes, run: Run,
+               results: list[dict[str, Any]], real: list[str]) -> dict[str, Any]:
+    """A simulated member (never rank 0) is lost: seconds until every survivor knew.
+
+    A survivor knows when its ``num_nodes_waiting()`` becomes positive: the
+    simulated ones from their run watch, the real handlers by polling it as
+    torch's agent does (every :data:`scenarios.DETECT_POLL`).
+    """
+    ranks = {r["node"]: r.get("rank") for r in results}
+    victim = next(name for name in sorted(ranks, reverse=True)
+                  if name not in set(real) and ranks[name] != 0)
+    survivors = set(ranks) - {victim}
+    pool.all("watch", until=time.monotonic() + LOSS_BOUND, interval=scenarios.DETECT_POLL,
+             rejoin=False)
+    lost_at = time.monotonic()
+    lose_member(backend, run, victim)
+    simulated = sims.changed(survivors - set(real), LOSS_BOUND)
+    polled = {r["node"]: r["t_seen"] for r in scenarios.collect(pool.workers, LOSS_BOUND + 5)
+              if r.get("kind") == "watch" and r.get("t_seen") is not None}
+    told = {**simulated, **polled}
+    return {"loss_s": max(told.values()) - lost_at if set(told) >= survivors else None,
+            "loss_real_s": max(polled.values()) - lost_at if set(polled) >= set(real) else None,
+            "loss_told": len(told), "loss_victim": victim}
 
 
 def mixed_round(backend: K8sBackend, pool: Pool, log_dir: Path, n: int, sample: int,
@@ -206,6 +289,7 @@ def mixed_round(backend: K8sBackend, pool: Pool, log_dir: Path, n: int, sample: 
         row["bytes_sent"] = row["response_bytes"] + row["watch_bytes"]
         if formed:
             row.update(_object_facts(backend, run))
+            row.update(loss_round(backend, pool, sims, run, results, real))
         return row
     finally:
         scenarios.teardown(backend, run, pool.workers)
@@ -242,7 +326,8 @@ def mixed(plan: Plan, backend: K8sBackend, log_dir: Path, operator_pid: int
             row.update(floor_round(backend, log_dir, n, plan.sim_processes))
             rows.append(row)
             print(f"  mixed N={n}: formed={row['formed']} latency={row['latency_s']} "
-                  f"floor={row['floor_s']} ({time.monotonic() - began:.0f}s)",
+                  f"floor={row['floor_s']} loss={row.get('loss_s')} "
+                  f"floor loss={row['floor_loss_s']} ({time.monotonic() - began:.0f}s)",
                   file=sys.stderr, flush=True)
             if not row["formed"]:
                 break

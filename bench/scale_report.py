@@ -39,13 +39,20 @@ def _floor_table(mixed: list[dict[str, Any]]) -> list[str]:
              "their own Lease once and wait for one watch event of one ConfigMap, which "
              "a single writer updates once after its Lease watch has shown all N; a loss "
              "(one Lease deleted) and a newcomer (one more created) are one more update "
-             "each. Times run until the last client knew.", "",
-             "| N | formation (ours) | formation (floor) | ours / floor | loss (floor) "
-             "| newcomer (floor) |", "|---|---|---|---|---|---|"]
+             "each. Times run until the last client knew. Our loss: one simulated member "
+             "(never rank 0) loses its Lease and its departure is written "
+             "(`scale.lose_member`, a handler's `shutdown()`), timed until every survivor's "
+             "`num_nodes_waiting()` is positive (simulated members: their run watch; real "
+             "handlers: polled).", "",
+             "| N | formation (ours) | formation (floor) | ours / floor | loss (ours) "
+             "| loss (floor) | ours / floor | newcomer (floor) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ours = r["latency_s"] if r.get("formed") else None
+        loss = r.get("loss_s")
         lines.append(f"| {r['n']:,} | {_s(ours)} | {_s(r['floor_s'], 3)} | "
-                     f"{_ratio(ours, r['floor_s'])} | {_s(r.get('floor_loss_s'), 3)} | "
+                     f"{_ratio(ours, r['floor_s'])} | {_s(loss, 3)} | "
+                     f"{_s(r.get('floor_loss_s'), 3)} | {_ratio(loss, r.get('floor_loss_s'))} | "
                      f"{_s(r.get('floor_newcomer_s'), 3)} |")
     return lines
 

@@ -2,7 +2,11 @@
 
 Run as ``python -m bench.simnode``; it reads one JSON line on stdin (the run,
 the nodes, when to start), writes one JSON line per formed node on stdout,
-then renews the nodes' Leases until stdin closes.
+then renews the nodes' Leases until stdin closes.  Each formed node keeps its
+run watch open, as a member's handler does, and writes one more line
+(``{"node", "event": "change", "t"}``) when the run first shows it what makes
+its ``num_nodes_waiting()`` positive (a loss, a newcomer): the moment a member
+knows.
 
 A simulated node sends what a real handler of a large run sends, built by the
 product's own code: it reads the run, creates its Lease with its join request
@@ -24,6 +28,7 @@ receives the same bytes).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import ssl
 import sys
@@ -44,9 +49,9 @@ from elasticrun.api.kube import (
     runs_path,
 )
 from elasticrun.api.leases import ASSIGNMENT_ANNOTATION, node_lease, read_assignment
-from elasticrun.api.model import RunSpec, WaitingNode, format_time, now
+from elasticrun.api.model import ElasticRun, RunSpec, WaitingNode, format_time, now, parse_run
 from elasticrun.api.naming import lease_name
-from elasticrun.api.rounds import members_told_by_lease
+from elasticrun.api.rounds import members_told_by_lease, nodes_waiting
 
 #: Bound on one request, and on a whole formation as a node sees it.
 REQUEST_BOUND = 60.0
@@ -161,6 +166,7 @@ class Shared:
     namespace: str
     run: str
     parsed: dict[bytes, dict[str, Any]] = field(default_factory=dict)
+    runs: dict[bytes, ElasticRun] = field(default_factory=dict)
 
     def connection(self) -> Connection:
         return Connection(self.host, self.port, self.tls, self.credentials.authorization())
@@ -172,6 +178,14 @@ class Shared:
             event = json.loads(line)
             self.parsed[line] = event
         return event
+
+    def run_of(self, line: bytes) -> ElasticRun:
+        """The run in one watch event, parsed once here like :meth:`parse`."""
+        run = self.runs.get(line)
+        if run is None:
+            run = parse_run(self.parse(line)["object"])
+            self.runs[line] = run
+        return run
 
 
 def shared_from(kubeconfig: str, namespace: str, run: str) -> Shared:
@@ -200,13 +214,19 @@ class SimNode:
         #: The name of its Lease, once created; the holder it writes there, as a handler's.
         self.lease: str | None = None
         self.holder = f"{name}@{uuid.uuid4().hex[:8]}"
+        #: The round this node formed (its result), set by whichever watch saw it first.
+        self.formed: asyncio.Future[dict[str, Any]] | None = None
+        #: The run watch, kept open after formation to see the round change.
+        self.follower: asyncio.Task[float | None] | None = None
 
     async def rendezvous(self) -> dict[str, Any]:
         """Read the run, join through the Lease, wait for the round on both watches.
 
         A large run's node learns its place from its own Lease; a seal that
         moves the signal (a node's, or an older operator's under ``--baseline``)
-        reaches it on the narrow run watch instead.  Whichever comes first forms it.
+        reaches it on the narrow run watch instead.  Whichever comes first forms
+        it.  The run watch stays open afterwards (:attr:`follower`), as a
+        handler's does, until the node's round changes (:meth:`_follow_run`).
         """
         s = self.shared
         run = json.loads(await self.requests.request("GET", run_path(s.namespace, s.run)))
@@ -218,31 +238,61 @@ class SimNode:
                           meta["uid"], now(), join)  # the handler's body
         created = json.loads(await self.requests.request("POST", leases_path(s.namespace), body))
         signal = (run.get("status") or {}).get("signal", 0)
-        watches = [asyncio.create_task(self._from_run(signal, meta["resourceVersion"]))]
+        formed: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.formed = formed
+        self.follower = asyncio.create_task(self._follow_run(signal, meta["resourceVersion"]))
+        waits: list[asyncio.Future[Any]] = [formed, self.follower]
+        mailbox = None
         if members_told_by_lease(RunSpec.from_dict(spec)):  # as the handler does
-            watches.append(asyncio.create_task(
-                self._from_lease(join, created["metadata"]["resourceVersion"])))
+            mailbox = asyncio.create_task(
+                self._from_lease(join, created["metadata"]["resourceVersion"]))
+            waits.append(mailbox)
         try:
-            done, _ = await asyncio.wait(watches, return_when=asyncio.FIRST_COMPLETED)
-            return next(iter(done)).result()
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if not formed.done() and mailbox is not None and mailbox.done():
+                formed.set_result(mailbox.result())
+            if not formed.done():
+                self.follower.result()  # what ended the run watch
+                raise ConnectionError("the run watch ended before a round formed")
+            return formed.result()
+        except BaseException:
+            self.follower.cancel()
+            raise
         finally:
-            for task in watches:
-                task.cancel()
-            self.watch.close()
+            if mailbox is not None:
+                mailbox.cancel()
             self.mailbox.close()
 
-    async def _from_run(self, signal: int, resource_version: str) -> dict[str, Any]:
+    async def _follow_run(self, signal: int, resource_version: str) -> float | None:
+        """The narrow run watch: this node's place in a round, then the round's change.
+
+        Returns when (monotonic) the run first shows that this node's
+        ``num_nodes_waiting()`` is positive (:func:`knows_of_change`); None when
+        the watch ended first.
+        """
         s = self.shared
         query = {"fieldSelector": f"metadata.name={s.run},status.signal!={signal}",
                  "resourceVersion": resource_version}
-        async for line in watch_lines(self.watch, runs_path(s.namespace), query):
-            obj = s.parse(line).get("object") or {}
-            for p in (obj.get("status") or {}).get("participants") or ():
-                if p["name"] == self.name:
-                    return {"t_done": time.monotonic(), "rank": p["rank"],
-                            "world": len(obj["status"]["participants"]),
-                            "round": obj["status"]["round"]}
-        raise ConnectionError("the run watch ended before a round formed")
+        assert self.formed is not None
+        try:
+            async for line in watch_lines(self.watch, runs_path(s.namespace), query):
+                event = s.parse(line)
+                if event.get("type") not in ("ADDED", "MODIFIED"):
+                    continue
+                if not self.formed.done():
+                    obj = event.get("object") or {}
+                    for p in (obj.get("status") or {}).get("participants") or ():
+                        if p["name"] == self.name:
+                            self.formed.set_result({
+                                "t_done": time.monotonic(), "rank": p["rank"],
+                                "world": len(obj["status"]["participants"]),
+                                "round": obj["status"]["round"]})
+                    continue
+                if knows_of_change(s.run_of(line), int(self.formed.result()["round"])):
+                    return time.monotonic()
+            return None
+        finally:
+            self.watch.close()
 
     async def _from_lease(self, join: WaitingNode, resource_version: str) -> dict[str, Any]:
         assert self.lease is not None
@@ -271,7 +321,14 @@ class SimNode:
                 return  # the run (and its Leases) were deleted: the benchmark is over
 
 
-async def _one(node: SimNode, start_at: float, out: asyncio.Queue[dict[str, Any]]) -> None:
+def knows_of_change(run: ElasticRun, my_round: int) -> bool:
+    """Whether a member of ``my_round`` would now see ``num_nodes_waiting() > 0``."""
+    return nodes_waiting(run, my_round, now=now()) > 0
+
+
+async def _form(node: SimNode, start_at: float, out: asyncio.Queue[dict[str, Any]]
+                ) -> bool:
+    """Form ``node`` and report it; False when it did not form."""
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     result: dict[str, Any] = {"node": node.name, "t_start": time.monotonic()}
     try:
@@ -279,26 +336,45 @@ async def _one(node: SimNode, start_at: float, out: asyncio.Queue[dict[str, Any]
     except Exception as exc:  # reported to the coordinator
         result.update({"t_done": time.monotonic(), "error": f"{type(exc).__name__}: {exc}"})
     await out.put(result)
+    return "error" not in result
+
+
+async def _follow(node: SimNode, out: asyncio.Queue[dict[str, Any]]) -> None:
+    """Report when the formed ``node`` learnt that its round changed (a ``change`` line)."""
+    if node.follower is None:
+        return
+    with contextlib.suppress(HttpError, OSError, asyncio.IncompleteReadError, ValueError):
+        seen = await node.follower
+        if seen is not None:
+            await out.put({"node": node.name, "event": "change", "t": seen})
+
+
+async def _forward(out: asyncio.Queue[dict[str, Any]]) -> None:
+    while True:
+        sys.stdout.write(json.dumps(await out.get()) + "\n")
+        sys.stdout.flush()
 
 
 async def main_async(config: dict[str, Any]) -> None:
     shared = shared_from(config["kubeconfig"], config["namespace"], config["run"])
     nodes = [SimNode(shared, name, 20000 + i) for i, name in enumerate(config["nodes"])]
     out: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-    tasks = [asyncio.create_task(_one(n, float(config["start_at"]), out)) for n in nodes]
-    for _ in nodes:
-        sys.stdout.write(json.dumps(await out.get()) + "\n")
-        sys.stdout.flush()
-    await asyncio.gather(*tasks)
+    forward = asyncio.create_task(_forward(out))
+    formed = await asyncio.gather(*(_form(n, float(config["start_at"]), out) for n in nodes))
     shared.parsed.clear()
+    followers = [asyncio.create_task(_follow(n, out))
+                 for n, ok in zip(nodes, formed, strict=True) if ok]
     renewals = [asyncio.create_task(n.renew(float(config["renew_interval"])))
                 for n in nodes if n.lease is not None]
-    # Stay a live node (renewing) until the coordinator closes stdin.
+    # Stay live members (renewing, watching the run) until the coordinator closes stdin.
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    for task in renewals:
+    for task in [*followers, *renewals, forward]:
         task.cancel()
     for node in nodes:
+        if node.follower is not None:
+            node.follower.cancel()
         node.requests.close()
+        node.watch.close()
 
 
 def main() -> int:

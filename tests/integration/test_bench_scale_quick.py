@@ -60,6 +60,17 @@ def test_each_mixed_round_has_the_floor_beside_it(
     assert "### Against the floor" in page and "| ours / floor |" in page
 
 
+def test_each_mixed_round_times_a_loss_until_every_survivor_knew(
+        scale_run: tuple[Path, dict[str, Any]]) -> None:
+    out, data = scale_run
+    for row in data["mixed"]:
+        assert row["loss_told"] == row["n"] - 1, row  # every survivor, real and simulated
+        assert row["loss_s"] is not None and row["loss_s"] > 0, row
+        assert row["loss_real_s"] is not None and 0 < row["loss_real_s"] <= row["loss_s"], row
+    page = (out / "benchmarks-scale.md").read_text()
+    assert "| loss (ours) |" in page
+
+
 def test_real_rounds_are_measured_as_is_and_dns_neutral_for_both_backends(
         scale_run: tuple[Path, dict[str, Any]]) -> None:
     _, data = scale_run
