@@ -241,6 +241,47 @@ def test_two_candidates_one_leads_and_a_cut_off_leader_stops_before_the_other_st
     asyncio.run(scenario())
 
 
+def test_a_clean_stop_releases_the_lease_even_after_a_renewal_failed() -> None:
+    """A renewal that failed (timed out under load) leaves the leader no copy of the
+    Lease; the release reads it afresh, and one write of ours that lands between that
+    read and the release (a renewal still in flight) costs one more read, not the release."""
+    async def scenario() -> None:
+        api = FakeApi()
+        client = FakeClient(api, "me")
+        e = Elector(cast(KubeClient, client), "ns", "me", FAST)
+        task = asyncio.create_task(e.run())
+        try:
+            await asyncio.sleep(0.3)
+            assert e.may_write()
+            client.cut = True  # the next renewal fails: the leader drops its copy
+            await asyncio.sleep(2 * FAST.retry_period)
+            client.cut = False
+            await e.stop()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            assert api.lease is not None and api.lease["spec"]["holderIdentity"] == "me"
+            handle = api.handle
+            landed: list[str] = []
+
+            def renewal_lands_first(who: str, method: str, body: Any) -> dict[str, Any]:
+                if method == "PUT" and not landed:
+                    landed.append("renewal")
+                    assert api.lease is not None
+                    handle(who, "PUT", {"metadata": api.lease["metadata"],
+                                        "spec": api.lease["spec"]})
+                return handle(who, method, body)
+
+            api.handle = renewal_lands_first  # type: ignore[method-assign]
+            e.release()
+            assert landed == ["renewal"]
+            assert api.lease["spec"]["holderIdentity"] is None
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
 def test_a_garbage_lease_is_taken_over_without_a_hot_loop() -> None:
     async def scenario() -> None:
         api = FakeApi()

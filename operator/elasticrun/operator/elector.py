@@ -79,6 +79,8 @@ LEASE_NAME = "elasticrun-operator-leader"
 MAX_BACKOFF = 30.0
 #: Followers spread their polls by up to this fraction of the retry period (client-go's 1.2).
 JITTER = 0.2
+#: Reads and writes of one release on a clean stop, when a renewal of ours keeps landing first.
+RELEASE_ATTEMPTS = 3
 #: Methods that do not change anything: never fenced.
 READS = frozenset({"GET", "HEAD"})
 
@@ -416,19 +418,38 @@ class Elector:
 
     def release(self) -> None:
         """Give the Lease up (no holder) so another replica takes over at its next poll;
-        call after :meth:`stop`.  Best effort: a failure only means the others wait for
-        the lease duration."""
-        lease = self._lease
-        if lease is None or lease.holder != self.me or self._renewed_at is None:
-            return
-        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                "metadata": {"name": self.name, "namespace": self.namespace,
-                             "resourceVersion": lease.version},
-                "spec": {"holderIdentity": None, "leaseDurationSeconds": 1,
-                         "leaseTransitions": lease.transitions, "renewTime": format_time(now())}}
-        try:
-            self._request("PUT", lease_path(self.namespace, self.name), body)
-            log.info("leader election: released Lease %s/%s", self.namespace, self.name)
-        except (ApiError, ApiConnectionError) as exc:
+        call after :meth:`stop`.
+
+        The Lease is read afresh, not taken from this replica's copy: under load a
+        renewal that timed out leaves no copy, and one still in flight when the
+        election was cancelled lands after it, so a release fenced by the copy's
+        resourceVersion would be refused (409).  Bounded (:data:`RELEASE_ATTEMPTS`)
+        and best effort: a failure only means the others wait for the lease duration.
+        """
+        if self._renewed_at is None:
+            return  # never held
+        for _ in range(RELEASE_ATTEMPTS):
+            try:
+                lease = self._read()
+                if lease is None or lease.holder != self.me:
+                    return
+                body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                        "metadata": {"name": self.name, "namespace": self.namespace,
+                                     "resourceVersion": lease.version},
+                        "spec": {"holderIdentity": None, "leaseDurationSeconds": 1,
+                                 "leaseTransitions": lease.transitions,
+                                 "renewTime": format_time(now())}}
+                self._request("PUT", lease_path(self.namespace, self.name), body)
+                log.info("leader election: released Lease %s/%s", self.namespace, self.name)
+                return
+            except ApiError as exc:
+                if exc.conflict:
+                    continue  # our last renewal landed in between: read it and try again
+                failure: Exception = exc
+            except ApiConnectionError as exc:
+                failure = exc
             log.warning("leader election: releasing Lease %s/%s failed: %s", self.namespace,
-                        self.name, exc)
+                        self.name, failure)
+            return
+        log.warning("leader election: releasing Lease %s/%s: it changed under every try",
+                    self.namespace, self.name)
