@@ -6,7 +6,6 @@ unable to seal; a remembered absurd round then undid an admin's reset.
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Any
 
 import pytest
@@ -24,8 +23,9 @@ from elasticrun.api.model import (
 from elasticrun.api.ordering import ABSURD_ROUND, RoundMark
 from elasticrun.operator.reconcile import repair
 
+from builders import T0
+
 MAX = crd.counter_maximum()
-T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
 
 def _integers(schema: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:

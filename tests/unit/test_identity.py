@@ -33,7 +33,8 @@ from elasticrun.operator import runrbac
 from elasticrun.operator.executor import PlanExecutor
 from elasticrun.operator.reconcile import EXPIRED_LEASE_RECHECK, Members, Plan, reconcile
 
-T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+from builders import T0
+
 #: A Kubernetes object name (DNS subdomain), as the API server validates it.
 SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 

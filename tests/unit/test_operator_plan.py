@@ -28,7 +28,8 @@ from elasticrun.operator.runobjects import (
     report,
 )
 
-T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+from builders import T0
+
 BOTH = Settings(per_run_rbac=True, store_policy_port=29500)
 ACCOUNT = {runrbac.SERVICE_ACCOUNT_ANNOTATION: "trainer"}
 

@@ -53,7 +53,8 @@ from elasticrun.operator.reconcile import (
     reconcile,
 )
 
-T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+from builders import T0
+
 MAX32 = 2**31 - 1
 JOB = OwnerRef("batch", "Job", "train", "uid-job")
 JOBSET = OwnerRef("jobset.x-k8s.io", "JobSet", "js", "uid-js")

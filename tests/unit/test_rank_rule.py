@@ -29,7 +29,7 @@ from elasticrun.api.model import (
 )
 from elasticrun.handler.settings import pod_index
 
-T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+from builders import T0
 
 
 @dataclass(frozen=True)
