@@ -167,6 +167,10 @@ async def _writer(config: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- the coordinator
 
 
+#: Notified whenever any child's reader thread adds a line, so one wait covers them all.
+_LINES = threading.Condition()
+
+
 class _Proc:
     """One ``python -m bench.floor`` child; its lines, read by a thread."""
 
@@ -181,17 +185,16 @@ class _Proc:
         self.proc.stdin.write(json.dumps(config) + "\n")
         self.proc.stdin.flush()
         self.lines: list[dict[str, Any]] = []
-        self.changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
     def ready(self, bound: float = BOUND) -> None:
         """Wait until the child has started (imports done, config read)."""
         deadline = time.monotonic() + bound
-        with self.changed:
+        with _LINES:
             while not any(line.get("ready") for line in self.lines):
                 if time.monotonic() >= deadline or self.proc.poll() is not None:
                     raise RuntimeError(f"a floor process did not start; see {self.log.name}")
-                self.changed.wait(0.1)
+                _LINES.wait(0.1)
 
     def go(self, start_at: float) -> None:
         """Tell a client process when its clients start (monotonic, shared by all processes)."""
@@ -202,9 +205,9 @@ class _Proc:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            with self.changed:
+            with _LINES:
                 self.lines.append(json.loads(line))
-                self.changed.notify_all()
+                _LINES.notify_all()
 
     def stop(self) -> None:
         from bench.proc import stop_pid  # noqa: PLC0415 - the coordinator's side only
@@ -232,12 +235,12 @@ class Floor:
 
 def _wait_lines(procs: list[_Proc], enough: Any, bound: float) -> list[dict[str, Any]]:
     deadline = time.monotonic() + bound
-    while True:
-        lines = [line for p in procs for line in list(p.lines)]
-        if enough(lines) or time.monotonic() >= deadline:
-            return lines
-        with procs[0].changed:
-            procs[0].changed.wait(0.05)
+    with _LINES:
+        while True:
+            lines = [line for p in procs for line in p.lines]
+            if enough(lines) or time.monotonic() >= deadline:
+                return lines
+            _LINES.wait(max(0.0, deadline - time.monotonic()))
 
 
 def measure(api: Any, kubeconfig: str, namespace: str, n: int, processes: int, log_dir: Path,

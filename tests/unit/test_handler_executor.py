@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
@@ -35,6 +35,8 @@ from elasticrun.handler.handler import K8sRendezvousHandler, RunSucceededError
 from elasticrun.handler.lease import LeaseKeeper
 from elasticrun.handler.session import RunSession
 from elasticrun.handler.settings import RendezvousSettings, from_parameters
+
+from conftest import wait_for
 
 RUN_NAME = "r"
 #: How long a test waits for a node's call before it counts as hung.
@@ -77,7 +79,8 @@ class Nodes:
 
     def listed(self, node: K8sRendezvousHandler) -> None:
         """Until ``node`` has listed the join requests: its last request before it waits."""
-        until(lambda: self.gateway(node).reached["leases"], f"{node.settings.node_name} to list")
+        wait_for(lambda: self.gateway(node).reached["leases"], BOUND,
+                 f"{node.settings.node_name} to list", interval=0.01)
 
 
 @pytest.fixture
@@ -98,13 +101,6 @@ def pool() -> Iterator[ThreadPoolExecutor]:
 def join_of(server: FakeApiServer, node: str) -> str | None:
     lease = server.lease_of(RUN_NAME, node)
     return None if lease is None else lease["metadata"].get("annotations", {}).get(JOIN_ANNOTATION)
-
-
-def until(condition: Callable[[], object], what: str) -> None:
-    deadline = time.monotonic() + BOUND
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def observer_pending(server: FakeApiServer) -> tuple[WaitingNode, ...]:
@@ -235,7 +231,8 @@ def test_a_waiting_node_that_loses_the_api_server_fails_with_a_connection_error(
     a = nodes("a", 0.3)
     call = pool.submit(a.next_rendezvous)
     # Listed (its last request before it waits), and watching.
-    until(lambda: nodes.gateway(a).reached["leases"] and server.watches, "a to wait on its watch")
+    wait_for(lambda: nodes.gateway(a).reached["leases"] and server.watches, BOUND,
+             "a to wait on its watch", interval=0.01)
     nodes.gateway(a).fail_next("*", 1000)
     server.end_watches()  # the watch ends, and no request gets through again
     started = time.monotonic()
