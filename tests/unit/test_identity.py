@@ -18,7 +18,15 @@ from hypothesis import strategies as st
 
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiError
-from elasticrun.api.leases import LeaseState, lease_run, lease_state, node_lease, owned_by
+from elasticrun.api.leases import (
+    LeaseState,
+    holder_alive,
+    holder_identity,
+    lease_run,
+    lease_state,
+    node_lease,
+    owned_by,
+)
 from elasticrun.api.model import (
     ElasticRun,
     LostMember,
@@ -137,6 +145,26 @@ def test_the_lease_a_node_creates_is_its_runs_genuine_lease(run: str, node: str)
     assert lease_run(plain) == run and lease_state(plain).join is None
     assert not owned_by(lease_state(plain), run, "uid-r")
 
+
+
+@settings(max_examples=100)
+@given(node=node_names)
+def test_a_live_agent_is_read_back_as_the_holder_whatever_the_nodes_name(node: str) -> None:
+    """A second agent under a node's name is refused because the first one's holder reads
+    back: also for a name of the full 253 characters, whose holder the reader would
+    otherwise drop as too long."""
+    holder = holder_identity(node, "0123abcd")
+    assert holder.endswith("@0123abcd") and holder != holder_identity(node, "4567ef01")
+    body = node_lease("r", node, holder, 15, "uid-r", T0)
+    body["metadata"]["uid"] = "lease-uid"
+    assert lease_state(body).holder == holder
+    assert holder_alive(body, "r", "uid-r", 15, T0 + dt.timedelta(seconds=1)) == holder
+    assert holder_alive(body, "r", "uid-r", 15, T0 + dt.timedelta(seconds=16)) is None
+
+
+def test_the_longest_node_name_keeps_its_holder_readable() -> None:
+    holder = holder_identity("n" * 253, "0123abcd")
+    assert len(holder) == 253 and holder.startswith("n" * 244)
 
 # --------------------------------------------------------------------------- per-run RBAC
 

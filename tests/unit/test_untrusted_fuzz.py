@@ -41,6 +41,7 @@ from elasticrun.api.model import (
     StoreAddress,
     parse_run,
 )
+from elasticrun.operator.liveness import pod_loss
 from elasticrun.operator.metrics import OTHER, Metrics, reason_label
 from elasticrun.operator.reconcile import Members, reconcile
 
@@ -205,6 +206,10 @@ def test_a_status_written_with_year_9999_times_is_reconciled_without_overflow() 
 def test_metric_reasons_come_from_a_fixed_set() -> None:
     assert reason_label("LeaseExpired") == "LeaseExpired"
     assert reason_label("x" * 64) == OTHER
+    # Every reason elasticrun records keeps its own series: those of a Pod's end too.
+    assert all(reason_label(reason) == reason for reason in rounds.LOSS_REASONS)
+    failed = pod_loss({"metadata": {"name": "p"}, "status": {"phase": "Failed"}}, "MODIFIED")
+    assert failed is not None and reason_label(failed.reason) == rounds.POD_FAILED
     metrics = Metrics()
     for i in range(50):
         metrics.lost_member("ns", "run-b", f"crafted-{i}", 1.0)

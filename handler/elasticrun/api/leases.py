@@ -254,6 +254,18 @@ def join_value(node: WaitingNode) -> str:
     return json.dumps(entry, sort_keys=True)
 
 
+def holder_identity(node: str, nonce: str) -> str:
+    """The ``holderIdentity`` one agent of ``node`` writes: the node's name, then ``@nonce``.
+
+    Readers take at most :data:`~elasticrun.api.untrusted.MAX_NAME_CHARS` characters
+    of it, so the name is cut to leave room for the nonce: a node named with the
+    full 253 characters must still read back as the live holder of its Lease, or a
+    second agent under the same name would not be refused.  The nonce alone tells
+    agents apart; the name is there for people reading the Lease.
+    """
+    return f"{node[:untrusted.MAX_NAME_CHARS - len(nonce) - 1]}@{nonce}"
+
+
 def node_lease(run: str, node: str, holder: str, duration: int, owner_uid: str | None,
                renewed: dt.datetime, join: WaitingNode | None = None) -> dict[str, Any]:
     """A node's Lease as its agent creates (or takes over) it, renewed at ``renewed``.

@@ -389,11 +389,30 @@ LEFT = "Left"
 #: A member's agent shut down after its round's exit barrier: torch's agents pass
 #: it only once every member's workers succeeded, so the run succeeded.
 FINISHED = "Finished"
+#: What the operator saw of a member's Pod (``elasticrun.operator.liveness``).
+POD_DELETED = "PodDeleted"
+POD_DISRUPTED = "PodDisrupted"
+POD_FAILED = "PodFailed"
+POD_SUCCEEDED = "PodSucceeded"
+CONTAINER_TERMINATED = "ContainerTerminated"
+CONTAINER_RESTARTED = "ContainerRestarted"
+#: A member's Lease was not renewed for the heartbeat, or is gone.
+LEASE_EXPIRED = "LeaseExpired"
+LEASE_MISSING = "LeaseMissing"
+#: A member named in the run's drain annotation, or on a Node whose signal drains.
+DRAINED = "Drained"
+NODE_DRAINING = "NodeDraining"
 #: Reasons of a member that went away on its own, not lost to a failure.
-DEPARTURES = (LEFT, FINISHED, "PodSucceeded")
+DEPARTURES = (LEFT, FINISHED, POD_SUCCEEDED)
 #: A rank 0 taken out of its round because its store did not answer and its Lease
 #: stayed quiet for the suspicion window (removed by a member or the operator).
 LEADER_LOST = "StoreUnreachable"
+#: Every reason elasticrun itself records in ``status.lostMembers``; the status is
+#: writable by nodes, so a reader bounds what it does with any other value.
+LOSS_REASONS = frozenset({
+    POD_DELETED, POD_DISRUPTED, POD_FAILED, POD_SUCCEEDED, CONTAINER_TERMINATED,
+    CONTAINER_RESTARTED, LEASE_EXPIRED, LEASE_MISSING, LEADER_LOST, LEFT, FINISHED,
+    DRAINED, NODE_DRAINING})
 
 #: The phase of a run closed by ``spec.closed`` (torch's ``set_closed``).
 CLOSED = "Closed"

@@ -22,6 +22,7 @@ from elasticrun.api.leases import (
     UNREACHABLE_ANNOTATION,
     describe_object,
     holder_alive,
+    holder_identity,
     join_value,
     lease_run,
     node_lease,
@@ -65,7 +66,7 @@ class LeaseKeeper:
         self.run = access.name
         self.node = node
         self.name = lease_name(self.run, node)
-        self.holder = f"{node}@{uuid.uuid4().hex[:8]}"
+        self.holder = holder_identity(node, uuid.uuid4().hex[:8])
         self.duration = duration
         self.interval = interval
         self.owner_uid = owner_uid

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from elasticrun.api import rounds
 from elasticrun.api.model import MAX_POD_UID, parse_time
 
 
@@ -50,30 +51,30 @@ def _pod_loss(  # noqa: PLR0911 - one return per kind of loss, in the order they
     status = pod.get("status") or {}
     name = meta.get("name", "?")
     if event_type == "DELETED":
-        return Loss("PodDeleted", f"pod {name} was deleted", _deletion_requested(meta))
+        return Loss(rounds.POD_DELETED, f"pod {name} was deleted", _deletion_requested(meta))
     if meta.get("deletionTimestamp"):
-        return Loss("PodDeleted", f"pod {name} is being deleted", _deletion_requested(meta))
+        return Loss(rounds.POD_DELETED, f"pod {name} is being deleted", _deletion_requested(meta))
     for condition in status.get("conditions") or []:
         if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
-            return Loss("PodDisrupted", f"pod {name}: {condition.get('reason', 'disruption')}: "
-                        f"{condition.get('message', '')}".rstrip(": "),
+            why = f"{condition.get('reason', 'disruption')}: {condition.get('message', '')}"
+            return Loss(rounds.POD_DISRUPTED, f"pod {name}: {why}".rstrip(": "),
                         parse_time(condition.get("lastTransitionTime")))
     if status.get("phase") == "Failed":
-        return Loss("PodFailed", f"pod {name} failed: {status.get('reason') or ''} "
+        return Loss(rounds.POD_FAILED, f"pod {name} failed: {status.get('reason') or ''} "
                     f"{status.get('message') or ''}".strip(), _finished_at(status))
     if status.get("phase") == "Succeeded":
-        return Loss("PodSucceeded", f"pod {name} completed", _finished_at(status))
+        return Loss(rounds.POD_SUCCEEDED, f"pod {name} completed", _finished_at(status))
     for container in status.get("containerStatuses") or []:
         terminated = (container.get("state") or {}).get("terminated")
         if terminated:
-            return Loss("ContainerTerminated",
+            return Loss(rounds.CONTAINER_TERMINATED,
                         f"pod {name}: container {container.get('name')} terminated "
                         f"(exit code {terminated.get('exitCode')}, "
                         f"{terminated.get('reason') or 'no reason'})",
                         parse_time(terminated.get("finishedAt")))
     if first_restart_count is not None and restart_count(pod) > first_restart_count:
         last = _last_termination(status)
-        return Loss("ContainerRestarted", f"pod {name}: a container restarted "
+        return Loss(rounds.CONTAINER_RESTARTED, f"pod {name}: a container restarted "
                     f"({restart_count(pod)} restarts)", last)
     return None
 

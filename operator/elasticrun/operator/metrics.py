@@ -10,23 +10,21 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from elasticrun.api import rounds
 from elasticrun.api.model import PHASES
 from elasticrun.operator import listen
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-#: The ``reason`` label's values: the reasons elasticrun itself records.  The
-#: reason comes from ``status.lostMembers``, which nodes can write, so any other
+#: The ``reason`` label's values are :data:`elasticrun.api.rounds.LOSS_REASONS`.
+#: The reason comes from ``status.lostMembers``, which nodes can write, so any other
 #: value is counted as ``Other`` and a pod cannot grow the series without bound.
-REASONS = frozenset({
-    "PodDeleted", "PodDisrupted", "PodFailed", "PodSucceeded", "ContainerTerminated",
-    "ContainerRestarted", "LeaseExpired", "LeaseMissing", "StoreUnreachable", "Left",
-    "Finished", "Drained", "NodeDraining"})
 OTHER = "Other"
 
 
 def reason_label(reason: str) -> str:
-    """The ``reason`` label for a lost member's reason (one of :data:`REASONS`, or Other)."""
-    return reason if reason in REASONS else OTHER
+    """The ``reason`` label for a lost member's reason: itself if elasticrun records it
+    (:data:`~elasticrun.api.rounds.LOSS_REASONS`), else ``Other``."""
+    return reason if reason in rounds.LOSS_REASONS else OTHER
 
 
 class Metrics:
@@ -131,7 +129,7 @@ class Metrics:
             with contextlib.suppress(KeyError):
                 metric.remove(namespace, run)
         for by_reason in (self.lost, self.detection):
-            for reason in (*REASONS, OTHER):
+            for reason in (*sorted(rounds.LOSS_REASONS), OTHER):
                 with contextlib.suppress(KeyError):
                     by_reason.remove(namespace, run, reason)
         for phase in PHASES:

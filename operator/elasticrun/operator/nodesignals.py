@@ -47,10 +47,6 @@ MAX_SIGNALS = 64
 #: A signal that went away still counts for this long after it was last seen,
 #: so a Node whose taint flaps makes one Event and one exclusion, not one per flap.
 HOLD_SECONDS = 10.0
-#: The reason a member leaves its round on a ``drain`` signal.
-NODE_DRAINING = "NodeDraining"
-
-
 @dataclass(frozen=True)
 class Signal:
     """One configured signal; ``value`` None matches any value (label) or ``True``

@@ -26,6 +26,7 @@ from elasticrun.api.model import (
     LostMember,
     Participant,
     RunStatus,
+    WaitingNode,
     capped,
     next_signal,
     set_condition,
@@ -137,12 +138,12 @@ def _losses(run: ElasticRun, members: Members, now: dt.datetime
         lease = members.leases.get(name)
         if lease is not None and lease.expired(now, spec.heartbeat_timeout,
                                                members.lease_clock_start):
-            found.append((name, Loss("LeaseExpired", f"{name} did not renew its Lease for "
+            found.append((name, Loss(rounds.LEASE_EXPIRED, f"{name} did not renew its Lease for "
                                      f"{spec.heartbeat_timeout}s",
                                      lease.expired_at(spec.heartbeat_timeout,
                                                       members.lease_clock_start))))
         elif lease is None and since is not None and now - since > grace:
-            found.append((name, Loss("LeaseMissing", f"{name} has no Lease",
+            found.append((name, Loss(rounds.LEASE_MISSING, f"{name} has no Lease",
                                      since + grace)))
     suspect = _suspected_leader(run, members, now)
     if suspect is not None and suspect.name not in {name for name, _ in found}:
@@ -355,7 +356,7 @@ def _collect_dead_leases(run: ElasticRun, new: RunStatus, members: Members, now:
 def _drain(run: ElasticRun, new: RunStatus, now: dt.datetime) -> RunStatus:
     """Members named in the drain annotation leave the round."""
     for name in sorted(run.drained & new.member_names):
-        removed = rounds.remove_member(new, name, "Drained", now,
+        removed = rounds.remove_member(new, name, rounds.DRAINED, now,
                                        message=f"drained by annotation {crd.DRAIN_ANNOTATION}")
         if removed is not None:
             new = removed
@@ -391,7 +392,7 @@ def _node_signals(run: ElasticRun, new: RunStatus, members: Members,
                                             for p in new.participants if p.pod)):
         member = new.participant(name)
         pod = (member.pod if member else None) or name
-        removed = rounds.remove_member(new, name, nodesignals.NODE_DRAINING, now,
+        removed = rounds.remove_member(new, name, rounds.NODE_DRAINING, now,
                                        message=f"pod {pod}: {pods[pod].describe()}")
         if removed is not None:
             new = removed
@@ -737,8 +738,6 @@ def repair(raw_status: object, error: Exception, now: dt.datetime, generation: i
     run starts again from ``min_round``.  The error goes into the ``Degraded``
     condition for ``kubectl describe``.
     """
-    from elasticrun.api.model import WaitingNode  # noqa: PLC0415
-
     status = raw_status if isinstance(raw_status, dict) else {}
 
     def count(key: str) -> int:
