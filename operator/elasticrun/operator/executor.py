@@ -7,7 +7,7 @@ the :class:`~elasticrun.api.gateway.OperatorAccess` it is given, from a worker
 thread: per run its :class:`~elasticrun.api.gateway.RunControl` (the same
 compare-and-set the nodes use), beside it the run's own objects and Events
 (:class:`~elasticrun.api.gateway.OperatorGateway` over the operator's client;
-the in-memory fake in ``tests/unit/test_operator_executor.py``).  A lost
+in its unit tests the in-memory fake of ``tests/fakegateway.py``).  A lost
 compare-and-set is not an error: the winner's write comes back as an event and
 the run is reconciled again from it.
 """
@@ -40,9 +40,10 @@ ASSIGN_CONCURRENCY = 16
 
 
 class PlanExecutor:
-    """The operator's writes.  ``accept`` keeps a copy the operator wrote (or read) as the
-    newest; ``enqueue`` asks for another reconcile of a run; ``states`` are the
-    controller's run states, where what was applied, told and reported is kept."""
+    """The operator's writes, through ``access``.  ``accept`` keeps a copy the operator
+    wrote (or read) as the newest; ``enqueue`` asks for another reconcile of a run;
+    ``states`` are the controller's run states, where what was applied, told and
+    reported is kept."""
 
     def __init__(self, access: OperatorAccess, observer: Observer,
                  accept: Callable[[Key, dict[str, Any]], None],
