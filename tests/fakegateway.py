@@ -1,14 +1,19 @@
-"""An in-memory API server and gateway: :class:`~elasticrun.api.gateway.RunAccess` without one.
+"""An in-memory API server and gateways: the handler's and the operator's, without one.
 
 torch tests its rendezvous executor through a fake state holder; this is ours.
-:class:`FakeApiServer` holds the runs and Leases of one namespace and keeps
-the parts of the API server's contract the node relies on:
+:class:`FakeApiServer` holds the runs and Leases of one namespace (and the
+objects the operator keeps beside a run, and Events, by their request path)
+and keeps the parts of the API server's contract the node and the operator
+rely on:
 
 - every write gives the object a new ``resourceVersion``, strictly increasing
   across all objects (etcd's revision);
 - a write fenced by a ``resourceVersion`` that is not the stored one is a 409,
   a write of a missing object a 404, a create of an existing name a 409;
 - a run's status is written only through its status (a create drops it);
+- a merge patch naming another ``metadata.uid`` is a 422 (a uid is
+  immutable), a DELETE whose ``preconditions.uid`` is not the object's a 409;
+  a server-side apply creates the object or replaces it, keeping its uid;
 - a JSON patch applies all or nothing, and a ``test`` of a value that differs,
   or of a field that is missing, fails the patch with a 422;
 - watches deliver ADDED/MODIFIED/DELETED in resourceVersion order, from a
@@ -20,10 +25,14 @@ the parts of the API server's contract the node relies on:
   ``timeout_seconds``.
 
 :class:`FakeGateway` is one client's view of one run (each node holds its
-own), answering the protocol outcomes exactly as
-:class:`~elasticrun.api.gateway.RunGateway` does (409 of a seal, 422 of an
-announce, 404 of a read as ``None`` or ``False``).  Its fault injection
-(:meth:`FakeGateway.fail_next`, :meth:`FakeGateway.on_next`) fails or
+own; :class:`~elasticrun.api.gateway.RunAccess`, and the operator's
+:class:`~elasticrun.api.gateway.RunControl`), answering the protocol outcomes
+exactly as :class:`~elasticrun.api.gateway.RunGateway` does (409 of a seal,
+422 of an announce, 404 of a read as ``None`` or ``False``, an assignment on
+a Lease gone or replaced as ``False``).  :class:`FakeOperatorGateway` is the
+operator's :class:`~elasticrun.api.gateway.OperatorAccess`: one
+:class:`FakeGateway` per run, applies, deletions and Events.  Their fault
+injection (:meth:`Faults.fail_next`, :meth:`Faults.on_next`) fails or
 interleaves the next calls of one method, or of every method (``"*"``).
 An unset ``status.signal`` is compared as ``""`` by the narrow watch's
 selector (the API server's value for a missing selectable field).
@@ -31,24 +40,43 @@ selector (the API server's value for a missing selectable field).
 
 from __future__ import annotations
 
+import builtins
 import copy
 import itertools
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
+from urllib.parse import unquote
 
 from elasticrun.api import crd
-from elasticrun.api.gateway import RunAccess, announce_patch, status_body
-from elasticrun.api.kube import ApiConnectionError, ApiError
+from elasticrun.api.gateway import (
+    OperatorAccess,
+    RunAccess,
+    RunControl,
+    annotations_removal,
+    announce_patch,
+    assign_patch,
+    status_body,
+)
+from elasticrun.api.kube import (
+    ApiConnectionError,
+    ApiError,
+    events_path,
+    lease_path,
+    leases_path,
+    run_path,
+    runs_path,
+)
 from elasticrun.api.leases import leases_of
-from elasticrun.api.model import RunSpec, RunStatus, new_run_manifest
+from elasticrun.api.model import Assignment, RunSpec, RunStatus, new_run_manifest
 from elasticrun.api.naming import label_value, lease_name
 
 RUN, LEASE = "run", "lease"
-Key = tuple[str, str]  # (kind, name)
+#: (kind, name): RUN or LEASE, else the collection's path (``.../roles``, ``.../events``).
+Key = tuple[str, str]
 #: Whether a watch wants an object (as stored, or None once deleted).
 Selector = Callable[[dict[str, Any] | None], bool]
 Fault = Literal["connection", "conflict"]
@@ -152,6 +180,7 @@ class FakeApiServer:
         self.watches: set[FakeWatch] = set()
         self._revision = itertools.count(1)
         self._uids = itertools.count(1)
+        self._generated = itertools.count(1)
 
     # ------------------------------------------------------------------ storage
 
@@ -192,12 +221,51 @@ class FakeApiServer:
                                "name": key[1]}
             return self._store(key, old, new)
 
-    def delete(self, key: Key) -> dict[str, Any]:
-        """Remove the object; what was stored."""
+    def merge(self, key: Key, patch: Mapping[str, Any]) -> dict[str, Any]:
+        """A merge patch (RFC 7386), unfenced; one naming another ``metadata.uid`` is a 422
+        (a uid is immutable), which is how a patch lands on the object with that uid only."""
+        uid = (patch.get("metadata") or {}).get("uid")
+
+        def change(stored: dict[str, Any]) -> dict[str, Any]:
+            if uid is not None and uid != stored["metadata"]["uid"]:
+                raise api_error(422, "Invalid", f"{key[0]} {key[1]!r} is invalid: metadata.uid: "
+                                f"Invalid value: {uid!r}: field is immutable")
+            merged: dict[str, Any] = merge_patch(stored, patch)
+            return merged
+
+        return self.update(key, change)
+
+    def apply(self, key: Key, manifest: Mapping[str, Any], manager: str) -> dict[str, Any]:
+        """Server-side apply, forced: the object becomes ``manifest`` (created if missing;
+        its uid kept if not), with ``manager`` as the one field manager."""
+        body = copy.deepcopy(dict(manifest))
+        body.setdefault("metadata", {})["managedFields"] = [
+            {"manager": manager, "operation": "Apply"}]
         with self.cond:
-            old = self.objects.pop(key, None)
+            if key not in self.objects:
+                return self.create(key, body)
+            return self.update(key, lambda _: body)
+
+    def post(self, collection: str, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Create ``obj`` in ``collection`` (a path), named by its ``generateName`` plus a
+        suffix when it has no name, as an Event is."""
+        body = copy.deepcopy(dict(obj))
+        meta = body.setdefault("metadata", {})
+        if not meta.get("name"):
+            meta["name"] = f"{meta.get('generateName', '')}{next(self._generated):05d}"
+        return self.create((collection, meta["name"]), body)
+
+    def delete(self, key: Key, uid: str | None = None) -> dict[str, Any]:
+        """Remove the object (with ``uid`` only, when given: another one is a 409, as the
+        API server answers a DELETE's ``preconditions.uid``); what was stored."""
+        with self.cond:
+            old = self.objects.get(key)
             if old is None:
                 raise api_error(404, "NotFound", f"{key[0]} {key[1]!r} not found")
+            if uid is not None and uid != old["metadata"]["uid"]:
+                raise api_error(409, "Conflict", f"Precondition failed: UID in precondition: "
+                                f"{uid}, UID in object meta: {old['metadata']['uid']}")
+            del self.objects[key]
             revision = next(self._revision)
             self.history.append((revision, key, old, None))
             self._notify(key, old, None)
@@ -259,6 +327,20 @@ class FakeApiServer:
 
     # ------------------------------------------------------------------ test helpers
 
+    def key_of(self, path: str) -> Key:
+        """The object a request path names: a run, a Lease, else (collection, name)."""
+        collection, _, name = path.rpartition("/")
+        name = unquote(name)
+        if collection == runs_path(self.namespace):
+            return (RUN, name)
+        if collection == leases_path(self.namespace):
+            return (LEASE, name)
+        return (collection, name)
+
+    def events(self) -> builtins.list[dict[str, Any]]:
+        """The Events posted in the namespace, in the order they were."""
+        return self.list(events_path(self.namespace))
+
     def seed_run(self, name: str, spec: RunSpec, status: RunStatus | None = None
                  ) -> dict[str, Any]:
         """A run as the operator leaves it: created, then its first status written."""
@@ -275,49 +357,56 @@ class FakeApiServer:
             return copy.deepcopy(stored) if stored is not None else None
 
 
-class FakeGateway:
-    """One client's :class:`~elasticrun.api.gateway.RunAccess` to run ``name`` on ``server``."""
+class Faults:
+    """One client's fault injection and request counts, by method name (the gateway's)."""
 
     host = "https://fake-apiserver"
 
-    def __init__(self, server: FakeApiServer, name: str) -> None:
-        self.server = server
-        self.namespace = server.namespace
-        self.name = name
+    def __init__(self) -> None:
         #: Calls made, by method name (faulted ones included), and those that got past the
         #: faults to the server.
         self.calls: Counter[str] = Counter()
         self.reached: Counter[str] = Counter()
         self._faults: dict[str, deque[Fault]] = {}
         self._hooks: dict[str, deque[Callable[[], None]]] = {}
-
-    # ------------------------------------------------------------------ fault injection
+        self._lock = threading.Lock()  # the operator's requests come from many threads
 
     def fail_next(self, method: str, times: int = 1, error: Fault = "connection") -> None:
         """The next ``times`` calls of ``method`` (``"*"``: of any method) fail with ``error``:
         an unreachable server, or a 409 (which a method answers as the real gateway does)."""
-        self._faults.setdefault(method, deque()).extend([error] * times)
+        with self._lock:
+            self._faults.setdefault(method, deque()).extend([error] * times)
 
     def heal(self) -> None:
         """Drop every fault not yet used."""
-        self._faults.clear()
+        with self._lock:
+            self._faults.clear()
 
     def on_next(self, method: str, action: Callable[[], None]) -> None:
         """Run ``action`` just before the next call of ``method`` reaches the server
         (another writer's request landing in between, say)."""
-        self._hooks.setdefault(method, deque()).append(action)
+        with self._lock:
+            self._hooks.setdefault(method, deque()).append(action)
 
     def _request(self, method: str) -> None:
-        self.calls[method] += 1
-        hooks = self._hooks.get(method)
-        if hooks:
-            hooks.popleft()()
-        for queue in (self._faults.get(method), self._faults.get("*")):
-            if queue:
-                if queue.popleft() == "conflict":
-                    raise api_error(409, "Conflict", f"{method}: injected conflict")
-                raise ApiConnectionError(f"{method} {self.host}: injected connection error")
-        self.reached[method] += 1
+        with self._lock:
+            self.calls[method] += 1
+            hooks = self._hooks.get(method)
+            hook = hooks.popleft() if hooks else None
+        if hook is not None:
+            hook()
+        with self._lock:
+            fault = None
+            for queue in (self._faults.get(method), self._faults.get("*")):
+                if queue:
+                    fault = queue.popleft()
+                    break
+            if fault is None:
+                self.reached[method] += 1
+        if fault == "conflict":
+            raise api_error(409, "Conflict", f"{method}: injected conflict")
+        if fault == "connection":
+            raise ApiConnectionError(f"{method} {self.host}: injected connection error")
 
     def _answer(self, method: str, action: Callable[[], _T],
                 answered: frozenset[int] = frozenset()) -> _T | None:
@@ -331,6 +420,17 @@ class FakeGateway:
                 return None
             raise
 
+
+class FakeGateway(Faults):
+    """One client's :class:`~elasticrun.api.gateway.RunAccess` to run ``name`` on ``server``,
+    and the operator's :class:`~elasticrun.api.gateway.RunControl` of it."""
+
+    def __init__(self, server: FakeApiServer, name: str) -> None:
+        super().__init__()
+        self.server = server
+        self.namespace = server.namespace
+        self.name = name
+
     # ------------------------------------------------------------------ the run
 
     def read(self) -> dict[str, Any] | None:
@@ -341,8 +441,11 @@ class FakeGateway:
         return self._answer("create", lambda: self.server.create(self._run, manifest), CONFLICT)
 
     def close(self) -> None:
-        self._answer("close", lambda: self.server.update(
-            self._run, lambda run: merge_patch(run, {"spec": {"closed": True}})))
+        self._answer("close", lambda: self.server.merge(self._run, {"spec": {"closed": True}}))
+
+    def remove_annotations(self, names: Iterable[str]) -> None:
+        patch = annotations_removal(names)
+        self._answer("remove_annotations", lambda: self.server.merge(self._run, patch))
 
     def replace_status(self, resource_version: str | None, status: Mapping[str, Any],
                        manager: str) -> dict[str, Any] | None:
@@ -372,6 +475,10 @@ class FakeGateway:
         return self.server.watch(self._run, moved, resource_version, timeout_seconds)
 
     # ------------------------------------------------------------------ its Leases
+
+    @property
+    def path(self) -> str:
+        return run_path(self.namespace, self.name)
 
     @property
     def _run(self) -> Key:
@@ -410,8 +517,8 @@ class FakeGateway:
 
     def patch_lease(self, node: str, patch: Mapping[str, Any],
                     timeout: float | None = None) -> dict[str, Any] | None:
-        return self._answer("patch_lease", lambda: self.server.update(
-            self._lease(node), lambda lease: merge_patch(lease, patch)), NOT_FOUND)
+        return self._answer("patch_lease", lambda: self.server.merge(self._lease(node), patch),
+                            NOT_FOUND)
 
     def delete_lease(self, node: str, timeout: float | None = None) -> bool:
         return self._answer("delete_lease", lambda: self.server.delete(self._lease(node)),
@@ -423,6 +530,46 @@ class FakeGateway:
         return self.server.watch(self._lease(node), lambda _: True, resource_version,
                                  timeout_seconds)
 
-def _implements(gateway: FakeGateway) -> RunAccess:
-    """mypy checks here that the fake has every method of the interface, typed alike."""
-    return gateway
+    # ------------------------------------------------------------------ the operator's writes
+
+    def assign(self, node: str, assignment: Assignment, uid: str) -> bool:
+        """As the real gateway: False when the Lease is gone (404) or another object (the
+        merge's 422 on ``metadata.uid``; a 409 of an injected conflict)."""
+        patch = assign_patch(assignment, uid)
+        return self._answer("assign", lambda: self.server.merge(self._lease(node), patch),
+                            NOT_FOUND | CONFLICT | TEST_FAILED) is not None
+
+    def lease_path(self, lease: str) -> str:
+        return lease_path(self.namespace, lease)
+
+
+class FakeOperatorGateway(Faults):
+    """The operator's :class:`~elasticrun.api.gateway.OperatorAccess` on ``server``: one
+    :class:`FakeGateway` per run, the same each time (its faults and counts are the run's
+    requests), and the run's own objects and Events, named by path as the API server's."""
+
+    def __init__(self, server: FakeApiServer) -> None:
+        super().__init__()
+        self.server = server
+        self.runs: dict[tuple[str, str], FakeGateway] = {}
+
+    def run(self, namespace: str, name: str) -> FakeGateway:
+        assert namespace == self.server.namespace, "the fake holds one namespace"
+        with self._lock:
+            return self.runs.setdefault((namespace, name), FakeGateway(self.server, name))
+
+    def apply(self, path: str, manifest: Mapping[str, Any], manager: str) -> None:
+        self._answer("apply", lambda: self.server.apply(self.server.key_of(path), manifest,
+                                                        manager))
+
+    def delete(self, path: str, uid: str | None = None) -> None:
+        self._answer("delete", lambda: self.server.delete(self.server.key_of(path), uid))
+
+    def post_event(self, namespace: str, event: Mapping[str, Any]) -> None:
+        self._answer("post_event", lambda: self.server.post(events_path(namespace), event))
+
+
+def _implements(gateway: FakeGateway, operator: FakeOperatorGateway
+                ) -> tuple[RunAccess, RunControl, OperatorAccess]:
+    """mypy checks here that the fakes have every method of the interfaces, typed alike."""
+    return gateway, gateway, operator

@@ -148,6 +148,31 @@ def test_the_fenced_client_refuses_every_write_while_not_leading(
     assert sent == ["GET", "PUT"]
 
 
+def test_every_request_of_the_controllers_executor_and_observer_is_fenced(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor and the observer send through ``OperatorAccess``: over the fenced
+    client, every write of theirs is refused while not leading."""
+    from elasticrun.api.model import Assignment
+    from elasticrun.operator.controller import Controller
+    from elasticrun.operator.metrics import Metrics
+
+    sent: list[str] = []
+    monkeypatch.setattr(KubeClient, "request",
+                        lambda self, method, path, **_: sent.append(method) or {})
+    controller = Controller(FencedClient(idle_client(), lambda: False), Metrics())
+    access = controller.executor.access
+    assert controller.observer.access is access
+    run = access.run("ns", "r")
+    told = Assignment(round=1, rank=0, world_size=1, store=None, leader="a")
+    writes = [lambda: access.apply("/x", {}, "m"), lambda: access.delete("/x", "uid"),
+              lambda: access.post_event("ns", {}), lambda: run.replace_status("1", {}, "m"),
+              lambda: run.remove_annotations(["a"]), lambda: run.assign("a", told, "uid")]
+    for write in writes:
+        with pytest.raises(NotLeaderError):
+            write()
+    assert run.read() == {} and sent == ["GET"]
+
+
 # --------------------------------------------------------------------------- two candidates
 
 

@@ -1,8 +1,10 @@
-"""The in-memory gateway keeps the API server's contract the handler relies on.
+"""The in-memory gateways keep the API server's contract the handler and the operator rely on.
 
 The executor's unit tests are only as good as the fake under them: these pin
 the resourceVersion fencing, the 404s, the announce patch's ``test`` semantics,
-the watch events and the fault injection (``tests/fakegateway.py``).
+the watch events, the uid that fences the operator's assignments and
+deletions, its applies and Events, and the fault injection
+(``tests/fakegateway.py``).
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fakegateway import LEASE, RUN, FakeApiServer, FakeGateway
+from fakegateway import LEASE, RUN, FakeApiServer, FakeGateway, FakeOperatorGateway
 
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiConnectionError, ApiError
-from elasticrun.api.model import RunSpec, RunStatus
+from elasticrun.api.leases import ASSIGNMENT_ANNOTATION
+from elasticrun.api.model import Assignment, RunSpec, RunStatus, StoreAddress
 from elasticrun.api.naming import label_value, lease_name
 
 
@@ -148,3 +151,67 @@ def test_injected_faults_hit_the_next_calls_of_a_method_then_stop() -> None:
     gateway.on_next("read", lambda: server.update((RUN, "r"), lambda run: run))
     assert rv(gateway.read()) > rv(current)  # the hook's write landed first
     assert gateway.calls["read"] == 5
+
+
+def test_the_operators_writes_land_on_the_object_with_the_uid_named_or_nowhere() -> None:
+    server, _ = run_with()
+    operator = FakeOperatorGateway(server)
+    gateway = operator.run("ns", "r")
+    assert gateway is operator.run("ns", "r")  # one per run: its faults are the run's
+    first = gateway.create_lease(lease("a"))
+    assert first is not None
+    old_uid = first["metadata"]["uid"]
+    told = Assignment(round=1, rank=0, world_size=1, store=StoreAddress("10.0.0.1", 1),
+                      leader="a")
+    assert gateway.assign("a", told, old_uid) is True
+    assert ASSIGNMENT_ANNOTATION in server.get((LEASE, "r.a"))["metadata"]["annotations"]
+    # The Lease re-created under its name: a new uid, which the old one does not reach.
+    gateway.delete_lease("a")
+    gateway.create_lease(lease("a"))
+    new = server.get((LEASE, "r.a"))
+    assert new["metadata"]["uid"] != old_uid
+    assert gateway.assign("a", told, old_uid) is False
+    with pytest.raises(ApiError) as info:
+        operator.delete(gateway.lease_path("r.a"), old_uid)
+    assert info.value.conflict
+    assert server.get((LEASE, "r.a")) == new  # neither written nor deleted
+    operator.delete(gateway.lease_path("r.a"), new["metadata"]["uid"])
+    assert server.lease_of("r", "a") is None
+    assert gateway.assign("a", told, old_uid) is False  # gone: a 404
+    with pytest.raises(ApiError) as info:
+        operator.delete(gateway.lease_path("r.a"))
+    assert info.value.not_found
+
+
+def test_an_apply_creates_or_replaces_keeping_the_uid_and_events_get_generated_names() -> None:
+    server, gateway = run_with()
+    operator = FakeOperatorGateway(server)
+    path = "/apis/rbac.authorization.k8s.io/v1/namespaces/ns/roles/r-elasticrun"
+    operator.apply(path, {"kind": "Role", "metadata": {"name": "r-elasticrun"}, "rules": []},
+                   "m")
+    created = server.get(server.key_of(path))
+    operator.apply(path, {"kind": "Role", "metadata": {"name": "r-elasticrun"}, "rules": [1]},
+                   "m")
+    replaced = server.get(server.key_of(path))
+    assert replaced["metadata"]["uid"] == created["metadata"]["uid"]
+    assert rv(replaced) > rv(created)
+    assert replaced["rules"] == [1]
+    assert replaced["metadata"]["managedFields"] == [{"manager": "m", "operation": "Apply"}]
+    for reason in ("A", "B"):
+        operator.post_event("ns", {"metadata": {"generateName": "r."}, "reason": reason})
+    events = server.events()
+    assert [e["reason"] for e in events] == ["A", "B"]
+    assert events[0]["metadata"]["name"] != events[1]["metadata"]["name"]
+    assert all(e["metadata"]["name"].startswith("r.") for e in events)
+    # A run's path names the run; removing annotations is an unfenced merge.
+    server.update((RUN, "r"), lambda run: {**run, "metadata": {
+        **run["metadata"], "annotations": {"x": "1", "y": "2"}}})
+    gateway.remove_annotations(["x"])
+    assert server.run("r")["metadata"]["annotations"] == {"y": "2"}
+    operator.delete(gateway.path)
+    with pytest.raises(ApiError):
+        server.run("r")
+    operator.fail_next("apply")
+    with pytest.raises(ApiConnectionError):
+        operator.apply(path, {"metadata": {"name": "r-elasticrun"}}, "m")
+    assert operator.calls["apply"] == 3 and operator.reached["apply"] == 2

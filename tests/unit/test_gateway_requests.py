@@ -1,21 +1,25 @@
-"""The requests ``RunGateway`` sends for a node: method, path, body, query, content type.
+"""The requests the gateways send: method, path, body, query, content type.
 
-The node's Lease, its run watch and its Lease watch went straight to the
-client before they went through the gateway; these pin the requests as they
-were (literal paths, not the helpers that build them), and the protocol
-outcomes each method answers itself.
+The node's Lease, its run watch and its Lease watch (``RunGateway``), and the
+operator executor's applies, deletions and Events (``OperatorGateway``), went
+straight to the client before they went through a gateway; these pin the
+requests as they were (literal paths, not the helpers that build them), and
+the protocol outcomes each method answers itself.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from elasticrun.api.gateway import RunGateway
-from elasticrun.api.kube import JSON, MERGE_PATCH, ApiError
+from elasticrun.api.gateway import OperatorGateway, RunGateway
+from elasticrun.api.kube import APPLY_PATCH, JSON, MERGE_PATCH, ApiError
+from elasticrun.api.leases import assignment_value
+from elasticrun.api.model import Assignment, StoreAddress
 
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/ns/leases"
 RUNS = "/apis/elasticrun.dev/v1alpha1/namespaces/ns/elasticruns"
@@ -91,3 +95,51 @@ def test_the_outcomes_the_gateway_answers_itself(status: int, answers: dict[str,
         else:
             with pytest.raises(ApiError):
                 call()
+
+
+def test_the_operators_requests() -> None:
+    """The executor's requests, as they went straight to the client before the
+    operator's gateway (``OperatorGateway``) sent them."""
+    client = RecordingClient()
+    access = OperatorGateway(client)  # type: ignore[arg-type]
+    manifest = {"kind": "Role", "metadata": {"name": "r-elasticrun"}}
+    role = "/apis/rbac.authorization.k8s.io/v1/namespaces/ns/roles/r-elasticrun"
+    access.apply(role, manifest, "elasticrun-rbac")
+    access.delete(f"{LEASES}/r.a", "uid-a")
+    access.delete(role)
+    access.post_event("ns", {"reason": "Deleted"})
+    run = access.run("ns", "r")
+    run.remove_annotations(["x", "y"])
+    told = Assignment(round=2, rank=1, world_size=2, store=StoreAddress("10.0.0.1", 1),
+                      leader="a", since=dt.datetime(2026, 1, 1, tzinfo=dt.UTC))
+    assert run.assign("a", told, "uid-a") is True
+    assert (run.path, run.lease_path("r.a")) == (f"{RUNS}/r", f"{LEASES}/r.a")
+    assert client.sent == [
+        ("PATCH", role, manifest, {"fieldManager": "elasticrun-rbac", "force": "true"},
+         APPLY_PATCH, None),
+        ("DELETE", f"{LEASES}/r.a", {"apiVersion": "v1", "kind": "DeleteOptions",
+                                     "preconditions": {"uid": "uid-a"}}, None, JSON, None),
+        ("DELETE", role, None, None, JSON, None),
+        ("POST", "/api/v1/namespaces/ns/events", {"reason": "Deleted"}, None, JSON, None),
+        ("PATCH", f"{RUNS}/r", {"metadata": {"annotations": {"x": None, "y": None}}}, None,
+         MERGE_PATCH, None),
+        ("PATCH", f"{LEASES}/r.a", {"metadata": {"uid": "uid-a", "annotations": {
+            "elasticrun.dev/assignment": assignment_value(told)}}}, None, MERGE_PATCH, None),
+    ]
+
+
+@pytest.mark.parametrize(("status", "message", "answer"), [
+    (404, "", False), (409, "", False),
+    (422, "metadata.uid: Invalid value: field is immutable", False),
+    (422, "spec: Invalid value", None),
+])
+def test_an_assignment_on_a_lease_gone_or_replaced_is_false(
+        status: int, message: str, answer: bool | None) -> None:
+    access, _ = gateway(ApiError(status, "", message, {}))
+    told = Assignment(round=1, rank=0, world_size=1, store=StoreAddress("10.0.0.1", 1),
+                      leader="a")
+    if answer is None:
+        with pytest.raises(ApiError):
+            access.assign("a", told, "uid-a")
+    else:
+        assert access.assign("a", told, "uid-a") is answer

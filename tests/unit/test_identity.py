@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elasticrun.api import crd
+from elasticrun.api.gateway import OperatorGateway
 from elasticrun.api.kube import ApiError
 from elasticrun.api.leases import (
     LeaseState,
@@ -232,7 +233,8 @@ class _Observer:
 
 
 def _executor(client: _Client, observer: _Observer) -> PlanExecutor:
-    return PlanExecutor(client, observer, lambda k, r: None, lambda k: None)  # type: ignore[arg-type]
+    return PlanExecutor(OperatorGateway(client), observer,  # type: ignore[arg-type]
+                        lambda k, r: None, lambda k: None)
 
 
 def test_the_operator_deletes_the_observed_lease_by_uid_and_backs_off() -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import datetime as dt
 from typing import Any
 
+from elasticrun.api.gateway import OperatorGateway
 from elasticrun.api.leases import LeaseState
 from elasticrun.api.model import ElasticRun, InvalidRunError, RunSpec, RunStatus
 from elasticrun.api.naming import lease_name
@@ -148,8 +149,8 @@ class _Observer:
 
 def test_the_executor_posts_the_planned_deleted_event_then_deletes_what_the_plan_says() -> None:
     client, observer = _Client(), _Observer()
-    executor = PlanExecutor(client, observer, lambda k, r: None,  # type: ignore[arg-type]
-                            lambda k: None)
+    executor = PlanExecutor(OperatorGateway(client), observer,  # type: ignore[arg-type]
+                            lambda k, r: None, lambda k: None)
     run = _run(phase="Closed", finished_at=T0 - dt.timedelta(seconds=1))
     run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, closed=True))
     plan = reconcile(run, Members(), T0, BOTH)

@@ -2,10 +2,13 @@
 
 Every read, write and watch of a run, and of its Leases, goes through
 :class:`RunGateway`; the handler depends only on :class:`RunAccess`, the
-interface it implements, so its executor runs in unit tests against an
-in-memory fake that keeps the API server's contract (``tests/fakegateway.py``).
-:class:`RunGateway`  It builds the request bodies (the status compare-and-set,
-the announce patch) and answers the outcomes that are part of the protocol:
+interface it implements, and the operator's executor only on
+:class:`OperatorAccess` (per run :class:`RunControl`, plus the run's own
+objects and Events, :class:`OperatorGateway`), so both executors run in unit
+tests against an in-memory fake that keeps the API server's contract
+(``tests/fakegateway.py``).  The gateways build the request bodies (the
+status compare-and-set, the announce patch, an assignment, an annotation
+removal) and :class:`RunGateway` answers the outcomes that are part of the protocol:
 ``None`` means "someone else wrote first" (409), "a test of the patch failed"
 (422) or "no such run" (404), depending on the call.  Every other failure is
 raised as :class:`~elasticrun.api.kube.ApiError` or
@@ -23,11 +26,14 @@ from typing import Any, Protocol
 
 from elasticrun.api import crd
 from elasticrun.api.kube import (
+    APPLY_PATCH,
     JSON_PATCH,
     MERGE_PATCH,
     ApiError,
     KubeClient,
     Watch,
+    delete_preconditions,
+    events_path,
     lease_path,
     leases_path,
     run_path,
@@ -71,6 +77,18 @@ def announce_patch(status: RunStatus) -> list[dict[str, Any]]:
         {"op": "replace", "path": "/status/joinNotice", "value": status.round},
         {"op": "replace", "path": "/status/signal", "value": next_signal(status.signal)},
     ]
+
+
+def assign_patch(assignment: Assignment, uid: str) -> dict[str, Any]:
+    """The merge patch that writes a member's place in the round on its Lease, the object
+    with ``uid`` only (:meth:`RunGateway.assign`)."""
+    return {"metadata": {"uid": uid, "annotations": {
+        ASSIGNMENT_ANNOTATION: assignment_value(assignment)}}}
+
+
+def annotations_removal(names: Iterable[str]) -> dict[str, Any]:
+    """The merge patch that removes the run's annotations ``names``."""
+    return {"metadata": {"annotations": dict.fromkeys(names)}}
 
 
 class EventStream(Protocol):
@@ -133,6 +151,72 @@ class RunAccess(Protocol):
                     timeout_seconds: int) -> EventStream: ...
 
 
+class RunControl(Protocol):
+    """What the operator does to one run and its Leases: every per-run request of its
+    executor (:class:`RunGateway`; in unit tests the in-memory fake).
+
+    Outcomes as :class:`RunAccess`'s; a Lease is named by its object name
+    (``lease_path``), as the operator observed it, never by a node's.
+    """
+
+    @property
+    def path(self) -> str: ...
+
+    def read(self) -> dict[str, Any] | None: ...
+
+    def replace_status(self, resource_version: str | None, status: Mapping[str, Any],
+                       manager: str) -> dict[str, Any] | None: ...
+
+    def remove_annotations(self, names: Iterable[str]) -> None: ...
+
+    def leases(self) -> list[dict[str, Any]]: ...
+
+    def assign(self, node: str, assignment: Assignment, uid: str) -> bool: ...
+
+    def lease_path(self, lease: str) -> str: ...
+
+
+class OperatorAccess(Protocol):
+    """Every request of the operator's executor: per run (:meth:`run`), and the run's own
+    objects beside it and its Events, named by path.  Failures are raised
+    (:class:`~elasticrun.api.kube.ApiError`,
+    :class:`~elasticrun.api.kube.ApiConnectionError`) for the caller to judge."""
+
+    def run(self, namespace: str, name: str) -> RunControl: ...
+
+    def apply(self, path: str, manifest: Mapping[str, Any], manager: str) -> None: ...
+
+    def delete(self, path: str, uid: str | None = None) -> None: ...
+
+    def post_event(self, namespace: str, event: Mapping[str, Any]) -> None: ...
+
+
+class OperatorGateway:
+    """:class:`OperatorAccess` over one client (the operator's, fenced under leader
+    election): a :class:`RunGateway` per run, server-side apply, DELETE, Event POST."""
+
+    def __init__(self, client: KubeClient) -> None:
+        self.client = client
+
+    def run(self, namespace: str, name: str) -> RunGateway:
+        return RunGateway(self.client, namespace, name)
+
+    def apply(self, path: str, manifest: Mapping[str, Any], manager: str) -> None:
+        """Server-side apply of ``manifest`` as field manager ``manager``, taking over
+        fields another manager set (``force``)."""
+        self.client.request("PATCH", path, body=manifest,
+                            query={"fieldManager": manager, "force": "true"},
+                            content_type=APPLY_PATCH)
+
+    def delete(self, path: str, uid: str | None = None) -> None:
+        """DELETE the object at ``path``; with ``uid``, that object only (another object
+        of the same name is left, and the server answers 409)."""
+        self.client.request("DELETE", path, body=delete_preconditions(uid) if uid else None)
+
+    def post_event(self, namespace: str, event: Mapping[str, Any]) -> None:
+        self.client.request("POST", events_path(namespace), body=event)
+
+
 class RunGateway:
     """One ElasticRun (``namespace``/``name``) and its Leases, over one client: :class:`RunAccess`
     over HTTP, plus the operator's writes (annotations, members' assignments)."""
@@ -177,9 +261,8 @@ class RunGateway:
                             body={"spec": {"closed": True}}, content_type=MERGE_PATCH)
 
     def remove_annotations(self, names: Iterable[str]) -> None:
-        patch = {"metadata": {"annotations": dict.fromkeys(names)}}
-        self.client.request("PATCH", run_path(self.namespace, self.name), body=patch,
-                            content_type=MERGE_PATCH)
+        self.client.request("PATCH", run_path(self.namespace, self.name),
+                            body=annotations_removal(names), content_type=MERGE_PATCH)
 
     def replace_status(self, resource_version: str | None, status: Mapping[str, Any],
                        manager: str) -> dict[str, Any] | None:
@@ -259,11 +342,9 @@ class RunGateway:
         was observed (422, ``metadata.uid`` is immutable; 409 from servers that
         answer a uid precondition so).  False when that Lease is gone or replaced.
         """
-        patch = {"metadata": {"uid": uid, "annotations": {
-            ASSIGNMENT_ANNOTATION: assignment_value(assignment)}}}
         try:
             self.client.request("PATCH", self.lease_path(lease_name(self.name, node)),
-                                body=patch, content_type=MERGE_PATCH)
+                                body=assign_patch(assignment, uid), content_type=MERGE_PATCH)
         except ApiError as exc:
             if exc.not_found or exc.conflict or (exc.status == 422
                                                  and "metadata.uid" in exc.message):

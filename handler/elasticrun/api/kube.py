@@ -218,6 +218,10 @@ def lease_path(namespace: str, name: str) -> str:
     return f"{leases_path(namespace)}/{quote(name)}"
 
 
+def events_path(namespace: str) -> str:
+    return f"/api/v1/namespaces/{quote(namespace)}/events"
+
+
 def delete_preconditions(uid: str) -> dict[str, Any]:
     """The body of a DELETE of the object with this uid only: any other object of the same
     name (one made after it) is left, and the server answers 409."""

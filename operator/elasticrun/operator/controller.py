@@ -23,6 +23,7 @@ import time
 from collections.abc import Coroutine, Iterable, Mapping
 from typing import Any
 
+from elasticrun.api.gateway import OperatorGateway
 from elasticrun.api.kube import KubeClient
 from elasticrun.api.leases import LeaseState, lease_run, lease_state, owned_by
 from elasticrun.api.model import ElasticRun, InvalidRunError, now, parse_run
@@ -90,10 +91,13 @@ class Controller:
         self._deleted_leases = 0
         self._last_deletion = 0.0
         self.queue = WorkQueue(self.reconcile, workers)
-        self.observer = Observer(client, metrics)
+        #: The executor's and the observer's requests, over the controller's client (the
+        #: fenced one under leader election).
+        access = OperatorGateway(client)
+        self.observer = Observer(access, metrics)
         #: The flags that add objects beside each run (its Role, its NetworkPolicy).
         self.settings = Settings(per_run_rbac, store_policy_port)
-        self.executor = PlanExecutor(client, self.observer, self._accept_written, self.enqueue,
+        self.executor = PlanExecutor(access, self.observer, self._accept_written, self.enqueue,
                                      self.states)
         self.api = ApiAvailability(client, on_change=metrics.api_changed)
         #: Side tasks that live as long as the controller: the API probe, the caBundle check.

@@ -11,8 +11,8 @@ import asyncio
 import logging
 import time
 
-from elasticrun.api.gateway import RunGateway
-from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient, delete_preconditions
+from elasticrun.api.gateway import OperatorAccess, RunControl
+from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.leases import LeaseState, lease_state, owned_by
 from elasticrun.api.model import ElasticRun
 from elasticrun.operator.observer import Observer
@@ -29,14 +29,14 @@ class Deleter:
     """Carries out the deletions of plans; ``states`` is where failed Lease deletions are
     remembered (:attr:`RunState.delete_failures`)."""
 
-    def __init__(self, client: KubeClient, observer: Observer,
+    def __init__(self, access: OperatorAccess, observer: Observer,
                  states: dict[Key, RunState]) -> None:
-        self.client = client
+        self.access = access
         self.observer = observer
         self.states = states
 
-    def gateway(self, key: Key) -> RunGateway:
-        return RunGateway(self.client, *key)
+    def gateway(self, key: Key) -> RunControl:
+        return self.access.run(*key)
 
     async def delete_run(self, run: ElasticRun, objects: list[str]) -> None:
         """Delete the run's Leases, its own ``objects`` (paths), then the run.
@@ -89,9 +89,8 @@ class Deleter:
         if clock < retry_at:
             return
         try:
-            await asyncio.to_thread(
-                self.client.request, "DELETE", self.gateway(key).lease_path(lease.name),
-                body=delete_preconditions(lease.uid))
+            await asyncio.to_thread(self.access.delete, self.gateway(key).lease_path(lease.name),
+                                    lease.uid)
         except ApiError as exc:
             if exc.not_found or exc.conflict:
                 tried.pop(lease.uid, None)
@@ -115,8 +114,7 @@ class Deleter:
         """DELETE (of the object with ``uid`` only, when given); an object already gone is
         fine, anything else is logged and left."""
         try:
-            await asyncio.to_thread(self.client.request, "DELETE", path,
-                                    body=delete_preconditions(uid) if uid else None)
+            await asyncio.to_thread(self.access.delete, path, uid)
         except ApiError as exc:
             if not exc.not_found:
                 log.warning("DELETE %s failed: %s", path, exc)

@@ -2,11 +2,14 @@
 
 The plan decides; the executor writes, in the plan's order, and reports what
 became of each write (the run as written, the objects applied, a lost
-compare-and-set), never deciding anything itself.  Every write of the run goes
-through :class:`~elasticrun.api.gateway.RunGateway` (the same compare-and-set
-the nodes use) from a worker thread.  A lost compare-and-set is not an error:
-the winner's write comes back as an event and the run is reconciled again from
-it.
+compare-and-set), never deciding anything itself.  Every request goes through
+the :class:`~elasticrun.api.gateway.OperatorAccess` it is given, from a worker
+thread: per run its :class:`~elasticrun.api.gateway.RunControl` (the same
+compare-and-set the nodes use), beside it the run's own objects and Events
+(:class:`~elasticrun.api.gateway.OperatorGateway` over the operator's client;
+in its unit tests the in-memory fake of ``tests/fakegateway.py``).  A lost
+compare-and-set is not an error: the winner's write comes back as an event and
+the run is reconciled again from it.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from elasticrun.api.gateway import RunGateway
-from elasticrun.api.kube import APPLY_PATCH, ApiConnectionError, ApiError, KubeClient
+from elasticrun.api.gateway import OperatorAccess, RunControl
+from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.leases import LeaseState, owned_by
 from elasticrun.api.model import Assignment, ElasticRun, RunStatus, parse_run
 from elasticrun.api.ordering import newer, resource_version
@@ -37,27 +40,28 @@ ASSIGN_CONCURRENCY = 16
 
 
 class PlanExecutor:
-    """The operator's writes.  ``accept`` keeps a copy the operator wrote (or read) as the
-    newest; ``enqueue`` asks for another reconcile of a run; ``states`` are the
-    controller's run states, where what was applied, told and reported is kept."""
+    """The operator's writes, through ``access``.  ``accept`` keeps a copy the operator
+    wrote (or read) as the newest; ``enqueue`` asks for another reconcile of a run;
+    ``states`` are the controller's run states, where what was applied, told and
+    reported is kept."""
 
-    def __init__(self, client: KubeClient, observer: Observer,
+    def __init__(self, access: OperatorAccess, observer: Observer,
                  accept: Callable[[Key, dict[str, Any]], None],
                  enqueue: Callable[[Key], None],
                  states: dict[Key, RunState] | None = None) -> None:
-        self.client = client
+        self.access = access
         self.observer = observer
         self.accept = accept
         self.enqueue = enqueue
         self.states: dict[Key, RunState] = {} if states is None else states
-        self.deleter = Deleter(client, observer, self.states)
+        self.deleter = Deleter(access, observer, self.states)
         #: Threads of their own: the default pool has cores + 4 threads, and a
         #: large round's assignments would queue behind each other there.
         self._assigners = ThreadPoolExecutor(ASSIGN_CONCURRENCY,
                                              thread_name_prefix="elasticrun-assign")
 
-    def gateway(self, key: Key) -> RunGateway:
-        return RunGateway(self.client, *key)
+    def gateway(self, key: Key) -> RunControl:
+        return self.access.run(*key)
 
     def state(self, key: Key) -> RunState:
         return self.states.setdefault(key, RunState())
@@ -116,14 +120,12 @@ class PlanExecutor:
     async def apply(self, key: Key, item: Apply) -> None:
         """Server-side apply of one of the run's own objects; kept as applied once it took."""
         for path, manifest in item.manifests:
-            await asyncio.to_thread(
-                self.client.request, "PATCH", path, body=manifest,
-                query={"fieldManager": item.manager, "force": "true"}, content_type=APPLY_PATCH)
+            await asyncio.to_thread(self.access.apply, path, manifest, item.manager)
         state = self.state(key)
         state.done = state.done.applied(item)
         log.info("%s/%s: %s", *key, item.note)
 
-    async def tell_members(self, gateway: RunGateway, key: Key,
+    async def tell_members(self, gateway: RunControl, key: Key,
                            assignments: list[tuple[str, Assignment]],
                            leases: Mapping[str, LeaseState]) -> None:
         """Write each member's assignment on its Lease, in parallel, each at most once.

@@ -9,7 +9,8 @@ from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from elasticrun.api import crd, rounds
-from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient
+from elasticrun.api.gateway import OperatorAccess
+from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.model import (
     ElasticRun,
     InvalidRunError,
@@ -31,8 +32,8 @@ COMPONENT = "elasticrun-operator"
 class Observer:
     """Compares each copy of a run with the last one seen, and reports the difference."""
 
-    def __init__(self, client: KubeClient, metrics: Metrics) -> None:
-        self.client = client
+    def __init__(self, access: OperatorAccess, metrics: Metrics) -> None:
+        self.access = access
         self.metrics = metrics
         self._seen: dict[Key, RunStatus] = {}
         self._background: set[asyncio.Task[None]] = set()
@@ -102,8 +103,7 @@ class Observer:
             "reportingComponent": f"{crd.GROUP}/operator", "reportingInstance": self._instance,
         }
         try:
-            await asyncio.to_thread(self.client.request, "POST",
-                                    f"/api/v1/namespaces/{run.namespace}/events", body=event)
+            await asyncio.to_thread(self.access.post_event, run.namespace, event)
         except NotLeaderError:
             log.debug("not posting event %s for %s/%s: not the leader", reason, run.namespace,
                       run.name)
