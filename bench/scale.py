@@ -71,7 +71,9 @@ class Plan:
     #: Sizes at which ``--baseline`` measures the protocol before this one.
     baseline_sizes: tuple[int, ...] = (128, 256)
     #: Sizes of the frozen member (:func:`frozen_round`): every node renews every second.
-    frozen_sizes: tuple[int, ...] = (16, 64)
+    #: From ``rounds.DEFER_SEAL_FROM`` on, so that nodes leave the seal to the operator, as
+    #: simulated nodes always do.
+    frozen_sizes: tuple[int, ...] = (64, 128)
     reps: int = 2
     workers: int = 4
     sim_processes: int = 4
@@ -373,7 +375,8 @@ def mixed_round(backend: K8sBackend, pool: Pool, late: Pool, log_dir: Path, n: i
         sims.start([simulated[i::sim_processes] for i in range(sim_processes)],
                    {"kubeconfig": backend.control_plane.kubeconfig, "namespace": run.namespace,
                     "run": run.name, "start_at": start,
-                    "renew_interval": TIMING_KEEP_ALIVE, "rejoins": 1})
+                    "renew_interval": TIMING_KEEP_ALIVE,
+                    "rejoins": 1 if has_room(n) else 0})  # for the newcomer
         pool.all("rendezvous", start_at=start - REAL_HEAD_START)
         real_results = scenarios.collect(pool.workers, bound)
         sim_results = sims.collect(bound)
