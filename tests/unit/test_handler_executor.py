@@ -251,6 +251,26 @@ def test_a_waiting_node_that_loses_the_api_server_fails_with_a_connection_error(
     nodes.gateway(a).heal()
 
 
+def test_a_seal_that_keeps_losing_ends_with_a_closed_error_once_shutdown_begins(
+        server: FakeApiServer, nodes: Nodes,
+        pool: ThreadPoolExecutor) -> None:
+    """A conflict on every seal (List, Seal, List, ...: no wait in between) is left at
+    the next action once the agent shuts the handler down, not at the join timeout."""
+    server.seed_run(RUN_NAME, spec(1))
+    a = nodes("a")
+    nodes.gateway(a).fail_next("replace_status", 100_000, "conflict")
+    call = pool.submit(a.next_rendezvous)
+    wait_for(lambda: nodes.gateway(a).calls["replace_status"] >= 3, BOUND,
+             "a to lose its seal again and again", interval=0.01)
+    started = time.monotonic()
+    a.shutdown()
+    with pytest.raises(RendezvousClosedError, match="the agent is shutting down"):
+        call.result(BOUND)
+    assert time.monotonic() - started < 1.0  # within shutdown()'s close_timeout, 0.5 s
+    assert server.run(RUN_NAME)["status"].get("round", 0) == 0
+    assert join_of(server, "a") is None
+
+
 def test_a_round_its_workers_report_lost_is_re_formed_in_place_by_the_followers(
         server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

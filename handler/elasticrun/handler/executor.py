@@ -90,8 +90,8 @@ class RoundExecutor:
     """Carries out :func:`.step.next_action` for the node's ``next_rendezvous`` calls.
 
     One per handler, made once the node has its session and its Lease keeper;
-    :meth:`run` is one call.  ``closing`` says that ``shutdown()`` has begun: a
-    wait then ends the call.  ``placed`` hears the round number
+    :meth:`run` is one call.  ``closing`` says that ``shutdown()`` has begun: the
+    call then carries out no further action.  ``placed`` hears the round number
     as soon as a round holds the node (the handler's ``round``).  The watch of the
     node's own Lease (:attr:`mailbox`, large runs) runs while a call does.
     """
@@ -117,6 +117,10 @@ class RoundExecutor:
         try:
             while True:
                 action = step.next_action(known, now(), time.monotonic())
+                if self._closing() and not isinstance(action, step.Closed):
+                    # Bounds every loop of requests that never waits (a seal that keeps
+                    # losing, a request that keeps vanishing) once shutdown() has begun.
+                    raise RendezvousClosedError(f"{self._who()}: the agent is shutting down")
                 if isinstance(action, step.Complete):
                     info = self._complete(known.run, action.assignment, known.own)
                     if info is not None:
