@@ -16,6 +16,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from fakegateway import FakeApiServer, FakeGateway
@@ -30,11 +31,13 @@ from torch.distributed.elastic.rendezvous import (
 from elasticrun.api import rounds
 from elasticrun.api.leases import JOIN_ANNOTATION
 from elasticrun.api.model import RunSpec, RunStatus, StoreAddress, WaitingNode, now, parse_run
-from elasticrun.handler import handler as handler_mod
+from elasticrun.api.roundfile import ROUND_FILE_VARIABLE, decode_round
+from elasticrun.handler import executor as executor_mod
 from elasticrun.handler.handler import K8sRendezvousHandler, RunSucceededError
 from elasticrun.handler.lease import LeaseKeeper
 from elasticrun.handler.session import RunSession
 from elasticrun.handler.settings import RendezvousSettings, from_parameters
+from elasticrun.inplace.source import FileRoundSource
 
 from conftest import wait_for
 
@@ -68,9 +71,14 @@ class Nodes:
         self.made: list[K8sRendezvousHandler] = []
         self.gateways: dict[str, FakeGateway] = {}
 
-    def __call__(self, name: str, api_timeout: float = 0.5) -> K8sRendezvousHandler:
+    def __call__(self, name: str, api_timeout: float = 0.5,
+                 round_file: Path | None = None) -> K8sRendezvousHandler:
+        """Node ``name``; in in-place mode with its ``round_file`` if one is given."""
         self.gateways[name] = FakeGateway(self.server, RUN_NAME)
-        node = K8sRendezvousHandler(settings(name, api_timeout), gateway=self.gateways[name])
+        given = settings(name, api_timeout)
+        if round_file is not None:
+            given = dataclasses.replace(given, in_place=True, round_file=str(round_file))
+        node = K8sRendezvousHandler(given, gateway=self.gateways[name])
         self.made.append(node)
         return node
 
@@ -160,7 +168,7 @@ def test_a_lost_seal_is_retried_from_the_winners_state(
 def test_a_store_rank_0_did_not_announce_is_refused(
         server: FakeApiServer, nodes: Nodes,
         pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(handler_mod, "STORE_CHECK_SECONDS", 0.2)
+    monkeypatch.setattr(executor_mod, "STORE_CHECK_SECONDS", 0.2)
     seeded = server.seed_run(RUN_NAME, spec(3))
     leader = LeaseKeeper(FakeGateway(server, RUN_NAME), "a", 30, 10, seeded["metadata"]["uid"])
     leader.acquire(WaitingNode(name="a", address="127.0.0.1", store_port=29400, since=now()))
@@ -241,3 +249,56 @@ def test_a_waiting_node_that_loses_the_api_server_fails_with_a_connection_error(
     # api_timeout, then at most the watch's next reconnect attempt (0.1, 0.2, 0.5 s apart)
     assert time.monotonic() - started < 0.3 + 0.5 + 0.2
     nodes.gateway(a).heal()
+
+
+def test_a_seal_that_keeps_losing_ends_with_a_closed_error_once_shutdown_begins(
+        server: FakeApiServer, nodes: Nodes,
+        pool: ThreadPoolExecutor) -> None:
+    """A conflict on every seal (List, Seal, List, ...: no wait in between) is left at
+    the next action once the agent shuts the handler down, not at the join timeout."""
+    server.seed_run(RUN_NAME, spec(1))
+    a = nodes("a")
+    nodes.gateway(a).fail_next("replace_status", 100_000, "conflict")
+    call = pool.submit(a.next_rendezvous)
+    wait_for(lambda: nodes.gateway(a).calls["replace_status"] >= 3, BOUND,
+             "a to lose its seal again and again", interval=0.01)
+    started = time.monotonic()
+    a.shutdown()
+    with pytest.raises(RendezvousClosedError, match="the agent is shutting down"):
+        call.result(BOUND)
+    assert time.monotonic() - started < 1.0  # within shutdown()'s close_timeout, 0.5 s
+    assert server.run(RUN_NAME)["status"].get("round", 0) == 0
+    assert join_of(server, "a") is None
+
+
+def test_a_round_its_workers_report_lost_is_re_formed_in_place_by_the_followers(
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-place mode: a's workers report round 1 failed (no change of the run shows it);
+    a's follower rejoins, its join notice moves b's, and both form round 2 without a
+    restart: each round file names round 2, and num_nodes_waiting() stays 0."""
+    monkeypatch.setenv(ROUND_FILE_VARIABLE, "unset")  # the handler sets it; restored after
+    server.seed_run(RUN_NAME, spec(2))
+    files = {name: tmp_path / f"{name}.json" for name in ("a", "b")}
+    a, b = nodes("a", round_file=files["a"]), nodes("b", round_file=files["b"])
+    first = pool.submit(a.next_rendezvous)
+    nodes.listed(a)
+    infos([first, pool.submit(b.next_rendezvous)])
+    request = join_of(server, "a")  # round 1's, still on a's Lease
+    reported = time.monotonic()
+    FileRoundSource(files["a"]).report_lost(1)
+    wait_for(lambda: join_of(server, "a") not in (None, request), BOUND,
+             "a's follower to ask again", interval=0.01)
+    rejoined = time.monotonic() - reported
+
+    waiting: set[int] = set()  # what torchrun's monitor sees meanwhile
+
+    def told() -> list[int]:
+        waiting.update((a.num_nodes_waiting(), b.num_nodes_waiting()))
+        return [decode_round(files[n].read_bytes()).number for n in ("a", "b")]
+
+    wait_for(lambda: told() == [2, 2], BOUND, "round 2 in both round files", interval=0.01)
+    assert (a.round, b.round) == (2, 2)
+    assert rejoined < 2.0  # LOST_FILE_INTERVAL (0.2 s) and the join, with room for a loaded CPU
+    assert [p["name"] for p in server.run(RUN_NAME)["status"]["participants"]] == ["a", "b"]
+    assert waiting == {0}

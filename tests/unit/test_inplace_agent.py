@@ -49,13 +49,13 @@ def test_the_round_file_is_given_or_one_per_run_and_node(
 def test_the_handler_tells_its_workers_the_round(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    from elasticrun.handler.handler import K8sRendezvousHandler
+    from elasticrun.handler.executor import tell_workers
 
     path = tmp_path / "node.json"
-    handler = K8sRendezvousHandler(settings({"in_place": "1", "round_file": str(path)}))
     monkeypatch.setenv("ELASTICRUN_ROUND_FILE", "elsewhere")  # restored after the test
     (tmp_path / "node.json.lost").write_text('{"round": 3}')
-    handler._tell_workers(Round(4, 1, 3, "10.1.2.9", 29400))
+    tell_workers(settings({"in_place": "1", "round_file": str(path)}), Round(4, 1, 3, "10.1.2.9",
+                                                                            29400))
     assert decode_round(path.read_bytes()) == Round(4, 1, 3, "10.1.2.9", 29400)
     assert not (tmp_path / "node.json.lost").exists(), "the new round answers the report"
     import os

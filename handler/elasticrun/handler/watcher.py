@@ -133,6 +133,11 @@ class RunWatcher:
             self._cond.notify_all()
 
     @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` ran: the watch is over for good (a wait returns at once)."""
+        return self._stop.is_set()
+
+    @property
     def error(self) -> Exception | None:
         """What the watch learned that makes waiting pointless (:meth:`check` raises it)."""
         return self._error
