@@ -114,54 +114,74 @@ async def _clients(config: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- the writer
 
 
-def next_board_round(board_round: int, before: int, after: int, n: int) -> int:
-    """The board's round once the Lease count went from ``before`` to ``after``.
+def next_board_round(board_round: int, changed: bool, size: int, n: int) -> int:
+    """The board's round once the Lease set is ``size`` Leases (``changed``: not the set
+    it was at the last look).
 
     Round 1 is the first time all ``n`` are there; from then on every change of
     the set (a loss, a newcomer) is one more round.
     """
     if board_round == 0:
-        return 1 if after >= n else 0
-    return board_round + 1 if after != before else board_round
+        return 1 if size >= n else 0
+    return board_round + 1 if changed else board_round
+
+
+#: How many times the writer lists the Leases again after the server ended its watch.
+#: The API server closes a watcher that falls behind a burst of events (on 2 cores,
+#: 256 Leases created at once were enough); an informer lists again, and so do we.
+RELISTS = 20
 
 
 async def _writer(config: dict[str, Any]) -> None:
     """The one writer: bump the board once per change of the Lease set, from the first full one.
 
     Round 1 when all ``n`` Leases are there; after that, every Lease created or
-    deleted is one more round.  Each update is one merge patch.
+    deleted is one more round.  Each update is one merge patch.  A watch the
+    server ends is followed by a new listing and a watch from it, as an
+    informer does; a change seen only in the new listing counts as one.
     """
     ns, n = config["namespace"], int(config["n"])
     shared = shared_from(config["kubeconfig"], ns, "")
     requests, watch = shared.connection(), shared.connection()
     selector = f"{LABEL}={config['tag']}"
-    listed = json.loads(await requests.request(
-        "GET", f"{leases_path(ns)}?labelSelector={selector}"))
-    names = {item["metadata"]["name"] for item in listed.get("items") or ()}
-    _say({"ready": True})  # the watch starts at the listing: nothing after it is missed
     board_round = 0
-    query = {"labelSelector": selector, "resourceVersion": listed["metadata"]["resourceVersion"]}
+    names: set[str] | None = None
 
     async def publish(value: int) -> None:
         await requests.request("PATCH", board_path(ns, config["board"]),
                                {"data": {"round": str(value)}}, MERGE_PATCH)
         _say({"round": value, "t": time.monotonic()})
 
-    if next_board_round(0, 0, len(names), n):
-        board_round = 1
-        await publish(board_round)
-    async for line in watch_lines(watch, leases_path(ns), query):
-        event = json.loads(line)
-        name = ((event.get("object") or {}).get("metadata") or {}).get("name")
-        before = len(names)
-        if event.get("type") == "ADDED":
-            names.add(name)
-        elif event.get("type") == "DELETED":
-            names.discard(name)
-        following = next_board_round(board_round, before, len(names), n)
+    async def look(now_: set[str], before: set[str] | None) -> None:
+        nonlocal board_round
+        following = next_board_round(board_round, before is not None and now_ != before,
+                                     len(now_), n)
         if following != board_round:
             board_round = following
             await publish(board_round)
+
+    for _ in range(RELISTS + 1):
+        listed = json.loads(await requests.request(
+            "GET", f"{leases_path(ns)}?labelSelector={selector}"))
+        before, names = names, {item["metadata"]["name"] for item in listed.get("items") or ()}
+        if before is None:
+            _say({"ready": True})  # the watch starts at the listing: nothing after it is missed
+        await look(names, before)
+        query = {"labelSelector": selector,
+                 "resourceVersion": listed["metadata"]["resourceVersion"]}
+        # A watch refused (410: the listing is too old) or cut: list again.
+        with contextlib.suppress(HttpError, OSError, asyncio.IncompleteReadError):
+            async for line in watch_lines(watch, leases_path(ns), query):
+                event = json.loads(line)
+                name = ((event.get("object") or {}).get("metadata") or {}).get("name")
+                seen = set(names)
+                if event.get("type") == "ADDED" and isinstance(name, str):
+                    names.add(name)
+                elif event.get("type") == "DELETED":
+                    names.discard(name)
+                await look(names, seen)
+        watch.close()
+        watch = shared.connection()
 
 
 # --------------------------------------------------------------------------- the coordinator
