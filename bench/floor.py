@@ -152,10 +152,9 @@ async def _writer(config: dict[str, Any]) -> None:
                                {"data": {"round": str(value)}}, MERGE_PATCH)
         _say({"round": value, "t": time.monotonic()})
 
-    async def look(now_: set[str], before: set[str] | None) -> None:
+    async def look(changed: bool, size: int) -> None:
         nonlocal board_round
-        following = next_board_round(board_round, before is not None and now_ != before,
-                                     len(now_), n)
+        following = next_board_round(board_round, changed, size, n)
         if following != board_round:
             board_round = following
             await publish(board_round)
@@ -166,7 +165,7 @@ async def _writer(config: dict[str, Any]) -> None:
         before, names = names, {item["metadata"]["name"] for item in listed.get("items") or ()}
         if before is None:
             _say({"ready": True})  # the watch starts at the listing: nothing after it is missed
-        await look(names, before)
+        await look(before is not None and names != before, len(names))
         query = {"labelSelector": selector,
                  "resourceVersion": listed["metadata"]["resourceVersion"]}
         # A watch refused (410: the listing is too old) or cut: list again.
@@ -174,12 +173,15 @@ async def _writer(config: dict[str, Any]) -> None:
             async for line in watch_lines(watch, leases_path(ns), query):
                 event = json.loads(line)
                 name = ((event.get("object") or {}).get("metadata") or {}).get("name")
-                seen = set(names)
-                if event.get("type") == "ADDED" and isinstance(name, str):
-                    names.add(name)
-                elif event.get("type") == "DELETED":
+                # One membership test per event: the writer keeps up with a burst of N.
+                kind = event.get("type")
+                added = kind == "ADDED" and isinstance(name, str) and name not in names
+                deleted = kind == "DELETED" and name in names
+                if added:
+                    names.add(str(name))
+                elif deleted:
                     names.discard(name)
-                await look(names, seen)
+                await look(added or deleted, len(names))
         watch.close()
         watch = shared.connection()
 
