@@ -146,6 +146,31 @@ def test_two_nodes_form_one_round_with_ranks_0_and_1(
     assert got[1].store.get("from-rank-0") == b"hello"
 
 
+def test_a_member_whose_pod_is_going_asks_for_no_next_round(
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
+    # The operator removes a member on its Pod's deletion; the member's agent sees
+    # the signal move before the kubelet stops it.  Were it to ask again, the
+    # survivor could seal a round with it, which would break when it stops.
+    server.seed_run(RUN_NAME, spec(2))
+    a, b = nodes("a"), nodes("b")
+    first = pool.submit(a.next_rendezvous)
+    nodes.listed(a)
+    infos([first, pool.submit(b.next_rendezvous)])
+    asked = join_of(server, "b")
+    run = parse_run(server.run(RUN_NAME))
+    removed = rounds.remove_member(run.status, "b", rounds.POD_DELETED, now(),
+                                   "pod b is being deleted")
+    assert removed is not None
+    write_status(server, removed)
+    wait_for(lambda: b.num_nodes_waiting() > 0, BOUND, "b to see the removal", interval=0.01)
+    with pytest.raises(RendezvousClosedError,
+                       match=r"removed from round 1 because its Pod is going \(PodDeleted: "
+                             r"pod b is being deleted\)"):
+        b.next_rendezvous()
+    assert join_of(server, "b") == asked  # no new request: the survivor cannot admit it
+    assert observer_pending(server) == ()
+
+
 def test_a_lost_seal_is_retried_from_the_winners_state(
         server: FakeApiServer, nodes: Nodes,
         pool: ThreadPoolExecutor) -> None:

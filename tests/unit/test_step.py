@@ -12,6 +12,7 @@ import datetime as dt
 from hypothesis import given
 from hypothesis import strategies as st
 
+from elasticrun.api import rounds
 from elasticrun.api.model import Assignment, RunStatus, StoreAddress
 from elasticrun.handler import step
 from elasticrun.handler.step import Knowledge, next_action
@@ -171,6 +172,70 @@ def test_sealing_wins_over_the_join_deadline() -> None:
     assert isinstance(next_action(known, at(99), CLOCK + 99), step.Seal)
 
 
+def test_a_member_removed_because_its_pod_is_going_asks_for_no_round() -> None:
+    deleted = rounds.remove_member(sealed("a", "b"), "a", rounds.POD_DELETED, at(0),
+                                   "pod a deleted")
+    assert deleted is not None
+    again = knows(deleted, node="a", joined=False, previous_round=1)
+    assert next_action(again, at(1), CLOCK) == step.PodGone("PodDeleted: pod a deleted")
+    # A restarted container runs again in the same Pod: it asks again.
+    restarted = rounds.remove_member(sealed("a", "b"), "a", rounds.CONTAINER_RESTARTED, at(0))
+    assert restarted is not None
+    assert next_action(knows(restarted, node="a", joined=False, previous_round=1), at(1),
+                       CLOCK) == step.Join()
+    # A new agent under the same name (a StatefulSet's new Pod) held no earlier round,
+    # and neither did the survivor.
+    assert next_action(knows(deleted, node="a", joined=False), at(1), CLOCK) == step.Join()
+    assert next_action(knows(deleted, node="b", joined=False, previous_round=1), at(1),
+                       CLOCK) == step.Join()
+    # A removal from an earlier round says nothing about this one.
+    assert next_action(knows(deleted, node="a", joined=False, previous_round=2), at(1),
+                       CLOCK) == step.Join()
+
+
+def test_a_seal_due_at_once_is_tried_first_by_the_node_that_asked_last() -> None:
+    # Four nodes started together all list the complete set: d asked last, so its
+    # listing surely holds everyone; the others leave it a turn each, and would
+    # find its round on their watch instead of losing a compare-and-set.
+    pending = waiting("a", "b", "c", "d")
+    turns = {me: next_action(knows(RunStatus(), node=me, pending=pending).replace(
+        listed_at=at(0)), at(0), CLOCK) for me in "abcd"}
+    assert isinstance(turns["d"], step.Seal) and "maxNodes (4) reached" in turns["d"].reason
+    assert turns["c"] == step.Wait(until=CLOCK + step.LAST_CALL_STAGGER)
+    assert turns["b"] == step.Wait(until=CLOCK + 2 * step.LAST_CALL_STAGGER)
+    assert turns["a"] == step.Wait(until=CLOCK + 3 * step.LAST_CALL_STAGGER)
+
+
+def test_a_node_whose_turn_passed_on_an_unchanged_run_seals_from_its_listing() -> None:
+    known = knows(RunStatus(), node="b", pending=waiting("a", "b", "c", "d")).replace(
+        listed_at=at(0))
+    later = 2 * step.LAST_CALL_STAGGER
+    assert isinstance(next_action(known, at(later), CLOCK + later), step.Seal)
+
+
+def test_seal_turns_are_capped_so_a_dead_last_joiner_delays_the_round_only_briefly() -> None:
+    pending = waiting(*"abcdefgh")
+    run_ = knows(RunStatus(), pending=pending, max_nodes=8).run
+    turns = [rounds.seal_turn(run_, name, pending) for name in "abcdefgh"]
+    assert turns == [3, 3, 3, 3, 3, 2, 1, 0]
+    assert rounds.seal_turn(run_, "stranger", pending) == rounds.SEAL_TURNS
+
+
+def test_survivors_back_after_a_loss_take_turns_too() -> None:
+    back = waiting("a", "b")  # b asked again last
+    first = next_action(knows(sealed("a", "b"), node="b", pending=back, previous_round=1
+                              ).replace(listed_at=at(0)), at(0), CLOCK)
+    second = next_action(knows(sealed("a", "b"), node="a", pending=back, previous_round=1
+                               ).replace(listed_at=at(0)), at(0), CLOCK)
+    assert isinstance(first, step.Seal) and "remaining members" in first.reason
+    assert second == step.Wait(until=CLOCK + step.LAST_CALL_STAGGER)
+
+
+def test_a_passed_last_call_is_not_held_by_seal_turns() -> None:
+    known = knows(RunStatus(), node="a", pending=waiting("a", "b")).replace(listed_at=at(31))
+    assert isinstance(next_action(known, at(31), CLOCK + 31), step.Seal)
+
+
 NAMES = st.lists(st.sampled_from("abcdef"), unique=True, max_size=6)
 
 
@@ -193,7 +258,10 @@ def test_every_state_gets_one_consistent_action(names: list[str], me: str, elaps
         assert action == expected
     elif isinstance(action, step.Wait):
         assert clock <= action.until <= known.join_deadline
-        assert len(names) < min_nodes + extra  # at maxNodes it would have sealed
+        if len(names) >= min_nodes + extra:
+            # At maxNodes only a turn of the seal holds a node back, never for long.
+            assert rounds.seal_turn(known.run, me, known.pending) > 0
+            assert action.until <= clock + step.LAST_CALL_STAGGER * rounds.SEAL_TURNS
     else:
         assert isinstance(action, step.Seal | step.TimedOut)
 

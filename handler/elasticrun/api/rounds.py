@@ -404,6 +404,10 @@ DRAINED = "Drained"
 NODE_DRAINING = "NodeDraining"
 #: Reasons of a member that went away on its own, not lost to a failure.
 DEPARTURES = (LEFT, FINISHED, POD_SUCCEEDED)
+#: Pod losses after which that Pod (that uid) never runs a container again: it is
+#: being deleted, evicted, or has ended.  A container that terminated or restarted
+#: may run again in the same Pod.
+POD_GONE = frozenset({POD_DELETED, POD_DISRUPTED, POD_FAILED, POD_SUCCEEDED})
 #: A rank 0 taken out of its round because its store did not answer and its Lease
 #: stayed quiet for the suspicion window (removed by a member or the operator).
 LEADER_LOST = "StoreUnreachable"
@@ -561,6 +565,47 @@ def arrival_index(run: ElasticRun, node: str, waiting: Waiting = None) -> int:
     ordered = order_for_ranks(run.status.participants, _waiting(run, waiting))
     names = [w.name for w in ordered]
     return names.index(node) if node in names else len(names)
+
+
+def pod_gone(status: RunStatus, node: str, round_number: int) -> LostMember | None:
+    """How ``node``'s membership of ``round_number`` ended, if it ended with its Pod gone.
+
+    The operator removes a member whose Pod is deleted as soon as it sees the
+    deletion, which moves the signal: the member's own agent sees that too,
+    before the kubelet stops it, and would ask for the next round.  Its Pod
+    is going, so its request is not made: a round sealed with it would break
+    again when its container stops, and restart every survivor a second time.
+    """
+    if round_number <= 0:
+        return None
+    return next((m for m in reversed(status.lost_members)
+                 if m.name == node and m.round == round_number and m.reason in POD_GONE),
+                None)
+
+
+#: Nodes that may try an immediate seal before the rest (:func:`seal_turn`).
+SEAL_TURNS = 3
+
+
+def seal_turn(run: ElasticRun, node: str, waiting: Waiting = None) -> int:
+    """``node``'s turn to try a seal that is due at once, 0 first, at most :data:`SEAL_TURNS`.
+
+    When a round is complete every node that lists the requests sees it, and
+    nodes started together list at once: if each of them compared-and-set,
+    all but one would lose (a 409 and a read each).  The node that asked last
+    is the one whose listing is surely complete, so it goes first, and the
+    others take turns after it by how recently they asked, each a moment
+    later, and usually find the round already sealed.  Turns are counted on
+    ``since``, the time each node claims: every reader computes the same order
+    from it, and a node whose clock runs ahead only moves itself to the front.
+    Capped, so that nodes beyond the first few share the last turn: a node
+    that asked and then died delays the round by a few turns at most.
+    """
+    entries = sorted(eligible_waiting(run, waiting),
+                     key=lambda w: (w.since or w.arrived or untrusted.EARLIEST, w.name),
+                     reverse=True)
+    names = [w.name for w in entries]
+    return min(names.index(node), SEAL_TURNS) if node in names else SEAL_TURNS
 
 
 def announce_needed(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> bool:

@@ -150,6 +150,12 @@ class RoundExecutor:
             raise RendezvousClosedError(f"{self._who()}: the run is closed "
                                         f"(phase {run.status.phase}, spec.closed="
                                         f"{str(run.spec.closed).lower()})")
+        if isinstance(action, step.PodGone):
+            # Nothing to withdraw: this call made no request.  torchrun's agent ends,
+            # as the kubelet's signal would end it a moment later.
+            raise RendezvousClosedError(
+                f"{self._who()}: removed from round {known.previous_round} because its Pod "
+                f"is going ({action.message}); not asking for another round")
         if isinstance(action, step.Join):
             own = self._join()
             session.check_watch()  # the join found our Lease deleted with the run

@@ -20,7 +20,8 @@ from elasticrun.api import rounds
 from elasticrun.api.model import Assignment, ElasticRun, WaitingNode
 
 #: Stagger between nodes that all hold a last-call timer, so that one seals and
-#: the rest see its signal before their own timer fires.
+#: the rest see its signal before their own timer fires; also between the turns
+#: of a seal that is due at once (:func:`~elasticrun.api.rounds.seal_turn`).
 LAST_CALL_STAGGER = 0.05
 
 
@@ -88,6 +89,13 @@ class Closed:
 
 
 @dataclass(frozen=True)
+class PodGone:
+    """The node's Pod is going (``message``): ask for no round, raise RendezvousClosedError."""
+
+    message: str
+
+
+@dataclass(frozen=True)
 class Join:
     """Write (or write again) this node's join request."""
 
@@ -128,20 +136,23 @@ class Wait:
     until: float
 
 
-Action = Closed | Join | List | Complete | Seal | Announce | TimedOut | Wait
+Action = Closed | PodGone | Join | List | Complete | Seal | Announce | TimedOut | Wait
 
 
 def next_action(  # noqa: PLR0911 - one return per action, in the order of the rules
         known: Knowledge, now: dt.datetime, clock: float) -> Action:
     """The next step of ``next_rendezvous``; ``now`` is wall time, ``clock`` monotonic.
 
-    In order: a closed run ends the call; the first step joins; a round that
+    In order: a closed run ends the call, and so does the node's removal from its
+    previous round because its Pod is going (:func:`~elasticrun.api.rounds.pod_gone`);
+    the first step joins; a round that
     holds this node completes it; while the operator seals, the node only makes
     sure a running round hears of it and waits; otherwise it lists the pending
     requests once per change of the run, makes a request that vanished (its
     Lease removed or expired) again, and applies torch's sealing rules
     (:func:`~elasticrun.api.rounds.decide_seal`) to the listed requests (a
-    seal at the end of the last call from a listing made after it); a
+    seal at the end of the last call from a listing made after it, a seal due
+    at once in its turn, :func:`~elasticrun.api.rounds.seal_turn`); a
     running round hears of us once; past the deadline the call fails; otherwise
     it waits for a change or for the last call (staggered by arrival).
     """
@@ -149,6 +160,9 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
     if run.closed:
         return Closed()
     if not known.joined:
+        gone = rounds.pod_gone(run.status, known.node, known.previous_round)
+        if gone is not None:
+            return PodGone(f"{gone.reason}: {gone.message or 'its Pod is gone'}")
         return Join()
     assignment = known.assignment
     if assignment is not None:
@@ -161,12 +175,7 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
         return Join()
     decision = rounds.decide_seal(run, now, pending)
     if decision.seal_now:
-        if decision.last_call is not None and (
-                known.listed_at is None or known.listed_at < decision.last_call):
-            # Joins write Leases, not the run, so a listing made while the window
-            # was open misses the nodes that asked later within it.
-            return List()
-        return Seal(decision.reason)
+        return _sealing(known, decision, now, clock)
     if rounds.announce_needed(run, now, pending):
         return Announce()
     if clock >= known.join_deadline:
@@ -177,6 +186,36 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
         wait = (decision.deadline - now).total_seconds() + stagger
         wake_at = min(wake_at, clock + max(0.0, wait))
     return Wait(wake_at)
+
+
+def _sealing(known: Knowledge, decision: rounds.SealDecision, now: dt.datetime,
+             clock: float) -> Action:
+    """A seal is due: list once more, wait for this node's turn, or seal."""
+    if decision.last_call is not None:
+        if known.listed_at is None or known.listed_at < decision.last_call:
+            # Joins write Leases, not the run, so a listing made while the window
+            # was open misses the nodes that asked later within it.
+            return List()
+        return Seal(decision.reason)
+    turn_at = _seal_turn_at(known, now, clock)
+    return Seal(decision.reason) if turn_at is None else Wait(turn_at)
+
+
+def _seal_turn_at(known: Knowledge, now: dt.datetime, clock: float) -> float | None:
+    """Until when (monotonic) this node leaves a seal due at once to the nodes whose
+    turn comes first (:func:`~elasticrun.api.rounds.seal_turn`); None: its turn has come.
+
+    Counted from its listing: a node that waited out its turn on an unchanged
+    run (no one sealed) seals from that same listing.  Past the join deadline
+    sealing still wins: the node seals rather than time out.
+    """
+    turn = rounds.seal_turn(known.run, known.node, known.pending)
+    if turn == 0 or known.listed_at is None or clock >= known.join_deadline:
+        return None
+    due = (known.listed_at - now).total_seconds() + LAST_CALL_STAGGER * turn
+    if due <= 0:
+        return None
+    return min(known.join_deadline, clock + due)
 
 
 def _deferring(known: Knowledge, defer_until: float, now: dt.datetime, clock: float) -> Action:
