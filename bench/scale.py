@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -37,7 +38,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -115,9 +116,28 @@ def mixed_timing(n: int) -> Timing:
     and ``lastCallTimeoutSeconds = 0`` the N-th request seals the first round as
     ``maxNodes = N`` would, without a last call to wait out.  No owner sets a
     target (``status.desired``), so :func:`~elasticrun.api.rounds.announce_due`
-    holds no newcomer back.
+    holds no newcomer back.  The newcomer asks under :func:`newcomer_timing`.
     """
     return Timing(n, n + 1 if has_room(n) else n, last_call=0, keep_alive=TIMING_KEEP_ALIVE)
+
+
+def newcomer_timing(n: int, bound: float) -> Timing:
+    """The mixed round's run once its round of N formed, when the newcomer asks: a last call
+    as long as the phase's ``bound``.
+
+    The members keep their places in the round the newcomer joins for one last
+    call from the first of them to ask again
+    (:func:`~elasticrun.api.rounds.decide_seal`, ``_reforming_since``).  With
+    the formation's last call of 0 that grace is none: the newcomer and N - 1
+    members back are ``minNodes``, which seals a round of N without the last
+    member, a real handler that its worker's thread was slower to bring back
+    on a busy machine, or any simulated one.  That member then waits for a
+    round of N + 1 which only another restart of every member would form, and
+    the members of this phase ask again once.  No time measured includes the
+    last call: the round seals the moment every member is back (the rule's
+    first case), and a member not back within ``bound`` fails the phase anyway.
+    """
+    return replace(mixed_timing(n), last_call=math.ceil(bound))
 
 
 def frozen_timing(n: int) -> Timing:
@@ -407,6 +427,7 @@ def mixed_round(backend: K8sBackend, pool: Pool, late: Pool, log_dir: Path, n: i
             if not has_room(n):  # the loss in the round of N
                 row.update(loss_round(backend, [pool], sims, run, results, set(real)))
                 return row
+            backend.set_last_call(run, newcomer_timing(n, bound).last_call)
             joined, held = newcomer_round(pool, late, sims, results, set(real), bound)
             row.update(joined)
             if joined["newcomer_s"] is not None:
