@@ -141,6 +141,14 @@ class Backend(ABC):
         }
 
 
+def run_spec(timing: Timing) -> RunSpec:
+    """The ElasticRun spec of a k8s run with ``timing``."""
+    return RunSpec(min_nodes=timing.min_nodes, max_nodes=timing.max_nodes,
+                   join_timeout=timing.join, last_call_timeout=timing.last_call,
+                   heartbeat_timeout=timing.keep_alive * timing.keep_alive_attempts,
+                   lease_renew_interval=timing.keep_alive)
+
+
 def _client_counters(pool: Pool) -> dict[str, int]:
     total: dict[str, int] = {}
     for answer in pool.all("counters"):
@@ -226,17 +234,24 @@ class K8sBackend(Backend):
         namespace = f"bench-{next(_serial)}-{int(time.time()) % 100000}"
         cp.api.request("POST", "/api/v1/namespaces", body={
             "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
-        spec = RunSpec(min_nodes=timing.min_nodes, max_nodes=timing.max_nodes,
-                       join_timeout=timing.join, last_call_timeout=timing.last_call,
-                       heartbeat_timeout=timing.keep_alive * timing.keep_alive_attempts,
-                       lease_renew_interval=timing.keep_alive)
         # Created ahead, as `kubectl apply` or the operator would; not counted.
-        cp.api.request("POST", runs_path(namespace), body=new_run_manifest("run", namespace, spec))
+        cp.api.request("POST", runs_path(namespace),
+                       body=new_run_manifest("run", namespace, run_spec(timing)))
         conf = {"kubeconfig": cp.kubeconfig, "create_run": "false", "join_timeout": timing.join,
                 "last_call_timeout": timing.last_call, "lease_interval": timing.keep_alive,
                 "heartbeat_timeout": timing.keep_alive * timing.keep_alive_attempts,
                 "watch_timeout": timing.watch_timeout, "api_timeout": 60, "close_timeout": 10}
         return Run(self.name, "run", f"{namespace}/run", conf, timing, namespace=namespace)
+
+    def set_last_call(self, run: Run, seconds: int) -> None:
+        """Set the run's ``spec.lastCallTimeoutSeconds``: nodes and the operator read it from
+        the run, and every seal is fenced by the run's resourceVersion, so no round is sealed
+        from a copy older than this change."""
+        assert run.namespace
+        self.control_plane.api.request(
+            "PATCH", run_path(run.namespace, run.name),
+            body={"spec": {"lastCallTimeoutSeconds": seconds}},
+            content_type="application/merge-patch+json")
 
     def end_run(self, run: Run) -> None:
         """Delete the ElasticRun first, so that shutting the nodes down is cheap."""

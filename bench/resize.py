@@ -221,15 +221,6 @@ class Pods:
                         "blockOwnerDeletion": True}]}},
                     content_type="application/merge-patch+json")
 
-    def last_call(self, seconds: int) -> None:
-        """Set the run's ``spec.lastCallTimeoutSeconds`` (nodes read it from the run)."""
-        from elasticrun.api.kube import run_path  # noqa: PLC0415
-
-        self.backend.control_plane.api.request(
-            "PATCH", run_path(self._namespace, self.run.name),
-            body={"spec": {"lastCallTimeoutSeconds": seconds}},
-            content_type="application/merge-patch+json")
-
     def delete(self, name: str) -> None:
         self.kubelet().delete(name)
 
@@ -318,7 +309,7 @@ def _set_up(backend: Backend, pool: Pool, extra: Extra, case: Case, variant: str
             before.append((setting.victim_worker, [victim]))
         _form(before, case.before, f"{backend.name} {case.key} set-up")
         if pods is not None:
-            pods.last_call(LAST_CALL)
+            pods.backend.set_last_call(run, LAST_CALL)
         else:
             _send_all(setting.parts, "last_call", seconds=LAST_CALL)
     return setting

@@ -16,6 +16,12 @@ to it, :func:`elasticrun.api.rounds.nodes_defer_seal`):
 * **c10d**: torch's own backend on the same rounds, as-is and DNS-neutral,
   at the sizes where it completes.
 
+Each mixed round then admits a newcomer (a real handler; the run has room for
+N + 1) and loses a member of the round it joined, beside the floor
+(:mod:`bench.floor`) on the same server; and in runs of their own, with the
+shortest heartbeat, a **frozen member** stops renewing its Lease: its removal
+and the survivors' next round are timed.
+
 Results: ``<out>/benchmarks-scale.json`` and ``<out>/benchmarks-scale.md`` with
 a log-log plot; ``<out>/benchmarks.md`` embeds the latter (:mod:`bench.report`).
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -31,14 +38,14 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from elasticrun.api import rounds  # noqa: E402
+from elasticrun.api import crd, rounds  # noqa: E402
 from elasticrun.api.change import change_status  # noqa: E402
 from elasticrun.api.gateway import RunGateway  # noqa: E402
 from elasticrun.api.kube import lease_path, run_path  # noqa: E402
@@ -48,6 +55,7 @@ from elasticrun.handler.session import SEAL_MANAGER  # noqa: E402
 
 from bench import backends, dnsshim, floor, report, scale_report, scenarios  # noqa: E402
 from bench.backends import K8sBackend, Run, Timing  # noqa: E402
+from bench.membership import monotonic_of, removal, until_all  # noqa: E402
 from bench.pool import Pool, worker_env  # noqa: E402
 from bench.proc import cpu_seconds, machine, stop_pid  # noqa: E402
 from bench.run import arguments, commit, directories, versions  # noqa: E402
@@ -63,6 +71,10 @@ class Plan:
     c10d_sizes: tuple[int, ...] = (64, 128, 256)
     #: Sizes at which ``--baseline`` measures the protocol before this one.
     baseline_sizes: tuple[int, ...] = (128, 256)
+    #: Sizes of the frozen member (:func:`frozen_round`): every node renews every second.
+    #: From ``rounds.DEFER_SEAL_FROM`` on, so that nodes leave the seal to the operator, as
+    #: simulated nodes always do.
+    frozen_sizes: tuple[int, ...] = (64, 128)
     reps: int = 2
     workers: int = 4
     sim_processes: int = 4
@@ -71,13 +83,14 @@ class Plan:
     @classmethod
     def quick(cls) -> Plan:
         return cls(mixed_sizes=(8, 16), sample=2, real_sizes=(8,), c10d_sizes=(8,),
-                   baseline_sizes=(8,), reps=1, workers=2, sim_processes=2,
+                   baseline_sizes=(8,), frozen_sizes=(8,), reps=1, workers=2, sim_processes=2,
                    formation_bound=60.0)
 
 
-#: Simulated nodes renew their Lease at the run's interval; the benchmark's runs
-#: renew every minute, so a formation's window holds no renewals.
-TIMING_KEEP_ALIVE = 60
+#: Simulated nodes renew their Lease at the run's interval, from its creation on; the
+#: benchmark's runs renew every two minutes, so that neither a formation's window nor
+#: the newcomer's and the loss's after it hold renewals (at 2,048 nodes they take ~1 min).
+TIMING_KEEP_ALIVE = 120
 #: The real handlers of a mixed round join this long before the simulated ones:
 #: rank 0 hosts the round's TCPStore, which the real handlers connect to, and
 #: only a real handler serves one.  Newcomers are ranked by their Lease's
@@ -85,6 +98,55 @@ TIMING_KEEP_ALIVE = 60
 REAL_HEAD_START = 1.5
 #: Bound on the survivors' learning of a loss (:func:`loss_round`).
 LOSS_BOUND = 30.0
+#: The newcomer of every mixed round (:func:`newcomer_round`), a real handler.
+NEWCOMER = "node-new"
+#: Between a frozen-member run's formation and the freeze: every Lease renewed once.
+FROZEN_SETTLE = 2.0
+
+
+def has_room(n: int) -> bool:
+    """Whether a round of ``n`` can admit a newcomer: the CRD caps ``maxNodes``."""
+    return n < crd.spec_maximum("maxNodes")
+
+
+def mixed_timing(n: int) -> Timing:
+    """A mixed round's run: room for the newcomer (:func:`has_room`), and no last call.
+
+    ``maxNodes = N + 1`` admits the newcomer into the round; with ``minNodes = N``
+    and ``lastCallTimeoutSeconds = 0`` the N-th request seals the first round as
+    ``maxNodes = N`` would, without a last call to wait out.  No owner sets a
+    target (``status.desired``), so :func:`~elasticrun.api.rounds.announce_due`
+    holds no newcomer back.  The newcomer asks under :func:`newcomer_timing`.
+    """
+    return Timing(n, n + 1 if has_room(n) else n, last_call=0, keep_alive=TIMING_KEEP_ALIVE)
+
+
+def newcomer_timing(n: int, bound: float) -> Timing:
+    """The mixed round's run once its round of N formed, when the newcomer asks: a last call
+    as long as the phase's ``bound``.
+
+    The members keep their places in the round the newcomer joins for one last
+    call from the first of them to ask again
+    (:func:`~elasticrun.api.rounds.decide_seal`, ``_reforming_since``).  With
+    the formation's last call of 0 that grace is none: the newcomer and N - 1
+    members back are ``minNodes``, which seals a round of N without the last
+    member, a real handler that its worker's thread was slower to bring back
+    on a busy machine, or any simulated one.  That member then waits for a
+    round of N + 1 which only another restart of every member would form, and
+    the members of this phase ask again once.  No time measured includes the
+    last call: the round seals the moment every member is back (the rule's
+    first case), and a member not back within ``bound`` fails the phase anyway.
+    """
+    return replace(mixed_timing(n), last_call=math.ceil(bound))
+
+
+def frozen_timing(n: int) -> Timing:
+    """A frozen-member run: the CRD's shortest renewal (1 s) and heartbeat (2 s: it must
+    exceed the renewal), and ``minNodes = N - 1`` so that the survivors form a round alone.
+
+    The first round seals at ``maxNodes`` (all N arrive within the last call).
+    """
+    return Timing(n - 1, n, last_call=5, keep_alive=1, keep_alive_attempts=2)
 
 
 class SimNodes:
@@ -92,6 +154,8 @@ class SimNodes:
 
     def __init__(self, count: int, log_dir: Path, tag: str) -> None:
         self.procs: list[subprocess.Popen[str]] = []
+        #: Which process plays each node.
+        self.where: dict[str, subprocess.Popen[str]] = {}
         self.logs = [open(log_dir / f"sim-{tag}-{i}.log", "ab")  # noqa: SIM115 - closed in stop
                      for i in range(count)]
         for log in self.logs:
@@ -102,6 +166,10 @@ class SimNodes:
         self.results: list[dict[str, Any]] = []
         #: ``change`` lines: a formed node saw its round change (:mod:`bench.simnode`).
         self.changes: list[dict[str, Any]] = []
+        #: ``formed`` lines: a member that rejoined after a change holds the next round.
+        self.reformations: list[dict[str, Any]] = []
+        #: ``frozen`` lines: a node told to freeze stopped; when its last renewal was written.
+        self.frozen: list[dict[str, Any]] = []
         self._changed = threading.Condition()
         self._expected = 0
 
@@ -114,16 +182,18 @@ class SimNodes:
             assert proc.stdin is not None
             proc.stdin.write(json.dumps({**config, "nodes": share}) + "\n")
             proc.stdin.flush()
+            self.where.update(dict.fromkeys(share, proc))
             self._expected += len(share)
             threading.Thread(target=self._read, args=(proc,), daemon=True).start()
 
     def _read(self, proc: subprocess.Popen[str]) -> None:
         """Every line of one process: its nodes' formations, then the members' changes."""
         assert proc.stdout is not None
+        kinds = {"change": self.changes, "formed": self.reformations, "frozen": self.frozen}
         for line in proc.stdout:
             with self._changed:
                 got = json.loads(line)
-                (self.changes if got.get("event") == "change" else self.results).append(got)
+                kinds.get(got.get("event"), self.results).append(got)
                 self._changed.notify_all()
 
     def _wait(self, enough: Any, bound: float) -> None:
@@ -138,13 +208,38 @@ class SimNodes:
         with self._changed:
             return list(self.results)
 
-    def changed(self, who: set[str], bound: float) -> dict[str, float]:
-        """When each of ``who`` learnt that its round changed (those that did within ``bound``)."""
+    def changed(self, who: set[str], held: int, bound: float) -> dict[str, float]:
+        """When each of ``who`` learnt that its round ``held`` changed (those that did within
+        ``bound``)."""
         def told() -> dict[str, float]:
-            return {c["node"]: float(c["t"]) for c in self.changes if c["node"] in who}
+            return {c["node"]: float(c["t"]) for c in self.changes
+                    if c["node"] in who and c.get("round") == held}
         self._wait(lambda: len(told()) >= len(who), bound)
         with self._changed:
             return told()
+
+    def reformed(self, who: set[str], bound: float) -> dict[str, dict[str, Any]]:
+        """The next round of each of ``who`` after its change (those reported within ``bound``,
+        errors included)."""
+        def held() -> dict[str, dict[str, Any]]:
+            return {r["node"]: r for r in self.reformations if r["node"] in who}
+        self._wait(lambda: len(held()) >= len(who), bound)
+        with self._changed:
+            return held()
+
+    def freeze(self, node: str, bound: float) -> float | None:
+        """Make ``node`` stop renewing and watching; when its last renewal was written."""
+        proc = self.where[node]
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps({"freeze": node}) + "\n")
+        proc.stdin.flush()
+
+        def answer() -> list[dict[str, Any]]:
+            return [f for f in self.frozen if f["node"] == node]
+        self._wait(lambda: bool(answer()), bound)
+        with self._changed:
+            got = answer()
+        return got[0]["t_renewed"] if got else None
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -215,41 +310,80 @@ def lose_member(backend: K8sBackend, run: Run, node: str) -> None:
                   what=f"remove {node}")
 
 
-def loss_round(backend: K8sBackend, pool: Pool, sims: SimNodes, run: Run,
-               results: list[dict[str, Any]], real: list[str]) -> dict[str, Any]:
-    """A simulated member (never rank 0) is lost: seconds until every survivor knew.
+def loss_round(backend: K8sBackend, pools: list[Pool], sims: SimNodes, run: Run,
+               results: list[dict[str, Any]], real: set[str]) -> dict[str, Any]:
+    """A simulated member (never rank 0) of the round ``results`` hold is lost: seconds until
+    every survivor knew.
 
     A survivor knows when its ``num_nodes_waiting()`` becomes positive: the
-    simulated ones from their run watch, the real handlers by polling it as
-    torch's agent does (every :data:`scenarios.DETECT_POLL`).
+    simulated ones from their run watch, the real handlers (``real``, in
+    ``pools``) by polling it as torch's agent does (every :data:`scenarios.DETECT_POLL`).
     """
     ranks = {r["node"]: r.get("rank") for r in results}
+    held = max(int(r["round"]) for r in results if "round" in r)
     victim = next(name for name in sorted(ranks, reverse=True)
-                  if name not in set(real) and ranks[name] != 0)
+                  if name not in real and ranks[name] != 0)
     survivors = set(ranks) - {victim}
-    pool.all("watch", until=time.monotonic() + LOSS_BOUND, interval=scenarios.DETECT_POLL,
-             rejoin=False)
+    for pool in pools:
+        pool.all("watch", until=time.monotonic() + LOSS_BOUND,
+                 interval=scenarios.DETECT_POLL, rejoin=False)
     lost_at = time.monotonic()
     lose_member(backend, run, victim)
-    simulated = sims.changed(survivors - set(real), LOSS_BOUND)
-    polled = {r["node"]: r["t_seen"] for r in scenarios.collect(pool.workers, LOSS_BOUND + 5)
+    simulated = sims.changed(survivors - real, held, LOSS_BOUND)
+    workers = [w for pool in pools for w in pool.workers]
+    polled = {r["node"]: r["t_seen"] for r in scenarios.collect(workers, LOSS_BOUND + 5)
               if r.get("kind") == "watch" and r.get("t_seen") is not None}
     told = {**simulated, **polled}
-    return {"loss_s": max(told.values()) - lost_at if set(told) >= survivors else None,
-            "loss_real_s": max(polled.values()) - lost_at if set(polled) >= set(real) else None,
-            "loss_told": len(told), "loss_victim": victim}
+    return {"loss_s": until_all(told, survivors, lost_at),
+            "loss_real_s": until_all(polled, real, lost_at),
+            "loss_told": len(told), "loss_victim": victim, "loss_members": len(ranks)}
 
 
-def mixed_round(backend: K8sBackend, pool: Pool, log_dir: Path, n: int, sample: int,
-                sim_processes: int, operator_pid: int, bound: float) -> dict[str, Any]:
-    """One round of ``n`` nodes: ``sample`` real handlers, the rest simulated."""
+def newcomer_round(pool: Pool, late: Pool, sims: SimNodes, members: list[dict[str, Any]],
+                   real: set[str], bound: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A real handler (:data:`NEWCOMER`, in ``late``) asks to join the formed round of
+    ``members``: seconds from its ``next_rendezvous()`` until every member and it hold the
+    next round, and what each holds then.
+
+    The members learn of it as torch's agents do (``num_nodes_waiting()``: the
+    real handlers poll it, the simulated nodes watch the run) and ask again
+    at once; the round seals when all of them are back (see the page).
+    """
+    everyone = {r["node"] for r in members} | {NEWCOMER}
+    pool.all("watch", until=time.monotonic() + bound, interval=scenarios.DETECT_POLL,
+             rejoin=True)
+    asked = time.monotonic() + scenarios.START_DELAY
+    late.all("rendezvous", start_at=asked)
+    errors: list[str] = []
+    try:
+        handlers = scenarios.collect([*pool.workers, *late.workers], bound)
+    except scenarios.ScenarioError as exc:
+        handlers, errors = [], [str(exc)]
+    held = [*handlers, *sims.reformed(everyone - real - {NEWCOMER}, bound).values()]
+    errors += [f"{r['node']}: {r['error']}" for r in held if "error" in r]
+    placed = {r["node"]: r for r in held if "rank" in r}
+    row = {"newcomer_s": until_all({k: r["t_done"] for k, r in placed.items()}, everyone,
+                                   asked) if not errors else None,
+           "newcomer_worlds": sorted({int(r["world"]) for r in placed.values()}),
+           "newcomer_admitted": NEWCOMER in placed, "newcomer_held": len(placed),
+           "newcomer_errors": errors[:3]}
+    return row, list(placed.values())
+
+
+def mixed_round(backend: K8sBackend, pool: Pool, late: Pool, log_dir: Path, n: int,
+                sample: int, sim_processes: int, operator_pid: int, bound: float
+                ) -> dict[str, Any]:
+    """One round of ``n`` nodes: ``sample`` real handlers, the rest simulated; then a
+    newcomer (``late``'s one real handler) joins it, and one member of the next round is lost.
+    """
     nodes = scenarios.node_names(n)
     real = nodes[:: max(1, n // sample)][:sample]
     simulated = [name for name in nodes if name not in set(real)]
-    run = backend.new_run(Timing(n, n, keep_alive=TIMING_KEEP_ALIVE), nodes)
+    run = backend.new_run(mixed_timing(n), nodes)
     sims = SimNodes(sim_processes, log_dir, f"n{n}")
     try:
         scenarios.build(pool, run, real)
+        scenarios.build(late, run, [NEWCOMER])
         audit = apiserver.AuditLog(backend.control_plane.audit_log)
         offset = audit.mark()
         before = _server_state(backend)
@@ -261,7 +395,8 @@ def mixed_round(backend: K8sBackend, pool: Pool, log_dir: Path, n: int, sample: 
         sims.start([simulated[i::sim_processes] for i in range(sim_processes)],
                    {"kubeconfig": backend.control_plane.kubeconfig, "namespace": run.namespace,
                     "run": run.name, "start_at": start,
-                    "renew_interval": TIMING_KEEP_ALIVE})
+                    "renew_interval": TIMING_KEEP_ALIVE,
+                    "rejoins": 1 if has_room(n) else 0})  # for the newcomer
         pool.all("rendezvous", start_at=start - REAL_HEAD_START)
         real_results = scenarios.collect(pool.workers, bound)
         sim_results = sims.collect(bound)
@@ -289,10 +424,18 @@ def mixed_round(backend: K8sBackend, pool: Pool, log_dir: Path, n: int, sample: 
         row["bytes_sent"] = row["response_bytes"] + row["watch_bytes"]
         if formed:
             row.update(_object_facts(backend, run))
-            row.update(loss_round(backend, pool, sims, run, results, real))
+            if not has_room(n):  # the loss in the round of N
+                row.update(loss_round(backend, [pool], sims, run, results, set(real)))
+                return row
+            backend.set_last_call(run, newcomer_timing(n, bound).last_call)
+            joined, held = newcomer_round(pool, late, sims, results, set(real), bound)
+            row.update(joined)
+            if joined["newcomer_s"] is not None:
+                row.update(loss_round(backend, [pool, late], sims, run, held,
+                                      {*real, NEWCOMER}))
         return row
     finally:
-        scenarios.teardown(backend, run, pool.workers)
+        scenarios.teardown(backend, run, [*pool.workers, *late.workers])
         sims.stop()
         backend.quiesce(30)
 
@@ -317,22 +460,97 @@ def floor_round(backend: K8sBackend, log_dir: Path, n: int, processes: int
 def mixed(plan: Plan, backend: K8sBackend, log_dir: Path, operator_pid: int
           ) -> list[dict[str, Any]]:
     pool = Pool(plan.workers, log_dir, "mixed")
+    late = Pool(1, log_dir, "mixed-late")
     rows = []
     try:
         for n in plan.mixed_sizes:
             began = time.monotonic()
-            row = mixed_round(backend, pool, log_dir, n, plan.sample, plan.sim_processes,
+            row = mixed_round(backend, pool, late, log_dir, n, plan.sample, plan.sim_processes,
                               operator_pid, plan.formation_bound)
             row.update(floor_round(backend, log_dir, n, plan.sim_processes))
             rows.append(row)
             print(f"  mixed N={n}: formed={row['formed']} latency={row['latency_s']} "
-                  f"floor={row['floor_s']} loss={row.get('loss_s')} "
+                  f"floor={row['floor_s']} newcomer={row.get('newcomer_s')} "
+                  f"floor newcomer={row['floor_newcomer_s']} loss={row.get('loss_s')} "
                   f"floor loss={row['floor_loss_s']} ({time.monotonic() - began:.0f}s)",
                   file=sys.stderr, flush=True)
             if not row["formed"]:
                 break
     finally:
         pool.stop()
+        late.stop()
+    return rows
+
+
+def frozen_round(backend: K8sBackend, log_dir: Path, n: int, processes: int, bound: float
+                 ) -> dict[str, Any]:
+    """A member of a formed round of ``n`` simulated nodes stops renewing its Lease.
+
+    Times (a) from its last renewal until the operator removed it from the
+    round (``LeaseExpired``, the time in the run's ``lostMembers``), against
+    the run's heartbeat, and (b) from that removal until every survivor holds
+    the next round (each asks again as soon as its run watch shows the loss).
+    The run renews at the CRD's shortest interval and expires at its shortest
+    heartbeat (:func:`frozen_timing`), so every node renews every second.
+    """
+    nodes = scenarios.node_names(n)
+    timing = frozen_timing(n)
+    run = backend.new_run(timing, nodes)
+    sims = SimNodes(processes, log_dir, f"frozen-n{n}")
+    row: dict[str, Any] = {"n": n, "heartbeat_s": timing.keep_alive * timing.keep_alive_attempts,
+                           "renew_s": timing.keep_alive}
+    try:
+        assert run.namespace is not None
+        start = time.monotonic() + 1.0
+        sims.start([nodes[i::processes] for i in range(processes)],
+                   {"kubeconfig": backend.control_plane.kubeconfig, "namespace": run.namespace,
+                    "run": run.name, "start_at": start, "renew_interval": timing.keep_alive,
+                    "rejoins": 1})
+        results = sims.collect(bound)
+        row["errors"] = [f"{r['node']}: {r['error']}" for r in results if "error" in r][:3]
+        row["formed"] = len(results) == n and not row["errors"]
+        if not row["formed"]:
+            return row
+        time.sleep(FROZEN_SETTLE)
+        ranks = {r["node"]: r["rank"] for r in results}
+        victim = max(name for name in ranks if ranks[name] != 0)
+        survivors = set(ranks) - {victim}
+        renewed = sims.freeze(victim, bound)
+        told = sims.changed(survivors, max(int(r["round"]) for r in results),
+                            timing.keep_alive * timing.keep_alive_attempts + bound)
+        held = sims.reformed(survivors, bound)
+        current = parse_run(backend.control_plane.api.request(
+            "GET", run_path(run.namespace, run.name)))
+        lost = removal(current, victim)
+        removed = None if lost is None or lost.time is None else \
+            monotonic_of(lost.time, time.time(), time.monotonic())
+        placed = {name: r["t_done"] for name, r in held.items() if "rank" in r}
+        row.update({
+            "victim": victim, "removed_reason": lost.reason if lost else None,
+            "removed_s": removed - renewed if removed is not None and renewed is not None
+            else None,
+            "told_s": until_all(told, survivors, removed) if removed is not None else None,
+            "survivors_round_s": until_all(placed, survivors, removed)
+            if removed is not None else None,
+            "survivors_worlds": sorted({int(r["world"]) for r in held.values() if "world" in r}),
+            "lost_others": sorted(m.name for m in current.status.lost_members
+                                  if m.name != victim)})
+        row["errors"] += [f"{k}: {r['error']}" for k, r in held.items() if "error" in r][:3]
+        return row
+    finally:
+        scenarios.teardown(backend, run, [])
+        sims.stop()
+        backend.quiesce(30)
+
+
+def frozen(plan: Plan, backend: K8sBackend, log_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    for n in plan.frozen_sizes:
+        row = frozen_round(backend, log_dir, n, plan.sim_processes, plan.formation_bound)
+        rows.append(row)
+        print(f"  frozen N={n}: removed after {row.get('removed_s')} s "
+              f"(heartbeat {row['heartbeat_s']} s), survivors' round "
+              f"{row.get('survivors_round_s')} s after", file=sys.stderr, flush=True)
     return rows
 
 
@@ -449,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
         operator.start()
         try:
             data["mixed"] = step("mixed", lambda: mixed(plan, k8s, log_dir, operator.pid))
+            data["frozen"] = step("frozen", lambda: frozen(plan, k8s, log_dir))
             data["real"] = step("k8s as-is", lambda: real_rounds(
                 plan, k8s, plan.real_sizes, log_dir, "as-is"))
             data["real"] += step("k8s DNS-neutral", lambda: real_rounds(

@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from elasticrun.api.rounds import TELL_BY_LEASE_FROM
+from elasticrun.api import crd
+from elasticrun.api.rounds import DEFER_SEAL_FROM, TELL_BY_LEASE_FROM
 
 from bench.stats import growth_exponent, summary
 
@@ -40,20 +41,77 @@ def _floor_table(mixed: list[dict[str, Any]]) -> list[str]:
              "a single writer updates once after its Lease watch has shown all N; a loss "
              "(one Lease deleted) and a newcomer (one more created) are one more update "
              "each. Times run until the last client knew. Our loss: one simulated member "
-             "(never rank 0) loses its Lease and its departure is written "
-             "(`scale.lose_member`, a handler's `shutdown()`), timed until every survivor's "
-             "`num_nodes_waiting()` is positive (simulated members: their run watch; real "
-             "handlers: polled).", "",
-             "| N | formation (ours) | formation (floor) | ours / floor | loss (ours) "
-             "| loss (floor) | ours / floor | newcomer (floor) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "(never rank 0) of the round the newcomer joined loses its Lease and its "
+             "departure is written (`scale.lose_member`, a handler's `shutdown()`), timed "
+             "until every survivor's `num_nodes_waiting()` is positive (simulated members: "
+             "their run watch; real handlers: polled).", "",
+             "Our newcomer: once the round of N formed, one more real handler calls "
+             "`next_rendezvous()`; timed until every member and the newcomer hold the next "
+             "round of N + 1 (real handlers: `next_rendezvous()` returned; simulated members: "
+             "their run watch or their Lease showed their place). The run is created with "
+             "`minNodes = N`, `maxNodes = N + 1` and `lastCallTimeoutSeconds = 0` (the first "
+             "round seals at its N-th request); before the newcomer asks, its last call "
+             "becomes as long as the phase's bound (`scale.newcomer_timing`), so that the "
+             "members keep their places while they come back (with none, the newcomer and "
+             "N − 1 members back seal a round of N without the last one). No owner sets a "
+             "target (`status.desired`), so by design the newcomer's round "
+             "waits on no last call: `rounds.announce_due` holds no newcomer back (it would, "
+             "with a target, until members + newcomers reach it or the last call passes), "
+             "the newcomer's own request tells the members (`joinNotice` moves the signal), "
+             "each member asks again as soon as its `num_nodes_waiting()` is positive (real "
+             "handlers poll it every 20 ms, torch's agent every 100 ms), and the round seals "
+             "the moment every member is back (`rounds.decide_seal`'s first rule). The "
+             "floor's newcomer joins after its loss (N − 1 + 1); ours joins a round of N. "
+             f"At N = {crd.spec_maximum('maxNodes'):,}, the CRD's largest `maxNodes`, a round "
+             "has no room for a newcomer: no newcomer there, and the loss is in the round "
+             "of N.",
+             "",
+             "| N | formation (ours) | formation (floor) | ours / floor | newcomer (ours) "
+             "| newcomer (floor) | ours / floor | loss (ours) | loss (floor) | ours / floor |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ours = r["latency_s"] if r.get("formed") else None
-        loss = r.get("loss_s")
+        joined, loss = r.get("newcomer_s"), r.get("loss_s")
         lines.append(f"| {r['n']:,} | {_s(ours)} | {_s(r['floor_s'], 3)} | "
-                     f"{_ratio(ours, r['floor_s'])} | {_s(loss, 3)} | "
-                     f"{_s(r.get('floor_loss_s'), 3)} | {_ratio(loss, r.get('floor_loss_s'))} | "
-                     f"{_s(r.get('floor_newcomer_s'), 3)} |")
+                     f"{_ratio(ours, r['floor_s'])} | {_s(joined, 3)} | "
+                     f"{_s(r.get('floor_newcomer_s'), 3)} | "
+                     f"{_ratio(joined, r.get('floor_newcomer_s'))} | {_s(loss, 3)} | "
+                     f"{_s(r.get('floor_loss_s'), 3)} | {_ratio(loss, r.get('floor_loss_s'))} |")
+    return lines
+
+
+def _frozen_table(frozen: list[dict[str, Any]]) -> list[str]:
+    """A member that stops renewing: its removal against the heartbeat, the survivors' round."""
+    if not frozen:
+        return []
+    heartbeat, renew = frozen[0]["heartbeat_s"], frozen[0]["renew_s"]
+    lines = ["### Frozen member", "",
+             "A formed round of N simulated nodes (`scale.frozen_round`); one member (never "
+             "rank 0) stops renewing its Lease and watching, without deleting its Lease or "
+             "leaving. *Removed*: from its last renewal until the operator removed it "
+             "(the time it recorded in `status.lostMembers`), against the run's heartbeat. "
+             "*Survivors' round*: from that removal until every survivor holds the next round "
+             "(each asks again as soon as its run watch shows the loss; `minNodes = N − 1`). "
+             f"The heartbeat is kept short for the benchmark: the CRD's shortest, {heartbeat} s, "
+             f"with renewals every {renew} s (its shortest interval, which the heartbeat must "
+             "exceed); "
+             "the operator counts a renewal when it sees the Lease change, so *removed* is "
+             "at least the heartbeat, and *beyond it* is the operator's reaction. Simulated "
+             "nodes leave the seal to the operator, as real ones do from "
+             f"`maxNodes = {DEFER_SEAL_FROM}` on; below that the operator first gives the "
+             "nodes a grace of 1 s to seal themselves (`SEAL_GRACE`), which simulated nodes "
+             "never use, so a smaller N here shows that second. Target (issue 36): the "
+             "survivors' round within 1 s of the removal.", "",
+             "| N | heartbeat | removed | beyond the heartbeat | survivors told "
+             "| survivors' round | within 1 s | round of |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in frozen:
+        removed, follow = r.get("removed_s"), r.get("survivors_round_s")
+        beyond = None if removed is None else removed - r["heartbeat_s"]
+        quick = "–" if follow is None else ("met" if follow <= 1 else "missed")
+        worlds = ", ".join(str(w) for w in r.get("survivors_worlds") or []) or "–"
+        lines.append(f"| {r['n']:,} | {r['heartbeat_s']} s | {_s(removed, 3)} | {_s(beyond, 3)} | "
+                     f"{_s(r.get('told_s'), 3)} | {_s(follow, 3)} | {quick} | {worlds} |")
     return lines
 
 
@@ -287,7 +345,8 @@ def render(data: dict[str, Any], plot: str | None) -> str:
         "join 1.5 s ahead, so that rank 0, whose TCPStore every real handler reaches, is one "
         "of them; formation counts from the simulated nodes' start, the last N − "
         f"{plan['sample']} arriving at once. One repetition per N; "
-        "`minNodes = maxNodes = N`.",
+        "`minNodes = N`, `maxNodes = N + 1` (room for the newcomer) and no last call, so "
+        "the N-th request seals the round as `maxNodes = N` would.",
         f"* Real rounds: every node a real handler, {plan['reps']} repetitions, median. "
         "*DNS-neutral*: every worker process loads `bench/dnsshim.py`'s `getnameinfo()` "
         "(numeric hosts only, built with gcc into `~/.cache/elasticrun/`), for k8s and c10d "
@@ -344,6 +403,7 @@ def render(data: dict[str, Any], plot: str | None) -> str:
         lines += [f"Requests of the round at N = {largest['n']:,}, from the audit log:", "",
                   "| request | count |", "|---|---|"]
         lines += [f"| `{k}` | {v:,} |" for k, v in largest["by_kind"].items()] + [""]
+    lines += [*_frozen_table(data.get("frozen") or []), ""]
     lines += _before_after(data)
     lines += ["## Formation with every node a real handler", "",
               "From the moment all N handlers are built to the last `next_rendezvous()` "

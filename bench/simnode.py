@@ -1,12 +1,18 @@
 """Simulated nodes: many rendezvous clients in one asyncio process, for the scale benchmark.
 
 Run as ``python -m bench.simnode``; it reads one JSON line on stdin (the run,
-the nodes, when to start), writes one JSON line per formed node on stdout,
-then renews the nodes' Leases until stdin closes.  Each formed node keeps its
-run watch open, as a member's handler does, and writes one more line
-(``{"node", "event": "change", "t"}``) when the run first shows it what makes
-its ``num_nodes_waiting()`` positive (a loss, a newcomer): the moment a member
-knows.
+the nodes, when to start, how often to renew, how many times to rejoin), writes
+one JSON line per formed node on stdout, and renews each node's Lease from its
+creation until stdin closes.  Each formed node keeps its run watch open, as a
+member's handler does, and writes one more line
+(``{"node", "event": "change", "t", "round"}``) when the run first shows it what
+makes its ``num_nodes_waiting()`` positive (a loss, a newcomer): the moment a
+member of that round knows.  For its first ``rejoins`` changes it then asks for
+the next round, as a torch agent restarting its workers does, and writes a
+``formed`` line when it holds that round.  A later stdin line
+``{"freeze": node}`` makes that node stop renewing and watching without
+leaving (a hung member); it answers with a ``frozen`` line saying when its last
+renewal was written.
 
 A simulated node sends what a real handler of a large run sends, built by the
 product's own code: it reads the run, creates its Lease with its join request
@@ -48,7 +54,14 @@ from elasticrun.api.kube import (
     run_path,
     runs_path,
 )
-from elasticrun.api.leases import ASSIGNMENT_ANNOTATION, node_lease, read_assignment
+from elasticrun.api.leases import (
+    ASSIGNMENT_ANNOTATION,
+    JOIN_ANNOTATION,
+    UNREACHABLE_ANNOTATION,
+    join_value,
+    node_lease,
+    read_assignment,
+)
 from elasticrun.api.model import ElasticRun, RunSpec, WaitingNode, format_time, now, parse_run
 from elasticrun.api.naming import lease_name
 from elasticrun.api.rounds import members_told_by_lease, nodes_waiting
@@ -73,6 +86,8 @@ class Connection:
     auth: str | None
     reader: asyncio.StreamReader | None = None
     writer: asyncio.StreamWriter | None = None
+    #: One request at a time: a member's renewal and its new join request share it.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def open(self) -> None:
         self.reader, self.writer = await asyncio.open_connection(self.host, self.port,
@@ -123,13 +138,14 @@ class Connection:
 
     async def request(self, method: str, path: str, body: Any = None,
                       content_type: str = "application/json") -> bytes:
-        await self.send(method, path, body, content_type)
-        status, headers = await self.head()
-        assert self.reader is not None
-        if headers.get("transfer-encoding") == "chunked":
-            data = b"".join([c async for c in self.chunks()])
-        else:
-            data = await self.reader.readexactly(int(headers.get("content-length", "0")))
+        async with self.lock:
+            await self.send(method, path, body, content_type)
+            status, headers = await self.head()
+            assert self.reader is not None
+            if headers.get("transfer-encoding") == "chunked":
+                data = b"".join([c async for c in self.chunks()])
+            else:
+                data = await self.reader.readexactly(int(headers.get("content-length", "0")))
         if status >= 400:
             raise HttpError(status, data)
         return data
@@ -214,12 +230,20 @@ class SimNode:
         #: The name of its Lease, once created; the holder it writes there, as a handler's.
         self.lease: str | None = None
         self.holder = f"{name}@{uuid.uuid4().hex[:8]}"
-        #: The round this node formed (its result), set by whichever watch saw it first.
+        #: The round this node asked for (its result), set by whichever watch saw it first.
         self.formed: asyncio.Future[dict[str, Any]] | None = None
         #: The run watch, kept open after formation to see the round change.
-        self.follower: asyncio.Task[float | None] | None = None
+        self.follower: asyncio.Task[Change | None] | None = None
+        #: Renewing its Lease, from its creation on (:meth:`renew`).
+        self.renewal: asyncio.Task[None] | None = None
+        #: When its Lease was last written with a renewal (monotonic): its creation, then
+        #: each renewal's answer.
+        self.renewed_at: float | None = None
+        #: Set by the coordinator (:func:`_commands`): the node stops renewing and watching,
+        #: as a hung process would, without deleting its Lease or leaving.
+        self.frozen = False
 
-    async def rendezvous(self) -> dict[str, Any]:
+    async def rendezvous(self, interval: float) -> dict[str, Any]:
         """Read the run, join through the Lease, wait for the round on both watches.
 
         A large run's node learns its place from its own Lease; a seal that
@@ -227,6 +251,7 @@ class SimNode:
         reaches it on the narrow run watch instead.  Whichever comes first forms
         it.  The run watch stays open afterwards (:attr:`follower`), as a
         handler's does, until the node's round changes (:meth:`_follow_run`).
+        The Lease is renewed every ``interval`` from its creation on, as a handler's.
         """
         s = self.shared
         run = json.loads(await self.requests.request("GET", run_path(s.namespace, s.run)))
@@ -237,15 +262,44 @@ class SimNode:
         body = node_lease(s.run, self.name, self.holder, spec["heartbeatTimeoutSeconds"],
                           meta["uid"], now(), join)  # the handler's body
         created = json.loads(await self.requests.request("POST", leases_path(s.namespace), body))
+        self.renewed_at = time.monotonic()
+        self.renewal = asyncio.create_task(self.renew(interval))
         signal = (run.get("status") or {}).get("signal", 0)
+        return await self._placed(RunSpec.from_dict(spec), join, signal,
+                                  meta["resourceVersion"], created["metadata"]["resourceVersion"])
+
+    async def rejoin(self, change: Change) -> dict[str, Any]:
+        """Ask for the next round, as a member's handler does when its round changed.
+
+        One merge patch of its Lease's annotations (the handler's ``set_join``:
+        the new request, the old round's assignment withdrawn), then the run
+        watch re-opened from the change it saw, and in large runs its Lease watch.
+        """
+        assert self.lease is not None
+        join = WaitingNode(name=self.name, address="127.0.0.1", store_port=self.port,
+                           since=now())
+        patched = json.loads(await self.requests.request(
+            "PATCH", lease_path(self.shared.namespace, self.lease),
+            {"metadata": {"annotations": {JOIN_ANNOTATION: join_value(join),
+                                          UNREACHABLE_ANNOTATION: None,
+                                          ASSIGNMENT_ANNOTATION: None}}}, MERGE_PATCH))
+        self.watch = self.shared.connection()
+        self.mailbox = self.shared.connection()
+        return await self._placed(change.run.spec, join, change.run.status.signal,
+                                  change.resource_version,
+                                  patched["metadata"]["resourceVersion"])
+
+    async def _placed(self, spec: RunSpec, join: WaitingNode, signal: int, run_version: str,
+                      lease_version: str) -> dict[str, Any]:
+        """Wait for the round that answers ``join``: on the run watch, or on the Lease."""
+        held = int(self.formed.result()["round"]) if self.formed is not None else 0
         formed: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.formed = formed
-        self.follower = asyncio.create_task(self._follow_run(signal, meta["resourceVersion"]))
+        self.follower = asyncio.create_task(self._follow_run(signal, run_version, held))
         waits: list[asyncio.Future[Any]] = [formed, self.follower]
         mailbox = None
-        if members_told_by_lease(RunSpec.from_dict(spec)):  # as the handler does
-            mailbox = asyncio.create_task(
-                self._from_lease(join, created["metadata"]["resourceVersion"]))
+        if members_told_by_lease(spec):  # as the handler does
+            mailbox = asyncio.create_task(self._from_lease(join, lease_version))
             waits.append(mailbox)
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -263,33 +317,34 @@ class SimNode:
                 mailbox.cancel()
             self.mailbox.close()
 
-    async def _follow_run(self, signal: int, resource_version: str) -> float | None:
-        """The narrow run watch: this node's place in a round, then the round's change.
+    async def _follow_run(self, signal: int, resource_version: str, held: int
+                          ) -> Change | None:
+        """The narrow run watch: this node's place in a round after ``held``, then its change.
 
         Returns when (monotonic) the run first shows that this node's
-        ``num_nodes_waiting()`` is positive (:func:`knows_of_change`); None when
-        the watch ended first.
+        ``num_nodes_waiting()`` is positive (:func:`knows_of_change`), with the
+        run as it saw it then; None when the watch ended first.
         """
         s = self.shared
         query = {"fieldSelector": f"metadata.name={s.run},status.signal!={signal}",
                  "resourceVersion": resource_version}
-        assert self.formed is not None
+        formed = self.formed
+        assert formed is not None
         try:
             async for line in watch_lines(self.watch, runs_path(s.namespace), query):
                 event = s.parse(line)
                 if event.get("type") not in ("ADDED", "MODIFIED"):
                     continue
-                if not self.formed.done():
-                    obj = event.get("object") or {}
-                    for p in (obj.get("status") or {}).get("participants") or ():
-                        if p["name"] == self.name:
-                            self.formed.set_result({
-                                "t_done": time.monotonic(), "rank": p["rank"],
-                                "world": len(obj["status"]["participants"]),
-                                "round": obj["status"]["round"]})
+                if not formed.done():
+                    place = placed_in(event.get("object") or {}, self.name, held)
+                    if place is not None:
+                        formed.set_result({"t_done": time.monotonic(), **place})
                     continue
-                if knows_of_change(s.run_of(line), int(self.formed.result()["round"])):
-                    return time.monotonic()
+                run = s.run_of(line)
+                if knows_of_change(run, int(formed.result()["round"])):
+                    version = str(((event.get("object") or {}).get("metadata") or {})
+                                  .get("resourceVersion"))
+                    return Change(time.monotonic(), run, version)
             return None
         finally:
             self.watch.close()
@@ -308,17 +363,53 @@ class SimNode:
         raise ConnectionError("the Lease watch ended before a round formed")
 
     async def renew(self, interval: float) -> None:
-        """The handler's renewal: a merge patch of renewTime, every ``interval``."""
+        """The handler's renewal: a merge patch of renewTime, every ``interval``; a frozen
+        node stops here, and reports when its last renewal was written."""
         assert self.lease is not None
         path = lease_path(self.shared.namespace, self.lease)
         while True:
             await asyncio.sleep(interval)
+            if self.frozen:
+                return
             body = {"spec": {"renewTime": format_time(now()),
                              "holderIdentity": self.holder}}
             try:
                 await self.requests.request("PATCH", path, body, MERGE_PATCH)
             except (HttpError, OSError, asyncio.IncompleteReadError):
                 return  # the run (and its Leases) were deleted: the benchmark is over
+            self.renewed_at = time.monotonic()
+
+    async def freeze(self) -> float | None:
+        """Stop renewing and watching; when the last renewal was written (monotonic)."""
+        self.frozen = True
+        if self.follower is not None:
+            self.follower.cancel()
+        if self.renewal is not None:
+            # A renewal on the wire completes (the flag stops the next one).
+            await asyncio.wait([self.renewal], timeout=REQUEST_BOUND)
+        return self.renewed_at
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a formed node saw when its round changed: when (monotonic), and the run then."""
+
+    t: float
+    run: ElasticRun
+    resource_version: str
+
+
+def placed_in(obj: dict[str, Any], node: str, held: int) -> dict[str, Any] | None:
+    """``node``'s place in the round the run object shows, if it is a round after ``held``
+    and ``node`` is one of its participants; None otherwise."""
+    status = obj.get("status") or {}
+    if int(status.get("round") or 0) <= held:
+        return None
+    for p in status.get("participants") or ():
+        if p.get("name") == node:
+            return {"rank": p["rank"], "world": len(status["participants"]),
+                    "round": status["round"]}
+    return None
 
 
 def knows_of_change(run: ElasticRun, my_round: int) -> bool:
@@ -326,27 +417,43 @@ def knows_of_change(run: ElasticRun, my_round: int) -> bool:
     return nodes_waiting(run, my_round, now=now()) > 0
 
 
-async def _form(node: SimNode, start_at: float, out: asyncio.Queue[dict[str, Any]]
-                ) -> bool:
+async def _form(node: SimNode, start_at: float, interval: float,
+                out: asyncio.Queue[dict[str, Any]]) -> bool:
     """Form ``node`` and report it; False when it did not form."""
     await asyncio.sleep(max(0.0, start_at - time.monotonic()))
     result: dict[str, Any] = {"node": node.name, "t_start": time.monotonic()}
     try:
-        result.update(await asyncio.wait_for(node.rendezvous(), REQUEST_BOUND * 5))
+        result.update(await asyncio.wait_for(node.rendezvous(interval), REQUEST_BOUND * 5))
     except Exception as exc:  # reported to the coordinator
         result.update({"t_done": time.monotonic(), "error": f"{type(exc).__name__}: {exc}"})
     await out.put(result)
     return "error" not in result
 
 
-async def _follow(node: SimNode, out: asyncio.Queue[dict[str, Any]]) -> None:
-    """Report when the formed ``node`` learnt that its round changed (a ``change`` line)."""
-    if node.follower is None:
-        return
+async def _follow(node: SimNode, rejoins: int, out: asyncio.Queue[dict[str, Any]]) -> None:
+    """Report each change of the formed ``node``'s round (a ``change`` line, with the round it
+    held); for the first ``rejoins`` of them, ask for the next round and report it (a
+    ``formed`` line)."""
     with contextlib.suppress(HttpError, OSError, asyncio.IncompleteReadError, ValueError):
-        seen = await node.follower
-        if seen is not None:
-            await out.put({"node": node.name, "event": "change", "t": seen})
+        while node.follower is not None and node.formed is not None:
+            held = int(node.formed.result()["round"])
+            change = await node.follower
+            if change is None or node.frozen:
+                return
+            await out.put({"node": node.name, "event": "change", "t": change.t, "round": held})
+            if rejoins <= 0:
+                return
+            rejoins -= 1
+            result: dict[str, Any] = {"node": node.name, "event": "formed",
+                                      "t_start": time.monotonic()}
+            try:
+                result.update(await asyncio.wait_for(node.rejoin(change), REQUEST_BOUND * 5))
+            except Exception as exc:  # reported to the coordinator
+                result["error"] = f"{type(exc).__name__}: {exc}"
+            result.setdefault("t_done", time.monotonic())
+            await out.put(result)
+            if "error" in result:
+                return
 
 
 async def _forward(out: asyncio.Queue[dict[str, Any]]) -> None:
@@ -355,24 +462,37 @@ async def _forward(out: asyncio.Queue[dict[str, Any]]) -> None:
         sys.stdout.flush()
 
 
+async def _commands(nodes: dict[str, SimNode], out: asyncio.Queue[dict[str, Any]]) -> None:
+    """The coordinator's lines after the first, until stdin closes: ``{"freeze": node}``
+    (answered with a ``frozen`` line: when its last renewal was written)."""
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        name = json.loads(line).get("freeze")
+        if name in nodes:
+            renewed = await nodes[name].freeze()
+            await out.put({"node": name, "event": "frozen", "t_renewed": renewed})
+
+
 async def main_async(config: dict[str, Any]) -> None:
     shared = shared_from(config["kubeconfig"], config["namespace"], config["run"])
     nodes = [SimNode(shared, name, 20000 + i) for i, name in enumerate(config["nodes"])]
+    interval = float(config["renew_interval"])
     out: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     forward = asyncio.create_task(_forward(out))
-    formed = await asyncio.gather(*(_form(n, float(config["start_at"]), out) for n in nodes))
+    formed = await asyncio.gather(*(_form(n, float(config["start_at"]), interval, out)
+                                    for n in nodes))
     shared.parsed.clear()
-    followers = [asyncio.create_task(_follow(n, out))
+    followers = [asyncio.create_task(_follow(n, int(config.get("rejoins", 0)), out))
                  for n, ok in zip(nodes, formed, strict=True) if ok]
-    renewals = [asyncio.create_task(n.renew(float(config["renew_interval"])))
-                for n in nodes if n.lease is not None]
     # Stay live members (renewing, watching the run) until the coordinator closes stdin.
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
-    for task in [*followers, *renewals, forward]:
+    await _commands({n.name: n for n in nodes}, out)
+    for task in [*followers, forward]:
         task.cancel()
     for node in nodes:
         if node.follower is not None:
             node.follower.cancel()
+        if node.renewal is not None:
+            node.renewal.cancel()
         node.requests.close()
         node.watch.close()
 

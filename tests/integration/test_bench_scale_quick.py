@@ -1,4 +1,5 @@
-"""``bench/scale.py --quick`` works: simulated and real nodes in one round, the floor beside it.
+"""``bench/scale.py --quick`` works: simulated and real nodes in one round, the floor beside it,
+a newcomer and a loss in that round, and a frozen member in a run of its own.
 
 The quick mode runs the real harness (its own control plane and operator,
 simulated-node processes, bench workers, c10d) at small N.  Timings are never
@@ -60,15 +61,46 @@ def test_each_mixed_round_has_the_floor_beside_it(
     assert "### Against the floor" in page and "| ours / floor |" in page
 
 
+def test_each_mixed_round_admits_a_newcomer_and_times_it_until_everyone_held_the_round(
+        scale_run: tuple[Path, dict[str, Any]]) -> None:
+    out, data = scale_run
+    for row in data["mixed"]:
+        assert row["newcomer_errors"] == [], row
+        assert row["newcomer_admitted"] and row["newcomer_worlds"] == [row["n"] + 1], row
+        assert row["newcomer_held"] == row["n"] + 1, row  # every member, and the newcomer
+        assert row["newcomer_s"] is not None and row["newcomer_s"] > 0, row
+    page = (out / "benchmarks-scale.md").read_text()
+    assert "| newcomer (ours) | newcomer (floor) | ours / floor |" in page
+    assert "`maxNodes = N + 1`" in page
+
+
 def test_each_mixed_round_times_a_loss_until_every_survivor_knew(
         scale_run: tuple[Path, dict[str, Any]]) -> None:
     out, data = scale_run
     for row in data["mixed"]:
-        assert row["loss_told"] == row["n"] - 1, row  # every survivor, real and simulated
+        assert row["loss_members"] == row["n"] + 1, row  # the round the newcomer joined
+        assert row["loss_told"] == row["n"], row  # every survivor, real and simulated
         assert row["loss_s"] is not None and row["loss_s"] > 0, row
         assert row["loss_real_s"] is not None and 0 < row["loss_real_s"] <= row["loss_s"], row
     page = (out / "benchmarks-scale.md").read_text()
     assert "| loss (ours) |" in page
+
+
+def test_a_frozen_member_is_removed_after_the_heartbeat_and_the_survivors_reform(
+        scale_run: tuple[Path, dict[str, Any]]) -> None:
+    out, data = scale_run
+    assert [r["n"] for r in data["frozen"]] == list(data["plan"]["frozen_sizes"])
+    for row in data["frozen"]:
+        assert row["formed"] and row["errors"] == [], row
+        assert (row["heartbeat_s"], row["renew_s"]) == (2, 1), row
+        assert row["removed_reason"] == "LeaseExpired" and row["lost_others"] == [], row
+        # Never before its heartbeat: the operator counts from the renewal it saw.
+        assert row["removed_s"] is not None and row["removed_s"] >= row["heartbeat_s"] - 0.05
+        assert row["told_s"] is not None and row["survivors_round_s"] is not None, row
+        assert 0 < row["told_s"] <= row["survivors_round_s"], row
+        assert row["survivors_worlds"] == [row["n"] - 1], row
+    page = (out / "benchmarks-scale.md").read_text()
+    assert "### Frozen member" in page and "| survivors' round |" in page
 
 
 def test_real_rounds_are_measured_as_is_and_dns_neutral_for_both_backends(
