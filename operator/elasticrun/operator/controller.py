@@ -124,7 +124,7 @@ class Controller:
         #: The flags that add objects beside each run (its Role, its NetworkPolicy).
         self.settings = Settings(per_run_rbac, store_policy_port)
         self.executor = PlanExecutor(access, self.observer, self._accept_written, self.enqueue,
-                                     self.states)
+                                     self.states, self._retry)
         self.api = ApiAvailability(client, on_change=metrics.api_changed)
         #: Side tasks that live as long as the controller: the API probe, the caBundle check.
         self._tasks: list[asyncio.Task[None]] = []
@@ -213,6 +213,11 @@ class Controller:
 
     def schedule(self, key: Key, when: dt.datetime) -> None:
         self.queue.schedule(key, when)
+
+    def _retry(self, key: Key, within: float) -> None:
+        """Reconcile ``key`` within ``within`` seconds; a wake-up planned meanwhile
+        (:meth:`schedule`) does not cancel it."""
+        self.queue.enqueue_within(key, within)
 
     # ------------------------------------------------------------------ inputs from kopf
 
