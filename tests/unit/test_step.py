@@ -12,6 +12,7 @@ import datetime as dt
 from hypothesis import given
 from hypothesis import strategies as st
 
+from elasticrun.api import rounds
 from elasticrun.api.model import Assignment, RunStatus, StoreAddress
 from elasticrun.handler import step
 from elasticrun.handler.step import Knowledge, next_action
@@ -62,6 +63,22 @@ def test_a_deferring_node_lists_and_seals_itself_once_the_operator_is_late() -> 
     assert next_action(known, at(10), CLOCK + 10.0) == step.List()
     listed = known.replace(pending=waiting("a", "b", "c", "d"), listed=True)
     assert isinstance(next_action(listed, at(10), CLOCK + 10.0), step.Seal)
+
+
+def test_a_late_deferring_node_gives_the_operator_its_wait_again_once_all_joined() -> None:
+    """Its own wait ran out while others still joined: the operator seals only now, and
+    tells every member one write each, so the node seals only a full wait after it
+    found the round complete (or at its join deadline, whichever comes first)."""
+    known = defers(RunStatus(), wait=10.0)
+    wait = rounds.defer_seal_wait(known.run.spec)
+    listed = known.replace(pending=waiting("a", "b", "c", "d"), listed=True,
+                           listed_at=at(40))  # maxNodes (4) joined
+    held = next_action(listed, at(41), CLOCK + 41.0)
+    assert held == step.Wait(until=CLOCK + 40.0 + wait)
+    assert isinstance(next_action(listed, at(40 + wait), CLOCK + 40.0 + wait), step.Seal)
+    late = listed.replace(join_deadline=CLOCK + 42.0)
+    assert next_action(late, at(41), CLOCK + 41.0) == step.Wait(until=CLOCK + 42.0)
+    assert isinstance(next_action(late, at(42), CLOCK + 42.0), step.Seal)
 
 
 def test_a_deferring_node_completes_the_operators_round() -> None:

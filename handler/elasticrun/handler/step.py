@@ -141,7 +141,9 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
     requests once per change of the run, makes a request that vanished (its
     Lease removed or expired) again, and applies torch's sealing rules
     (:func:`~elasticrun.api.rounds.decide_seal`) to the listed requests (a
-    seal at the end of the last call from a listing made after it); a
+    seal at the end of the last call from a listing made after it; a node
+    that deferred to the operator gives it its wait again from the listing
+    that allows the seal, :func:`_operator_ready`); a
     running round hears of us once; past the deadline the call fails; otherwise
     it waits for a change or for the last call (staggered by arrival).
     """
@@ -166,6 +168,9 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
             # Joins write Leases, not the run, so a listing made while the window
             # was open misses the nodes that asked later within it.
             return List()
+        ready = _operator_ready(known)
+        if ready is not None and now < ready and clock < known.join_deadline:
+            return Wait(min(known.join_deadline, clock + (ready - now).total_seconds()))
         return Seal(decision.reason)
     if rounds.announce_needed(run, now, pending):
         return Announce()
@@ -177,6 +182,22 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
         wait = (decision.deadline - now).total_seconds() + stagger
         wake_at = min(wake_at, clock + max(0.0, wait))
     return Wait(wake_at)
+
+
+def _operator_ready(known: Knowledge) -> dt.datetime | None:
+    """When a deferring node whose wait ran out may seal a round its listing found complete.
+
+    Its wait counts from its own start, but the operator can seal only once the
+    last request is in, and then tells the members one write each: a node that
+    started long before the last one would otherwise seal as the operator does,
+    and send every node the whole roster.  So the operator gets
+    :func:`~elasticrun.api.rounds.defer_seal_wait` again from the listing that
+    found the round complete; a node's own seal after that (fenced by the run it
+    holds) loses to the operator's, if it came, and reads its place there.
+    """
+    if known.defer_until is None or known.listed_at is None:
+        return None
+    return known.listed_at + dt.timedelta(seconds=rounds.defer_seal_wait(known.run.spec))
 
 
 def _deferring(known: Knowledge, defer_until: float, now: dt.datetime, clock: float) -> Action:
