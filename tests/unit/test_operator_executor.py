@@ -43,7 +43,7 @@ from elasticrun.api.model import (
 )
 from elasticrun.api.naming import lease_name
 from elasticrun.operator import runrbac
-from elasticrun.operator.executor import PlanExecutor
+from elasticrun.operator.executor import ASSIGN_RETRY_SECONDS, PlanExecutor
 from elasticrun.operator.metrics import Metrics
 from elasticrun.operator.observer import Observer
 from elasticrun.operator.reconcile import Members, Plan, plan_repair, reconcile
@@ -65,6 +65,8 @@ class Bed:
     executor: PlanExecutor
     accepted: list[dict[str, Any]]
     enqueued: list[tuple[str, str]]
+    #: The reconciles asked for within some seconds: (run, seconds).
+    retried: list[tuple[tuple[str, str], float]]
 
     def run(self) -> ElasticRun:
         return parse_run(self.server.run("r"))
@@ -114,9 +116,11 @@ def bed(spec: RunSpec | None = None, annotations: dict[str, str] | None = None) 
     access = FakeOperatorGateway(server)
     accepted: list[dict[str, Any]] = []
     enqueued: list[tuple[str, str]] = []
+    retried: list[tuple[tuple[str, str], float]] = []
     executor = PlanExecutor(access, Observer(access, Metrics()),
-                            lambda key, raw: accepted.append(raw), enqueued.append)
-    return Bed(server, access, executor, accepted, enqueued)
+                            lambda key, raw: accepted.append(raw), enqueued.append,
+                            retry=lambda key, seconds: retried.append((key, seconds)))
+    return Bed(server, access, executor, accepted, enqueued, retried)
 
 
 def told(rank: int = 0, round_: int = 2) -> Assignment:
@@ -249,11 +253,14 @@ def test_an_assignment_that_failed_is_written_on_the_next_pass_and_then_not_agai
     b.access.run(*KEY).fail_next("assign")
     b.carry_out(run, plan, leases)
     assert assignment_on(b.stored_lease("a")) is None
+    # The failed write brings no Lease event: the executor asks for the next pass itself.
+    assert b.retried == [(KEY, ASSIGN_RETRY_SECONDS)]
     since = b.revision()
     b.carry_out(run, plan, leases)
     b.carry_out(run, plan, leases)
     assert assignment_on(b.stored_lease("a")) == told()
     assert b.writes(since) == [("changed", LEASE, lease_name("r", "a"))]
+    assert b.retried == [(KEY, ASSIGN_RETRY_SECONDS)]  # nothing failed since
 
 
 # --------------------------------------------------------------------------- Lease deletions

@@ -65,6 +65,27 @@ def test_a_deferring_node_lists_and_seals_itself_once_the_operator_is_late() -> 
     assert isinstance(next_action(listed, at(10), CLOCK + 10.0), step.Seal)
 
 
+def test_a_late_deferring_node_gives_the_operator_its_wait_again_once_all_joined() -> None:
+    """Its own wait ran out while others still joined: the operator seals only now, and
+    tells every member one write each, so the node seals only a full wait after it
+    found the round complete (or at its join deadline, whichever comes first)."""
+    known = defers(RunStatus(), wait=10.0)
+    wait = rounds.defer_seal_wait(known.run.spec)
+    # maxNodes (4) joined, this node ("a") last: its seal's turn is the first.
+    listed = known.replace(pending=waiting("b", "c", "d", "a"), listed=True,
+                           listed_at=at(40))
+    held = next_action(listed, at(41), CLOCK + 41.0)
+    assert held == step.Wait(until=CLOCK + 40.0 + wait)
+    assert isinstance(next_action(listed, at(40 + wait), CLOCK + 40.0 + wait), step.Seal)
+    # A node that asked first takes its seal's turn after that wait, not within it.
+    first = listed.replace(pending=waiting("a", "b", "c", "d"))
+    assert next_action(first, at(41), CLOCK + 41.0) == step.Wait(
+        until=CLOCK + 40.0 + wait + 3 * step.LAST_CALL_STAGGER)
+    late = listed.replace(join_deadline=CLOCK + 42.0)
+    assert next_action(late, at(41), CLOCK + 41.0) == step.Wait(until=CLOCK + 42.0)
+    assert isinstance(next_action(late, at(42), CLOCK + 42.0), step.Seal)
+
+
 def test_a_deferring_node_completes_the_operators_round() -> None:
     assert completes(next_action(defers(sealed("b", "a")), at(0), CLOCK), 1)
 

@@ -6,8 +6,14 @@ import asyncio
 import datetime as dt
 
 from elasticrun.api.kube import ApiConnectionError
-from elasticrun.api.model import now
+from elasticrun.api.leases import node_lease
+from elasticrun.api.model import RunSpec, new_run_manifest, now
+from elasticrun.api.rounds import DEFER_SEAL_FROM
+from elasticrun.operator.controller import LEASE_EVENT_WINDOW, Controller
+from elasticrun.operator.metrics import Metrics
 from elasticrun.operator.workqueue import BACKOFF_CAP_SECONDS, Backoff, Key, WorkQueue
+
+from builders import idle_client
 
 
 def test_a_run_is_queued_once_however_often_it_is_woken() -> None:
@@ -147,3 +153,71 @@ def test_the_queue_backs_a_failing_run_off_and_forgets_it_once_it_succeeds() -> 
 
     asyncio.run(scenario())
     assert len(calls) == 3
+
+
+def test_a_burst_within_a_window_is_one_reconcile_and_a_steady_stream_is_not_held_back() -> None:
+    calls: list[float] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+
+        async def work(key: Key) -> None:
+            calls.append(loop.time() - began)
+
+        queue = WorkQueue(work, workers=1)
+        queue.start()
+        for _ in range(50):  # a burst: gathered into one pass at the window's end
+            queue.enqueue_within(("ns", "r"), 0.2)
+        await asyncio.sleep(0.1)
+        assert calls == []
+        await asyncio.sleep(0.2)
+        assert len(calls) == 1
+        # Events every 50 ms for 0.9 s: the window never moves, so a pass every 0.2 s.
+        calls.clear()
+        for _ in range(18):
+            queue.enqueue_within(("ns", "r"), 0.2)
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        await queue.stop()
+
+    asyncio.run(scenario())
+    assert 4 <= len(calls) <= 6
+
+
+def test_a_large_runs_lease_events_are_gathered_and_a_small_runs_go_at_once() -> None:
+    """In runs whose nodes defer the seal, a join burst costs one reconcile per window;
+    in smaller runs every Lease event still queues the run at once."""
+    passes: dict[str, list[float]] = {"large": [], "small": []}
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        controller = Controller(idle_client(), Metrics())
+
+        async def record(key: Key) -> None:
+            passes[key[1]].append(loop.time() - began)
+            await asyncio.sleep(0.01)  # a pass takes a while: events meanwhile wait
+
+        controller.queue = WorkQueue(record, workers=2)
+        controller.queue.start()
+        for name, size in (("large", DEFER_SEAL_FROM), ("small", DEFER_SEAL_FROM - 1)):
+            manifest = new_run_manifest(name, "ns", RunSpec(min_nodes=1, max_nodes=size))
+            manifest["metadata"].update(uid=f"uid-{name}", resourceVersion="1")
+            controller.run_event("ADDED", manifest)
+        for i in range(40):
+            for name in ("large", "small"):
+                lease = node_lease(name, f"n{i}", f"n{i}", 10, f"uid-{name}", now())
+                lease["metadata"]["namespace"] = "ns"
+                controller.lease_event(lease, "ADDED")
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(LEASE_EVENT_WINDOW + 0.1)
+        await controller.queue.stop()
+
+    asyncio.run(scenario())
+    # The run's own event queues it at once; its 40 Lease events, one pass at the window's end.
+    first, *gathered = passes["large"]
+    assert first < LEASE_EVENT_WINDOW / 2
+    assert len(gathered) == 1 and gathered[0] >= LEASE_EVENT_WINDOW
+    # The small run: a pass after the run's event, then again and again while events come.
+    assert len(passes["small"]) >= 3 and passes["small"][1] < LEASE_EVENT_WINDOW / 2

@@ -151,8 +151,10 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
     requests once per change of the run, makes a request that vanished (its
     Lease removed or expired) again, and applies torch's sealing rules
     (:func:`~elasticrun.api.rounds.decide_seal`) to the listed requests (a
-    seal at the end of the last call from a listing made after it, a seal due
-    at once in its turn, :func:`~elasticrun.api.rounds.seal_turn`); a
+    seal at the end of the last call from a listing made after it; a seal due
+    at once in its turn, :func:`~elasticrun.api.rounds.seal_turn`; a node that
+    deferred to the operator gives it its wait again from the listing that
+    allows the seal, :func:`_operator_ready`); a
     running round hears of us once; past the deadline the call fails; otherwise
     it waits for a change or for the last call (staggered by arrival).
     """
@@ -190,32 +192,53 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
 
 def _sealing(known: Knowledge, decision: rounds.SealDecision, now: dt.datetime,
              clock: float) -> Action:
-    """A seal is due: list once more, wait for this node's turn, or seal."""
-    if decision.last_call is not None:
-        if known.listed_at is None or known.listed_at < decision.last_call:
-            # Joins write Leases, not the run, so a listing made while the window
-            # was open misses the nodes that asked later within it.
-            return List()
-        return Seal(decision.reason)
-    turn_at = _seal_turn_at(known, now, clock)
-    return Seal(decision.reason) if turn_at is None else Wait(turn_at)
+    """A seal is due: list once more, wait (for the operator, or for this node's
+    turn), or seal."""
+    if decision.last_call is not None and (
+            known.listed_at is None or known.listed_at < decision.last_call):
+        # Joins write Leases, not the run, so a listing made while the window
+        # was open misses the nodes that asked later within it.
+        return List()
+    until = _seal_at(known, decision, now, clock)
+    return Seal(decision.reason) if until is None else Wait(until)
 
 
-def _seal_turn_at(known: Knowledge, now: dt.datetime, clock: float) -> float | None:
-    """Until when (monotonic) this node leaves a seal due at once to the nodes whose
-    turn comes first (:func:`~elasticrun.api.rounds.seal_turn`); None: its turn has come.
+def _seal_at(known: Knowledge, decision: rounds.SealDecision, now: dt.datetime,
+             clock: float) -> float | None:
+    """Until when (monotonic) this node holds back a seal that is due; None: seal now.
 
-    Counted from its listing: a node that waited out its turn on an unchanged
-    run (no one sealed) seals from that same listing.  Past the join deadline
-    sealing still wins: the node seals rather than time out.
+    From its listing (for a node that deferred, from when the operator has had
+    its wait again, :func:`_operator_ready`), a seal due at once waits for the
+    node's turn (:func:`~elasticrun.api.rounds.seal_turn`), so that a node that
+    waited out its turn on an unchanged run (no one sealed) seals from that same
+    listing.  Past the join deadline sealing still wins: the node seals rather
+    than time out.
     """
-    turn = rounds.seal_turn(known.run, known.node, known.pending)
-    if turn == 0 or known.listed_at is None or clock >= known.join_deadline:
+    start = _operator_ready(known) or known.listed_at
+    if start is None or clock >= known.join_deadline:
         return None
-    due = (known.listed_at - now).total_seconds() + LAST_CALL_STAGGER * turn
+    turn = rounds.seal_turn(known.run, known.node, known.pending) \
+        if decision.last_call is None else 0
+    due = (start - now).total_seconds() + LAST_CALL_STAGGER * turn
     if due <= 0:
         return None
     return min(known.join_deadline, clock + due)
+
+
+def _operator_ready(known: Knowledge) -> dt.datetime | None:
+    """When a deferring node whose wait ran out may seal a round its listing found complete.
+
+    Its wait counts from its own start, but the operator can seal only once the
+    last request is in, and then tells the members one write each: a node that
+    started long before the last one would otherwise seal as the operator does,
+    and send every node the whole roster.  So the operator gets
+    :func:`~elasticrun.api.rounds.defer_seal_wait` again from the listing that
+    found the round complete; a node's own seal after that (fenced by the run it
+    holds) loses to the operator's, if it came, and reads its place there.
+    """
+    if known.defer_until is None or known.listed_at is None:
+        return None
+    return known.listed_at + dt.timedelta(seconds=rounds.defer_seal_wait(known.run.spec))
 
 
 def _deferring(known: Knowledge, defer_until: float, now: dt.datetime, clock: float) -> Action:

@@ -38,21 +38,30 @@ log = logging.getLogger(__name__)
 #: parallel, as the nodes wrote their joins, rather than one write after another.
 ASSIGN_CONCURRENCY = 16
 
+#: A run whose assignment writes failed is reconciled again this soon.  A write
+#: that did not land brings no Lease event to wake the run, and its member, told
+#: nothing, would wait for the next renewal of some Lease (a minute apart in
+#: large runs) while its own wait for the operator runs out.
+ASSIGN_RETRY_SECONDS = 1.0
+
 
 class PlanExecutor:
     """The operator's writes, through ``access``.  ``accept`` keeps a copy the operator
     wrote (or read) as the newest; ``enqueue`` asks for another reconcile of a run;
     ``states`` are the controller's run states, where what was applied, told and
-    reported is kept."""
+    reported is kept; ``retry`` asks for a reconcile of a run within some seconds
+    (by default at once, through ``enqueue``)."""
 
     def __init__(self, access: OperatorAccess, observer: Observer,
                  accept: Callable[[Key, dict[str, Any]], None],
                  enqueue: Callable[[Key], None],
-                 states: dict[Key, RunState] | None = None) -> None:
+                 states: dict[Key, RunState] | None = None,
+                 retry: Callable[[Key, float], None] | None = None) -> None:
         self.access = access
         self.observer = observer
         self.accept = accept
         self.enqueue = enqueue
+        self.retry = retry or (lambda key, _: enqueue(key))
         self.states: dict[Key, RunState] = {} if states is None else states
         self.deleter = Deleter(access, observer, self.states)
         #: Threads of their own: the default pool has cores + 4 threads, and a
@@ -130,8 +139,9 @@ class PlanExecutor:
                            leases: Mapping[str, LeaseState]) -> None:
         """Write each member's assignment on its Lease, in parallel, each at most once.
 
-        A write that fails is left for the next reconcile (the member's Lease
-        event brings one); a member without a Lease is gone and will be removed.
+        A write that fails is left for the next reconcile, asked for
+        :data:`ASSIGN_RETRY_SECONDS` later (no Lease event of that member
+        brings one); a member without a Lease is gone and will be removed.
         The write names the uid of the Lease observed, so it lands on that
         object or nowhere.
         """
@@ -142,6 +152,7 @@ class PlanExecutor:
             told = set()
             state.told = (round_number, told)
         loop = asyncio.get_running_loop()
+        failed: list[str] = []
 
         async def tell(node: str, assignment: Assignment) -> None:
             lease = leases.get(node)
@@ -152,11 +163,14 @@ class PlanExecutor:
                                               assignment, lease.uid):
                     told.add(node)
             except (ApiError, ApiConnectionError) as exc:
+                failed.append(node)
                 log.warning("%s/%s: telling %s its place in round %d failed: %s", *key,
                             node, round_number, exc)
 
         await asyncio.gather(*(tell(node, assignment) for node, assignment in assignments
                                if node not in told))
+        if failed:
+            self.retry(key, ASSIGN_RETRY_SECONDS)
 
     async def write_status(self, run: ElasticRun, status: RunStatus) -> ElasticRun | None:
         key = (run.namespace, run.name)

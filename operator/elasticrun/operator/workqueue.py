@@ -11,6 +11,11 @@ per failure of that run in a row, up to :data:`BACKOFF_CAP_SECONDS`, and
 forgotten once the run's reconcile succeeds (controller-runtime's per-item
 exponential rate limiter).  One run that always fails costs a request every
 few minutes, not every second, and delays no other run.
+
+A burst of events of one run can also be gathered into one reconcile
+(:meth:`WorkQueue.enqueue_within`): a large run's thousands of Lease events
+would otherwise start as many O(N) reconciles back to back, each holding the
+event loop, on which the operator also takes in the very events it waits for.
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ class WorkQueue:
         self._active: set[Key] = set()
         self._dirty: set[Key] = set()
         self._timers: dict[Key, asyncio.TimerHandle] = {}
+        #: Keys to be queued once their gathering window ends (:meth:`enqueue_within`).
+        self._gathering: dict[Key, asyncio.TimerHandle] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(self) -> None:
@@ -80,7 +87,7 @@ class WorkQueue:
                        for i in range(self.workers)]
 
     async def stop(self) -> None:
-        for timer in self._timers.values():
+        for timer in [*self._timers.values(), *self._gathering.values()]:
             timer.cancel()
         for task in self._tasks:
             task.cancel()
@@ -96,6 +103,22 @@ class WorkQueue:
             return
         self._queued.add(key)
         self._queue.put_nowait(key)
+
+    def enqueue_within(self, key: Key, window: float) -> None:
+        """Enqueue ``key`` at the latest ``window`` seconds from now, with every other
+        call made meanwhile: one reconcile for a burst of events.
+
+        The first call of a burst opens the window and later calls never extend
+        it, so a steady stream of events still gets a reconcile every ``window``.
+        """
+        if self._queue is None or key in self._queued or key in self._gathering:
+            return
+        loop = asyncio.get_running_loop()
+        self._gathering[key] = loop.call_later(window, self._gathered, key)
+
+    def _gathered(self, key: Key) -> None:
+        self._gathering.pop(key, None)
+        self.enqueue(key)
 
     def schedule(self, key: Key, when: dt.datetime) -> None:
         """Enqueue ``key`` at ``when``, replacing the key's earlier timer."""
