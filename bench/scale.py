@@ -64,11 +64,8 @@ from controlplane import apiserver  # noqa: E402
 
 @dataclass(frozen=True)
 class Plan:
-    #: From the sizes where nodes seal themselves (below ``rounds.DEFER_SEAL_FROM``)
-    #: to the largest: every size is measured beside its floor.
-    mixed_sizes: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-    #: Real handlers in each mixed round (the rest are simulated), at most a quarter
-    #: of the round (:meth:`sample_of`).
+    mixed_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048)
+    #: Real handlers in each mixed round (the rest are simulated).
     sample: int = 16
     real_sizes: tuple[int, ...] = (64, 128, 256)
     c10d_sizes: tuple[int, ...] = (64, 128, 256)
@@ -82,11 +79,6 @@ class Plan:
     workers: int = 4
     sim_processes: int = 4
     formation_bound: float = 120.0
-
-    def sample_of(self, n: int) -> int:
-        """Real handlers in a mixed round of ``n``: a small round is mostly simulated
-        too, so that its formation is timed on the same simulated joins as a large one."""
-        return min(self.sample, max(2, n // 4))
 
     @classmethod
     def quick(cls) -> Plan:
@@ -473,8 +465,8 @@ def mixed(plan: Plan, backend: K8sBackend, log_dir: Path, operator_pid: int
     try:
         for n in plan.mixed_sizes:
             began = time.monotonic()
-            row = mixed_round(backend, pool, late, log_dir, n, plan.sample_of(n),
-                              plan.sim_processes, operator_pid, plan.formation_bound)
+            row = mixed_round(backend, pool, late, log_dir, n, plan.sample, plan.sim_processes,
+                              operator_pid, plan.formation_bound)
             row.update(floor_round(backend, log_dir, n, plan.sim_processes))
             rows.append(row)
             print(f"  mixed N={n}: formed={row['formed']} latency={row['latency_s']} "

@@ -337,15 +337,14 @@ def render(data: dict[str, Any], plot: str | None) -> str:
         "running (large runs leave the seal to it).",
         "* 1-minute load average after each part (the benchmark alone keeps it near "
         f"{m['nproc']}): " + ", ".join(f"{k} {v}" for k, v in loads.items()) + ".",
-        f"* Mixed rounds: N nodes, of which min({plan['sample']}, N / 4) are real handlers "
-        "(at least 2; threads in "
+        f"* Mixed rounds: N nodes, of which {plan['sample']} are real handlers (threads in "
         f"{plan['workers']} bench workers) and the rest simulated nodes in "
         f"{plan['sim_processes']} asyncio processes (`bench/simnode.py`: the handler's own "
         "request bodies, one request and one watch connection per node, and from "
         f"{TELL_BY_LEASE_FROM} nodes a second watch, of its own Lease). The real handlers "
         "join 1.5 s ahead, so that rank 0, whose TCPStore every real handler reaches, is one "
-        "of them; formation counts from the simulated nodes' start, the simulated ones "
-        "arriving at once. One repetition per N; "
+        "of them; formation counts from the simulated nodes' start, the last N − "
+        f"{plan['sample']} arriving at once. One repetition per N; "
         "`minNodes = N`, `maxNodes = N + 1` (room for the newcomer) and no last call, so "
         "the N-th request seals the round as `maxNodes = N` would.",
         f"* Real rounds: every node a real handler, {plan['reps']} repetitions, median. "

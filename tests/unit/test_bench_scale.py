@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 from elasticrun.api.model import ElasticRun, WaitingNode
-from elasticrun.api.rounds import DEFER_SEAL_FROM, decide_seal
+from elasticrun.api.rounds import decide_seal
 
 from bench.backends import Timing, run_spec
 from bench.scale import NEWCOMER, Plan, mixed_timing, newcomer_timing
@@ -77,10 +77,3 @@ def test_the_newcomers_round_seals_the_moment_every_member_is_back(n: int) -> No
 def test_the_newcomer_phase_changes_only_the_last_call_of_the_mixed_run() -> None:
     assert newcomer_timing(16, 60.0) == dataclasses.replace(mixed_timing(16), last_call=60)
     assert newcomer_timing(16, 59.5).last_call == 60
-
-
-def test_small_mixed_rounds_are_mostly_simulated_and_large_ones_keep_16_real_handlers() -> None:
-    full, quick = Plan(), Plan.quick()
-    assert min(full.mixed_sizes) < DEFER_SEAL_FROM  # nodes' own seals are measured too
-    assert [full.sample_of(n) for n in (8, 16, 32, 64, 2048)] == [2, 4, 8, 16, 16]
-    assert [quick.sample_of(n) for n in quick.mixed_sizes] == [2, 2]
