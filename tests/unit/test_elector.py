@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import http.server
+import threading
 import time
+from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient
+from elasticrun.api.kube import ApiConnectionError, ApiError, Credentials, KubeClient
 from elasticrun.operator import elector
 from elasticrun.operator.elector import (
     Elector,
@@ -134,8 +138,8 @@ def test_timings_that_cannot_keep_one_leader_are_refused() -> None:
 def test_the_fenced_client_refuses_every_write_while_not_leading(
         monkeypatch: pytest.MonkeyPatch) -> None:
     sent: list[str] = []
-    monkeypatch.setattr(KubeClient, "request",
-                        lambda self, method, path, **_: sent.append(method) or {})
+    monkeypatch.setattr(KubeClient, "_send",
+                        lambda self, method, path, *_: sent.append(method) or {})
     inner = idle_client()
     leading = False
     fenced = FencedClient(inner, lambda: leading)
@@ -148,6 +152,81 @@ def test_the_fenced_client_refuses_every_write_while_not_leading(
     assert sent == ["GET", "PUT"]
 
 
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """Answers every request with ``{}`` and records its method and body."""
+
+    seen: list[tuple[str, bytes]] = []
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        self.seen.append((self.command, self.rfile.read(length)))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def do_GET(self) -> None:
+        self._answer()
+
+    def do_PUT(self) -> None:
+        self._answer()
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def recorder() -> Iterator[tuple[KubeClient, list[tuple[str, bytes]]]]:
+    """A client of a plain HTTP server on 127.0.0.1, and what the server received."""
+    seen: list[tuple[str, bytes]] = []
+    handler = type("Recorder", (_Recorder,), {"seen": seen})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    client = KubeClient(Credentials(host=f"http://127.0.0.1:{server.server_port}",
+                                    ca_file=None, cert_file=None, key_file=None,
+                                    verify=False, config=SimpleNamespace(auth_settings=dict)),
+                        timeout=5.0, user_agent="ua")
+    try:
+        yield client, seen
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_a_write_that_lost_the_lead_after_its_first_check_sends_no_byte(
+        recorder: tuple[KubeClient, list[tuple[str, bytes]]]) -> None:
+    """A replica frozen between the call's check and the send (here: the lead is lost
+    while the connection is taken) is refused as the bytes would go out, and the
+    server receives nothing of that write."""
+    client, seen = recorder
+    asks: list[bool] = []
+
+    def may_write() -> bool:
+        asks.append(True)
+        return len(asks) == 1  # the call's own check passes; the lead is gone after it
+
+    fenced = FencedClient(client, may_write)
+    with pytest.raises(NotLeaderError, match="PUT /x: this replica is not the leader"):
+        fenced.request("PUT", "/x", body={"status": "stale"})
+    assert len(asks) == 2
+    # The same client still reads, and the server's record ends with that read only.
+    assert fenced.request("GET", "/y") == {}
+    assert seen == [("GET", b"")]
+
+
+def test_a_write_that_keeps_the_lead_is_sent_whole(
+        recorder: tuple[KubeClient, list[tuple[str, bytes]]]) -> None:
+    """The positive control of the test above: the same write while leading arrives."""
+    client, seen = recorder
+    fenced = FencedClient(client, lambda: True)
+    assert fenced.request("PUT", "/x", body={"status": "fresh"}) == {}
+    assert seen == [("PUT", b'{"status": "fresh"}')]
+
+
 def test_every_request_of_the_controllers_executor_and_observer_is_fenced(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The executor and the observer send through ``OperatorAccess``: over the fenced
@@ -157,8 +236,8 @@ def test_every_request_of_the_controllers_executor_and_observer_is_fenced(
     from elasticrun.operator.metrics import Metrics
 
     sent: list[str] = []
-    monkeypatch.setattr(KubeClient, "request",
-                        lambda self, method, path, **_: sent.append(method) or {})
+    monkeypatch.setattr(KubeClient, "_send",
+                        lambda self, method, path, *_: sent.append(method) or {})
     controller = Controller(FencedClient(idle_client(), lambda: False), Metrics())
     access = controller.executor.access
     assert controller.observer.access is access

@@ -13,7 +13,8 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -103,6 +104,43 @@ class Watch:
             self._response.close()
 
 
+#: Asked before each piece of a request goes onto the socket, in the thread sending it;
+#: it raises to stop the request there.  Set by :meth:`KubeClient.request_checked`.
+_send_check: ContextVar[Callable[[], None] | None] = ContextVar("elasticrun_send_check",
+                                                                default=None)
+
+
+class _CheckedSend:
+    """Mixed into the pool's connections: :data:`_send_check` runs before every ``send``.
+
+    This is the last moment a request can still be held back: the connection is
+    taken from the pool (and connected), the headers and the body are built, and
+    nothing of the request has left the process before the first ``send``.
+    """
+
+    def send(self, data: Any) -> None:
+        check = _send_check.get()
+        if check is not None:
+            check()
+        super().send(data)  # type: ignore[misc]
+
+
+class _CheckedHTTPConnection(_CheckedSend, urllib3.connection.HTTPConnection):
+    pass
+
+
+class _CheckedHTTPSConnection(_CheckedSend, urllib3.connection.HTTPSConnection):
+    pass
+
+
+class _CheckedHTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _CheckedHTTPConnection
+
+
+class _CheckedHTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _CheckedHTTPSConnection
+
+
 #: Who is calling, in the API server's audit log and metrics: the handler in the
 #: pods, or the operator (:data:`OPERATOR_USER_AGENT`).
 USER_AGENT = "elasticrun/0.1"
@@ -126,6 +164,8 @@ class KubeClient:
             key_file=credentials.key_file,
             retries=False,
         )
+        self._pool.pool_classes_by_scheme = {"http": _CheckedHTTPPool,
+                                             "https": _CheckedHTTPSPool}
 
     @classmethod
     def from_config(cls, kubeconfig: str | None = None, context: str | None = None,
@@ -151,6 +191,10 @@ class KubeClient:
     def request(self, method: str, path: str, *, body: Any = None,
                 query: Mapping[str, Any] | None = None, content_type: str = JSON,
                 timeout: float | None = None) -> dict[str, Any]:
+        return self._send(method, path, body, query, content_type, timeout)
+
+    def _send(self, method: str, path: str, body: Any, query: Mapping[str, Any] | None,
+              content_type: str, timeout: float | None) -> dict[str, Any]:
         payload = None if body is None else json.dumps(body).encode()
         bound = timeout if timeout is not None else self.timeout
         try:
@@ -170,6 +214,24 @@ class KubeClient:
             raise ApiError(response.status, str(decoded.get("reason", response.reason)),
                            str(decoded.get("message", data[:500])), decoded)
         return decoded
+
+    def request_checked(self, check: Callable[[], None], method: str, path: str, *,
+                        body: Any = None, query: Mapping[str, Any] | None = None,
+                        content_type: str = JSON, timeout: float | None = None
+                        ) -> dict[str, Any]:
+        """:meth:`request`, with ``check()`` asked as each piece of it is sent.
+
+        A check made before :meth:`request` leaves a window: a process frozen
+        (SIGSTOP, a paused VM) between the check and the send sends the request
+        when it resumes, whatever the check would say then.  Here the check runs
+        after every step that can block, just before the bytes go out; when it
+        raises, the connection is closed and that exception propagates.
+        """
+        token = _send_check.set(check)
+        try:
+            return self._send(method, path, body, query, content_type, timeout)
+        finally:
+            _send_check.reset(token)
 
     def watch(self, path: str, query: Mapping[str, Any], timeout_seconds: int) -> Watch:
         """Open a watch; the server ends it after ``timeout_seconds``."""

@@ -225,8 +225,14 @@ class NotLeaderError(ApiConnectionError):
 
 
 class FencedClient(KubeClient):
-    """The controller's client: every request that is not a read asks ``may_write`` first,
-    at the moment it is sent, in the thread that sends it."""
+    """The controller's client: every request that is not a read asks ``may_write``, in
+    the thread that sends it, when it is called and again as its bytes go out.
+
+    The second ask (:meth:`KubeClient.request_checked`) is the one that fences: a
+    replica frozen after the first ask, building the body or waiting for a
+    connection, resumes past its renew deadline and is refused there, before the
+    API server has seen a byte.
+    """
 
     def __init__(self, inner: KubeClient, may_write: Callable[[], bool]) -> None:
         # The same connections as ``inner``: no second pool.
@@ -239,10 +245,17 @@ class FencedClient(KubeClient):
     def request(self, method: str, path: str, *, body: Any = None,
                 query: Mapping[str, Any] | None = None, content_type: str = JSON,
                 timeout: float | None = None) -> dict[str, Any]:
-        if method.upper() not in READS and not self.may_write():
-            raise NotLeaderError(f"{method} {path}: this replica is not the leader")
-        return super().request(method, path, body=body, query=query,
-                               content_type=content_type, timeout=timeout)
+        if method.upper() in READS:
+            return super().request(method, path, body=body, query=query,
+                                   content_type=content_type, timeout=timeout)
+
+        def fence() -> None:
+            if not self.may_write():
+                raise NotLeaderError(f"{method} {path}: this replica is not the leader")
+
+        fence()
+        return self.request_checked(fence, method, path, body=body, query=query,
+                                    content_type=content_type, timeout=timeout)
 
 
 @dataclass
