@@ -260,7 +260,7 @@ class Controller:
                 clock.forget(state.node)
             else:
                 clock.observe(state.node, state, now())
-        window = lease_event_window(held.raw) if held is not None and held.raw else None
+        window = held.lease_window if held is not None else None
         if window is None:
             self.enqueue(key)
         else:
@@ -268,7 +268,9 @@ class Controller:
 
     def _accept(self, key: Key, raw: dict[str, Any]) -> None:
         """Keep ``raw`` as the newest copy of the run, and report what changed."""
-        self.states.setdefault(key, RunState()).raw = raw
+        state = self.states.setdefault(key, RunState())
+        state.raw = raw
+        state.lease_window = lease_event_window(raw)
         self.observer.observe(key, raw)
 
     def _accept_written(self, key: Key, raw: dict[str, Any]) -> None:

@@ -28,6 +28,9 @@ class RunState:
 
     #: The newest copy of the run (from an event or the operator's own write).
     raw: dict[str, Any] | None = None
+    #: How long a Lease event of the run may wait for others (``controller.
+    #: lease_event_window`` of ``raw``): read once per copy, not once per Lease event.
+    lease_window: float | None = None
     #: The highest status.round seen: a round going back is repaired.
     mark: RoundMark = field(default_factory=RoundMark)
     #: Pod losses by (pod name, pod uid): a namesake Pod's events neither make nor
