@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import subprocess
 import sys
@@ -30,11 +31,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elasticrun.api.kube import MERGE_PATCH, leases_path
 
 from bench.simnode import HttpError, Shared, shared_from, watch_lines
+
+if TYPE_CHECKING:
+    from bench.backends import K8sBackend
 
 #: The Leases of one floor round carry this label (its value: the round's tag).
 LABEL = "bench.elasticrun.dev/floor"
@@ -329,6 +333,32 @@ def measure(api: Any, kubeconfig: str, namespace: str, n: int, processes: int, l
             api.request("DELETE", board_path(namespace, board))
 
 
+#: Numbers the namespaces of one process's floors: a deleted one lingers while it terminates.
+_serial = itertools.count()
+
+
+def on_server(backend: K8sBackend, log_dir: Path, n: int, processes: int, tag: str = ""
+              ) -> Floor:
+    """The floor at ``n`` on a benchmark's own API server, in a namespace of its own.
+
+    Both benchmarks measure it right after their own round of ``n``, so that the
+    two times share a server, its caches and the machine's load; the namespace
+    is deleted after, and the server left to settle before the next measurement.
+    """
+    from bench.pool import worker_env  # noqa: PLC0415 - the coordinator's side only
+
+    api = backend.control_plane.api
+    namespace = f"floor-{n}-{next(_serial)}-{int(time.time()) % 100000}"
+    api.request("POST", "/api/v1/namespaces", body={
+        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    try:
+        return measure(api, str(backend.control_plane.kubeconfig), namespace, n, processes,
+                       log_dir, worker_env(), tag)
+    finally:
+        api.request("DELETE", f"/api/v1/namespaces/{namespace}")
+        backend.quiesce(30)
+
+
 # --------------------------------------------------------------------------- entry points
 
 
@@ -337,19 +367,14 @@ def _standalone(sizes: list[int], processes: int) -> int:
     import tempfile  # noqa: PLC0415
 
     from bench.backends import K8sBackend  # noqa: PLC0415
-    from bench.pool import worker_env  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="floor-") as work:
         backend = K8sBackend(Path(work) / "controlplane")
         backend.start(Path(work))
         try:
-            cp = backend.control_plane
-            cp.api.request("POST", "/api/v1/namespaces", body={
-                "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "floor"}})
             print("| N | formation | loss | newcomer |\n|---|---|---|---|")
             for n in sizes:
-                f = measure(cp.api, str(cp.kubeconfig), "floor", n, processes, Path(work),
-                            worker_env())
+                f = on_server(backend, Path(work), n, processes)
                 cells = [f"{v:.3f} s" if v is not None else "—"
                          for v in (f.formation_s, f.loss_s, f.newcomer_s)]
                 print(f"| {n} | {' | '.join(cells)} |" + (f" {f.errors}" if f.errors else ""),

@@ -442,17 +442,8 @@ def mixed_round(backend: K8sBackend, pool: Pool, late: Pool, log_dir: Path, n: i
 
 def floor_round(backend: K8sBackend, log_dir: Path, n: int, processes: int
                 ) -> dict[str, Any]:
-    """The floor (:mod:`bench.floor`) at ``n``, in a namespace of its own on the same server."""
-    api = backend.control_plane.api
-    namespace = f"floor-{n}-{int(time.time()) % 100000}"
-    api.request("POST", "/api/v1/namespaces", body={
-        "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
-    try:
-        found = floor.measure(api, backend.control_plane.kubeconfig, namespace, n, processes,
-                              log_dir, worker_env())
-    finally:
-        api.request("DELETE", f"/api/v1/namespaces/{namespace}")
-        backend.quiesce(30)
+    """The floor (:mod:`bench.floor`) at ``n`` on the same server, as a mixed row's fields."""
+    found = floor.on_server(backend, log_dir, n, processes)
     return {"floor_s": found.formation_s, "floor_loss_s": found.loss_s,
             "floor_newcomer_s": found.newcomer_s, "floor_errors": list(found.errors)}
 
