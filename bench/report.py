@@ -27,6 +27,10 @@ LATENCY_RATIO_TARGET = 0.5
 DETECT_TARGET_S = 1.0
 RECOVER_TARGET_S = 2.0
 SCALE_SEEN_TARGET_S = 0.5
+#: Target from issue 36: k8s formation within this multiple of the floor (bench/floor.py).
+FLOOR_RATIO_TARGET = 1.5
+#: What the floor's JSON rows time, each phase until the last client that should know knew.
+FLOOR_FORMATION, FLOOR_LOSS, FLOOR_NEWCOMER = "formation_s", "loss_s", "newcomer_s"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -96,6 +100,15 @@ def _med(by_n: dict[int, dict[str, float]], n: int) -> float | None:
     return by_n[n]["median"] if n in by_n else None
 
 
+def _median(s: dict[str, float] | None) -> float | None:
+    return None if s is None else s["median"]
+
+
+def _floor(data: dict[str, Any], phase: str) -> dict[int, dict[str, float]]:
+    """One phase of the floor measured on the k8s backend's server, by N (empty before it was)."""
+    return _by_n(_rows(data, "k8s", "floor"), phase)
+
+
 # --------------------------------------------------------------------------- plots
 
 
@@ -118,6 +131,11 @@ def _plots(  # noqa: PLR0912, PLR0915 - one figure after another, each a few pla
                         yerr=[[lat[n]["median"] - lat[n]["min"] for n in xs],
                               [lat[n]["max"] - lat[n]["median"] for n in xs]],
                         marker="o", capsize=3, label=backend, color=COLOURS[backend])
+    floor = _floor(data, FLOOR_FORMATION)
+    if floor:
+        xs = sorted(floor)
+        ax.plot(xs, [floor[n]["median"] for n in xs], marker=".", linestyle="--",
+                color="#555555", label="floor (k8s server)")
     ax.set(xscale="log", yscale="log", xlabel="nodes N", ylabel="formation latency (s)",
            title="Formation latency (median, min–max)")
     ax.grid(True, which="both", alpha=0.3)
@@ -207,33 +225,51 @@ def _plots(  # noqa: PLR0912, PLR0915 - one figure after another, each a few pla
 # --------------------------------------------------------------------------- sections
 
 
+def _floor_note(data: dict[str, Any], floor: dict[int, dict[str, float]]) -> str:
+    """What the formation table's floor column times, and how often it was measured."""
+    reps = data["plan"].get("floor_reps", 1)
+    when = "not measured in this run" if not floor else (
+        "once per N" if reps == 1 else f"{reps} times per N, median (min–max)"
+    ) + "; – where it was not"
+    return ("*floor*: the cheapest rendezvous this API server allows (`bench/floor.py`), "
+            f"measured on the k8s backend's own server right after its formations of N ({when}): "
+            "N clients, spread over as many processes as the k8s nodes, each create their own "
+            "Lease once and wait for one watch event of one ConfigMap, which a single writer "
+            "updates once its Lease watch has shown all N; timed from the clients' start until "
+            "the last of them saw the update. No ranks, no store, no run object: what any "
+            "rendezvous on this server must at least do.")
+
+
 def _formation_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
     present = [b for b in ORDER if b in data["backends"]]
     lat = {b: _by_n(_rows(data, b, "formation"), "latency_s") for b in present}
     unformed = {(b, int(r["n"])): float(r["bound_s"]) for b in present
                 for r in _rows(data, b, "formation", unformed=True)}
     sizes = sorted({n for b in present for n in lat[b]} | {n for _, n in unformed})
-    facts: dict[str, Any] = {"lat": lat, "sizes": sizes, "unformed": unformed}
+    floor = _floor(data, FLOOR_FORMATION)
+    facts: dict[str, Any] = {"lat": lat, "sizes": sizes, "unformed": unformed, "floor": floor}
     lines += ["## Formation latency", "",
               "From the moment all N nodes are built (imports done, handler made) to the last "
               "`next_rendezvous()` returning; `minNodes = maxNodes = N`, so no backend waits "
               "out a last call. Median (min–max) of the repetitions.", "",
-              "| N | " + " | ".join(present) + " | k8s / c10d | k8s / etcd-v2 | k8s: first node "
-              "returns |",
-              "|---|" + "---|" * (len(present) + 3)]
+              _floor_note(data, floor), "",
+              "| N | " + " | ".join(present) + " | floor | k8s / floor | k8s / c10d | "
+              "k8s / etcd-v2 | k8s: first node returns |",
+              "|---|" + "---|" * (len(present) + 5)]
     first = _by_n(_rows(data, "k8s", "formation"), "first_done_s")
     facts["first"] = first
     for n in sizes:
         cells = [f"**not formed within {unformed[b, n]:.0f} s**" if (b, n) in unformed
                  else _cell(lat[b].get(n), "s") for b in present]
         k8s, c10d, etcd = (_med(lat.get(b, {}), n) for b in ORDER)
+        others = (_med(floor, n), c10d, etcd)
         if ("k8s", n) in unformed:
             bound = unformed["k8s", n]
-            ratios = [f"> {bound / other:.0f}×" if other else "–" for other in (c10d, etcd)]
+            ratios = [f"> {bound / other:.0f}×" if other else "–" for other in others]
         else:
-            ratios = [_ratio(k8s, c10d), _ratio(k8s, etcd)]
-        lines.append(f"| {n} | " + " | ".join(cells) + f" | {ratios[0]} | {ratios[1]} | "
-                     f"{_cell(first.get(n), 's')} |")
+            ratios = [_ratio(k8s, other) for other in others]
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {_cell(floor.get(n), 's')} | "
+                     + " | ".join(ratios) + f" | {_cell(first.get(n), 's')} |")
     for (b, n), bound in sorted(unformed.items()):
         row = next(r for r in _rows(data, b, "formation", unformed=True) if r["n"] == n)
         kinds = ", ".join(f"{v} × `{k}`" for k, v in sorted(row.get("by_kind", {}).items(),
@@ -351,9 +387,19 @@ def _events_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
               "* **k8s (Pod deleted)**: with the operator running (`python -m "
               "elasticrun.operator`), the lost member's Pod is deleted and its process killed; "
               "the operator sees the Pod go, removes the member with one compare-and-set and "
-              "bumps the signal. (Shown when the operator exists in the tree measured.)", "",
-              "| backend | trigger | survivors signalled | all signalled after | next round after "
-              "| re-entry → round |", "|---|---|---|---|---|---|"]
+              "bumps the signal. (Shown when the operator exists in the tree measured.)",
+              f"* **floor: loss known to all** (k8s rows): the floor's loss at N = {n} "
+              "(`bench/floor.py`, measured after the k8s formations of that N): the benchmark "
+              "deletes one client's Lease, the writer's Lease watch sees it and updates the "
+              f"board once, timed until every one of the other {n - 1} clients saw that update. "
+              "*all signalled / floor* is the k8s row's *all signalled after* (until every "
+              "survivor's `num_nodes_waiting()` is positive) over it: both time one departure "
+              "until every survivor knew; neither includes a new round.", "",
+              "| backend | trigger | survivors signalled | all signalled after | floor: loss "
+              "known to all | all signalled / floor | next round after | re-entry → round |",
+              "|---|---|---|---|---|---|---|---|"]
+    floor_loss = _floor(data, FLOOR_LOSS).get(n)
+    facts["floor-loss"] = floor_loss
     variants = [(b, "recovery") for b in present]
     if _rows(data, "k8s", "recovery_pod_deleted"):
         variants.insert(1, ("k8s", "recovery_pod_deleted"))
@@ -366,7 +412,9 @@ def _events_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
         seen = summary(r.get("seen_all_s") for r in rows)
         if seen is None:
             signalled += f" (watched {rows[0]['window_s']:.0f} s)"
+        floor = floor_loss if b == "k8s" else None
         lines.append(f"| {b} | {rows[0]['trigger']} | {signalled} | {_cell(seen, 's')} | "
+                     f"{_cell(floor, 's')} | {_ratio(_median(seen), _median(floor))} | "
                      f"{_cell(summary(r.get('new_round_s') for r in rows), 's')} | "
                      f"{_cell(summary(r.get('reentry_to_round_s') for r in rows), 's')} |")
         facts[b if key == "recovery" else "k8s-pod"] = rows
@@ -375,15 +423,30 @@ def _events_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
     lines += ["## Scale-up: a late node arrives", "",
               f"N = {n} members formed (`minNodes` = {n}, `maxNodes` = {n + 1}); a late node "
               "calls `next_rendezvous()`; members re-rendezvous when `num_nodes_waiting() > 0`.",
-              "", "| backend | members signalled | all members signalled after | N+1 round "
-              "after |", "|---|---|---|---|"]
+              "",
+              "*floor: newcomer known to all* (k8s row): the floor's newcomer at N = "
+              f"{n} (`bench/floor.py`): one more client starts, creates its Lease, the writer "
+              "updates the board once, timed from the newcomer's start until it and every "
+              "other client saw that update. *N+1 round / floor* is the k8s row's *N+1 round "
+              "after* (from the late node's `next_rendezvous()` until every member and the "
+              "late node hold the round of N + 1) over it: both time one arrival until "
+              "everyone knows the new set. The floor's newcomer comes after its loss, so it "
+              f"makes {n} clients; ours makes {n + 1}.", "",
+              "| backend | members signalled | all members signalled after | N+1 round "
+              "after | floor: newcomer known to all | N+1 round / floor |",
+              "|---|---|---|---|---|---|"]
+    floor_newcomer = _floor(data, FLOOR_NEWCOMER).get(n)
+    facts["floor-newcomer"] = floor_newcomer
     for b in present:
         rows = _rows(data, b, "scale_up")
         if rows:
+            joined = summary(r.get("new_round_s") for r in rows)
+            floor = floor_newcomer if b == "k8s" else None
             lines.append(f"| {b} | {min(r['signalled'] for r in rows)}–"
                          f"{max(r['signalled'] for r in rows)} of {rows[0]['members']} | "
                          f"{_cell(summary(r.get('seen_all_s') for r in rows), 's')} | "
-                         f"{_cell(summary(r.get('new_round_s') for r in rows), 's')} |")
+                         f"{_cell(joined, 's')} | {_cell(floor, 's')} | "
+                         f"{_ratio(_median(joined), _median(floor))} |")
             facts[f"scale-{b}"] = rows
     lines.append("")
     return facts
@@ -455,6 +518,53 @@ def _steady_section(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
     return facts
 
 
+def _floor_target(facts: dict[str, Any]) -> tuple[str, list[str]]:
+    """The Targets row "k8s formation within 1.5 times the floor at every N", and its headlines.
+
+    A size at which k8s did not form counts with its bound over the floor (a
+    lower bound of the ratio); a size without a floor is named, not guessed.
+    """
+    floor, unformed = facts["floor"], facts["unformed"]
+    k8s_lat = facts["lat"].get("k8s", {})
+    target = f"| k8s formation ≤ {FLOOR_RATIO_TARGET:g}× the floor at every N | "
+    if not floor:
+        return target + "not measured (no floor in this run) |", []
+    ratios = {n: k8s_lat[n]["median"] / floor[n]["median"] for n in k8s_lat if n in floor}
+    lower = {n: bound / floor[n]["median"] for (b, n), bound in unformed.items()
+             if b == "k8s" and n in floor}
+    missed = sorted(n for n, r in {**ratios, **lower}.items() if r > FLOOR_RATIO_TARGET)
+    unmeasured = sorted(n for n in {*k8s_lat, *(n for b, n in unformed if b == "k8s")}
+                        if n not in floor)
+    if missed:
+        verdict = "missed at N = " + ", ".join(
+            f"{n} (> {lower[n]:.0f}×: not formed)" if n in lower else f"{n} ({ratios[n]:.2f}×)"
+            for n in missed)
+    elif ratios:
+        worst = max(ratios, key=lambda n: ratios[n])
+        verdict = f"met at every N measured (worst {ratios[worst]:.2f}× at N = {worst})"
+    else:
+        verdict = "not measured (no size with both k8s and the floor)"
+    if unmeasured:
+        verdict += "; no floor at N = " + ", ".join(map(str, unmeasured))
+    headlines = []
+    if ratios:
+        low, high = min(ratios.values()), max(ratios.values())
+        headlines.append(f"Forming a round of {min(ratios)}–{max(ratios)} nodes takes "
+                         f"{low:.2f}–{high:.2f}× the time of the floor, the cheapest rendezvous "
+                         "this API server allows (N clients, one Lease each, one watch event "
+                         f"of one object; target ≤ {FLOOR_RATIO_TARGET:g}×).")
+    pod_rows = facts.get("k8s-pod") or []
+    seen = summary(r.get("seen_all_s") for r in pod_rows or facts.get("k8s") or [])
+    joined = summary(r.get("new_round_s") for r in facts.get("scale-k8s") or [])
+    loss, newcomer = facts.get("floor-loss"), facts.get("floor-newcomer")
+    if seen and loss and joined and newcomer:
+        headlines.append(f"{'A deleted member Pod' if pod_rows else 'A lost member'} reaches "
+                         f"every survivor in {seen['median'] / loss['median']:.2f}× the floor's "
+                         f"loss, and a late node's round forms in "
+                         f"{joined['median'] / newcomer['median']:.2f}× the floor's newcomer.")
+    return target + verdict + " |", headlines
+
+
 def _targets(facts: dict[str, Any], lines: list[str]) -> list[str]:
     """The issue's targets, met or missed and by how much; returns the headline lines."""
     lat, sizes, stats = facts["lat"], facts["sizes"], facts["stats"]
@@ -471,7 +581,8 @@ def _targets(facts: dict[str, Any], lines: list[str]) -> list[str]:
         "missed at N = " + ", ".join(
             f"{n} (> {ratios[n]:.0f}×: not formed)" if ("k8s", n) in facts["unformed"]
             else f"{n} ({ratios[n]:.2f}×, {ratios[n] / 0.5:.1f}× over)" for n in missed))
-    lines.append(f"| k8s formation ≤ ½ of c10d at every N | {verdict} |")
+    floor_row, floor_headlines = _floor_target(facts)
+    lines += [f"| k8s formation ≤ ½ of c10d at every N | {verdict} |", floor_row]
     writes = stats.get(("k8s", "writes"), {})
     over = [n for n in sorted(writes) if writes[n]["max"] > 2 * n + 5]
     lines.append("| ≤ 2N+5 API writes per round | " + (
@@ -506,8 +617,7 @@ def _targets(facts: dict[str, Any], lines: list[str]) -> list[str]:
     if ratios:
         small = [n for n in ratios if n not in missed]
         if small:
-            best = min(ratios[n] for n in small)
-            worst = max(ratios[n] for n in small)
+            best, worst = min(ratios[n] for n in small), max(ratios[n] for n in small)
             headlines.append(f"Forming a round of {min(small)}–{max(small)} nodes takes "
                              f"{1 / worst:.0f}–{1 / best:.0f}× less time than torch's c10d "
                              "backend.")
@@ -526,8 +636,8 @@ def _targets(facts: dict[str, Any], lines: list[str]) -> list[str]:
                 headlines.append(f"At N = {n} the k8s round did not form within {bound:.0f} s "
                                  "(c10d: " + _fmt(_med(c10d_lat, n), "s") + "): joins time out "
                                  "in the API server and their retries add to the queue.")
-    c10d_lost = stats.get(("c10d", "lost_cas"), {})
-    k8s_lost = stats.get(("k8s", "lost_cas"), {})
+    headlines += floor_headlines
+    c10d_lost, k8s_lost = stats.get(("c10d", "lost_cas"), {}), stats.get(("k8s", "lost_cas"), {})
     top = max(writes) if writes else None  # the largest N at which k8s formed
     if top is not None and top in c10d_lost:
         headlines.append(f"At N = {top}: {writes[top]['median']:.0f} API writes and "

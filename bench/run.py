@@ -8,7 +8,9 @@
 Every backend runs the same workload on the same machine: nodes are real
 rendezvous handlers, as threads spread over a few worker processes.  Servers
 (kube-apiserver + etcd, Debian's etcd with the v2 API) are started here and
-stopped by PID at the end.  Results: ``<out>/benchmarks.json`` and
+stopped by PID at the end.  After the k8s formations of each N it measures
+the floor (:mod:`bench.floor`) on the same API server, and the report divides
+k8s's times by it.  Results: ``<out>/benchmarks.json`` and
 ``<out>/benchmarks.md`` with PNG plots beside it.
 """
 
@@ -35,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # `python bench/run.py` puts bench/ on the path, not the package's parent.
 sys.path.insert(0, str(ROOT))
 
-from bench import backends, report, resize, scenarios  # noqa: E402
+from bench import backends, floor, report, resize, scenarios  # noqa: E402
 from bench.pool import Pool  # noqa: E402
 from bench.proc import machine  # noqa: E402
 
@@ -56,6 +58,8 @@ class Plan:
     load_losses: int = 3
     #: A formation not done by then is reported as not formed.
     formation_bound: float = 60.0
+    #: Floor rounds (bench/floor.py) after each k8s formation size: a few seconds each.
+    floor_reps: int = 1
 
     @classmethod
     def quick(cls) -> Plan:
@@ -70,6 +74,8 @@ RECOVERY_KEEP_ALIVE = 1
 #: the defaults in the report); torch at its defaults (keep-alive 5 s).
 IDLE_K8S = {"keep_alive": 1, "watch_timeout": 5}
 IDLE_TORCH = {"keep_alive": 5}
+#: The times of one floor round (:class:`bench.floor.Floor`), as its JSON rows name them.
+FLOOR_PHASES = ("formation_s", "loss_s", "newcomer_s")
 
 
 def ensure_setup() -> None:
@@ -105,6 +111,9 @@ def run_backend(name: str, plan: Plan, work: Path, log_dir: Path) -> dict[str, A
         for n in plan.sizes:
             formation.extend(step(f"formation N={n}", functools.partial(
                 scenarios.formation, backend, pool, n, plan.reps, plan.formation_bound)) or [])
+            if isinstance(backend, backends.K8sBackend):
+                step(f"floor N={n}", functools.partial(
+                    floor_rounds, backend, n, plan, log_dir, result.setdefault("floor", [])))
             if formation and not formation[-1]["formed"]:
                 break  # larger N would not form either; the report says where it stopped
         result["formation"] = formation
@@ -133,6 +142,24 @@ def run_backend(name: str, plan: Plan, work: Path, log_dir: Path) -> dict[str, A
         backend.stop()
     result["seconds"] = time.monotonic() - started
     return result
+
+
+def floor_rounds(backend: backends.K8sBackend, n: int, plan: Plan, log_dir: Path,
+                 rows: list[dict[str, Any]]) -> None:
+    """The floor at ``n`` on the k8s backend's server, ``plan.floor_reps`` times, into ``rows``.
+
+    Its clients are spread over as many processes as the formation's nodes were
+    (the pool's workers that hold a node).  A phase that did not finish is an
+    error of the run, after its row (with ``None`` for that phase) is kept.
+    """
+    for rep in range(plan.floor_reps):
+        found = floor.on_server(backend, log_dir, n, min(plan.workers, n), f"n{n}-r{rep}")
+        row = {**asdict(found), "rep": rep}
+        rows.append(row)
+        missing = [key for key in FLOOR_PHASES if row[key] is None]
+        if missing or found.errors:
+            raise RuntimeError(f"floor phases without a time: {missing or 'none'}; client "
+                               f"errors: {list(found.errors) or 'none'}")
 
 
 def commit() -> str:
