@@ -6,6 +6,8 @@ the benchmark is caught in CI rather than at the next ``make bench``.  Timings
 are never asserted: only that every number is there and positive.
 """
 
+# ruff: noqa: RUF001 - the page uses multiplication signs
+
 from __future__ import annotations
 
 import json
@@ -18,6 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ("k8s", "c10d", "etcd-v2")
+#: The times of one floor round (bench/floor.py), each until every client that should knew.
+FLOOR_PHASES = ("formation_s", "loss_s", "newcomer_s")
 FORMATION_KEYS = ("n", "rep", "latency_s", "requests", "writes", "lost_cas", "server_cpu_s",
                   "client_cpu_s")
 
@@ -92,6 +96,34 @@ def test_operator_measured_when_present(quick_run: tuple[Path, dict[str, Any]]) 
     load = k8s["operator_load"]
     assert _positive(load["rss_mib"]) and _positive(load["startup_s"])
     assert len(load["pod_loss_s"]) == load["losses"] and all(map(_positive, load["pod_loss_s"]))
+
+
+def test_the_floor_is_measured_beside_every_k8s_formation(
+        quick_run: tuple[Path, dict[str, Any]]) -> None:
+    out, data = quick_run
+    rows = data["backends"]["k8s"]["floor"]
+    assert sorted(r["n"] for r in rows) == sorted(data["plan"]["sizes"]
+                                                  * data["plan"]["floor_reps"])
+    for row in rows:
+        assert row["errors"] == [], row
+        assert all(_positive(row[phase]) for phase in FLOOR_PHASES), row
+    text = (out / "benchmarks.md").read_text()
+    header = "| N | k8s | c10d | etcd-v2 | floor | k8s / floor | k8s / c10d |"
+    table = text.split(header)[1].split("\n\n")[0].splitlines()[2:]
+    assert len(table) == len(data["plan"]["sizes"]), table
+    for line in table:
+        floor, ratio = line.split(" | ")[4:6]
+        assert floor.endswith(" s") and ratio.endswith("×"), line
+    target = next(line for line in text.splitlines()
+                  if line.startswith("| k8s formation ≤ 1.5× the floor at every N |"))
+    assert target.split(" | ")[1].startswith(("met", "missed")), target
+    # The loss and the newcomer at the scenarios' N (one of the formation sizes): the
+    # k8s rows hold a ratio to the floor, which only a floor time beside theirs makes.
+    recovery = text.split("## Recovery")[1].split("## Scale-up")[0]
+    scale_up = text.split("## Scale-up")[1].split("## Steady state")[0]
+    for section, row in ((recovery, "| k8s | shutdown() |"), (scale_up, "| k8s |")):
+        line = next(line for line in section.splitlines() if line.startswith(row))
+        assert line.count("×") == 1, line
 
 
 def test_report_and_plots_written(quick_run: tuple[Path, dict[str, Any]]) -> None:
