@@ -1,8 +1,15 @@
-"""The floor benchmark's one writer: when it updates the board (bench/floor.py)."""
+"""The floor benchmark (bench/floor.py): when its one writer updates the board, and how
+``make bench`` (bench/run.py) measures it."""
 
 from __future__ import annotations
 
-from bench.floor import next_board_round
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import floor, run
+from bench.floor import Floor, next_board_round
 
 
 def test_the_first_round_waits_for_all_n_leases() -> None:
@@ -17,3 +24,24 @@ def test_every_change_after_the_first_round_is_one_more_round() -> None:
     assert next_board_round(3, False, 4, 4) == 3  # a renewal, a second ADDED of a name: nothing
     # A loss and a newcomer seen together in a new listing: the set changed, its size not.
     assert next_board_round(3, True, 4, 4) == 4
+
+
+def test_make_bench_keeps_an_incomplete_floor_round_and_reports_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """bench/run.py's floor rounds: as many client processes as the formation's nodes had
+    workers, one tag per repetition, and a phase without a time an error after its row."""
+    server = object()
+    asked: list[tuple[int, int, str]] = []
+
+    def on_server(backend: Any, log_dir: Path, n: int, processes: int, tag: str = "") -> Floor:
+        assert backend is server and log_dir == tmp_path
+        asked.append((n, processes, tag))
+        return Floor(n, 0.2, None if tag.endswith("r1") else 0.05, 0.1)
+
+    monkeypatch.setattr(floor, "on_server", on_server)
+    rows: list[dict[str, Any]] = []
+    with pytest.raises(RuntimeError, match=r"floor phases without a time: \['loss_s'\]"):
+        run.floor_rounds(server, 2, run.Plan(workers=4, floor_reps=2), tmp_path, rows)
+    assert asked == [(2, 2, "n2-r0"), (2, 2, "n2-r1")]
+    assert [(r["rep"], r["formation_s"], r["loss_s"], r["newcomer_s"]) for r in rows] == [
+        (0, 0.2, 0.05, 0.1), (1, 0.2, None, 0.1)]
