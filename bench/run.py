@@ -58,7 +58,7 @@ class Plan:
     load_losses: int = 3
     #: A formation not done by then is reported as not formed.
     formation_bound: float = 60.0
-    #: Floor rounds (bench/floor.py) after each k8s formation size: a few seconds each.
+    #: Floor rounds (bench/floor.py) after each k8s formation size (7-10 s each on 2 cores).
     floor_reps: int = 1
 
     @classmethod
