@@ -22,8 +22,9 @@ from bench.stats import growth_exponent, summary
 Row = dict[str, Any]
 ORDER = ("k8s", "c10d", "etcd-v2")
 COLOURS = {"k8s": "#326ce5", "c10d": "#ee4c2c", "etcd-v2": "#6b8e23"}
-#: Targets from issue 7 (reported against, never asserted).
-LATENCY_RATIO_TARGET = 0.5
+#: Targets (reported against, never asserted): k8s / c10d formation from issue 36
+#: (issue 7 asked for 1/2), the others from issue 7.
+LATENCY_RATIO_TARGET = 0.3
 DETECT_TARGET_S = 1.0
 RECOVER_TARGET_S = 2.0
 SCALE_SEEN_TARGET_S = 0.5
@@ -580,9 +581,11 @@ def _targets(facts: dict[str, Any], lines: list[str]) -> list[str]:
     verdict = "met at every N" if not missed else (
         "missed at N = " + ", ".join(
             f"{n} (> {ratios[n]:.0f}×: not formed)" if ("k8s", n) in facts["unformed"]
-            else f"{n} ({ratios[n]:.2f}×, {ratios[n] / 0.5:.1f}× over)" for n in missed))
+            else f"{n} ({ratios[n]:.2f}×, {ratios[n] / LATENCY_RATIO_TARGET:.1f}× over)"
+            for n in missed))
     floor_row, floor_headlines = _floor_target(facts)
-    lines += [f"| k8s formation ≤ ½ of c10d at every N | {verdict} |", floor_row]
+    lines += [f"| k8s formation ≤ {LATENCY_RATIO_TARGET:g}× c10d at every N | {verdict} |",
+              floor_row]
     writes = stats.get(("k8s", "writes"), {})
     over = [n for n in sorted(writes) if writes[n]["max"] > 2 * n + 5]
     lines.append("| ≤ 2N+5 API writes per round | " + (

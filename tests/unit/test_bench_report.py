@@ -173,3 +173,15 @@ def test_no_floor_at_the_scenarios_n_leaves_its_loss_and_newcomer_columns_empty(
     assert _table(text, SCALE_UP)[0] == "| k8s | 4–4 of 4 | 0.050 s | 0.300 s | – | – |"
     assert "the floor's loss" not in _headlines(text)
     assert "the time of the floor" in _headlines(text)
+
+
+def test_k8s_over_c10d_is_held_to_issue_36s_target_and_says_by_how_much_it_missed() -> None:
+    """At most 0.3 x c10d at every N: 0.30 is met, 0.45 missed by 1.5 x."""
+    def row(text: str) -> str:
+        return next(r for r in _table(text, "| target | result |")
+                    if r.startswith("| k8s formation ≤ 0.3× c10d at every N"))
+
+    assert row(render(_data([_formed(2, 0.3), _formed(4, 0.2)]), [])).endswith(
+        "| met at every N |")
+    assert row(render(_data([_formed(2, 0.3), _formed(4, 0.45)]), [])).endswith(
+        "| missed at N = 4 (0.45×, 1.5× over) |")
