@@ -423,10 +423,9 @@ def _one_after_the_other(cluster: Cluster, namespace: str, run: str,
     """``next_rendezvous()`` on each handler once the previous one waits; all outcomes.
 
     Members of a round an admin reset (its roster kept) come back this way, its
-    rank 0 first: the reset round answers an earlier request of each, so rank 0
-    joins the next one, and so does every other member once rank 0's Lease
-    announces its new request; that round is sealed once all of them are back
-    (with a last call longer than their return).
+    rank 0 first: the reset round answers an earlier request of each, so each
+    waits with its new one for the next round, which is sealed once all of them
+    are back (with a last call longer than their return).
     """
     started = {}
     for handler in handlers:

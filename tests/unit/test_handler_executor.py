@@ -29,7 +29,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elasticrun.api import rounds
-from elasticrun.api.leases import JOIN_ANNOTATION
+from elasticrun.api.leases import JOIN_ANNOTATION, lease_state
 from elasticrun.api.model import RunSpec, RunStatus, StoreAddress, WaitingNode, now, parse_run
 from elasticrun.api.roundfile import ROUND_FILE_VARIABLE, decode_round
 from elasticrun.handler import executor as executor_mod
@@ -206,6 +206,65 @@ def test_a_store_rank_0_did_not_announce_is_refused(
     write_status(server, dataclasses.replace(sealed, store=StoreAddress("127.0.0.1", 29401)))
     with pytest.raises(RendezvousStateError, match="refusing the store of round 1"):
         call.result(BOUND)
+
+
+def test_a_round_of_a_failed_calls_request_leaves_the_next_calls_request_standing(
+        server: FakeApiServer, nodes: Nodes,
+        pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call that failed (a forged store refused) leaves its request on the Lease, and
+    the round that answered it is still the run's when the node calls again.  Its new
+    request must be its only one: a second would tell the others that rank 0 moved on
+    while a round answering the first was sealed, and they would form yet another."""
+    monkeypatch.setattr(executor_mod, "STORE_CHECK_SECONDS", 0.2)
+    server.seed_run(RUN_NAME, spec(3))
+    a, b = nodes("a"), nodes("b")
+    first = [pool.submit(node.next_rendezvous) for node in (a, b)]
+    nodes.listed(a)
+    nodes.listed(b)
+    run = parse_run(server.run(RUN_NAME))
+    sealed = rounds.seal_round(run, now(), observer_pending(server))
+    assert len(sealed.participants) == 2
+    write_status(server, dataclasses.replace(sealed, store=StoreAddress("127.0.0.1", 1)))
+    for call in first:
+        with pytest.raises(RendezvousStateError):
+            call.result(BOUND)
+    c = nodes("c")
+    third = pool.submit(c.next_rendezvous)
+    nodes.listed(c)
+    writes = {n: nodes.gateway(n).calls["patch_lease"] for n in (a, b)}
+    got = infos([pool.submit(a.next_rendezvous), pool.submit(b.next_rendezvous), third])
+    assert {n: nodes.gateway(n).calls["patch_lease"] - writes[n] for n in (a, b)} == \
+        {a: 1, b: 1}  # one request each (renewals are 10 s apart)
+    assert sorted((info.rank, info.world_size) for info in got) == [(0, 3), (1, 3), (2, 3)]
+    status = parse_run(server.run(RUN_NAME)).status
+    assert status.round == 2 and (a.round, b.round, c.round) == (2, 2, 2)
+    assert status.store != StoreAddress("127.0.0.1", 1)
+
+
+def test_rank_0_takes_no_round_of_its_earlier_request_even_on_its_own_store(
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
+    """A round holding the previous requests (a status restored by hand) names rank 0's
+    store.  The other nodes read rank 0's new request on its Lease and take the round
+    for one whose rank 0 moved on, so rank 0 must too: all meet in the round after."""
+    server.seed_run(RUN_NAME, spec(2))
+    a, b = nodes("a"), nodes("b")
+    first = pool.submit(a.next_rendezvous)
+    nodes.listed(a)
+    infos([first, pool.submit(b.next_rendezvous)])
+    run = parse_run(server.run(RUN_NAME))
+    assert run.status.participant("a").rank == 0  # type: ignore[union-attr]
+    write_status(server, run.status.replace(round=2, signal=run.status.signal + 1))
+    wait_for(lambda: a.num_nodes_waiting() > 0 and b.num_nodes_waiting() > 0, BOUND,
+             "a and b to see round 2", interval=0.01)
+    leader = pool.submit(a.next_rendezvous)
+    nodes.listed(a)
+    got = infos([leader, pool.submit(b.next_rendezvous)])
+    assert [(info.rank, info.world_size) for info in got] == [(0, 2), (1, 2)]
+    status = parse_run(server.run(RUN_NAME)).status
+    assert status.round == 3 and (a.round, b.round) == (3, 3)
+    assert {p.name: p.since for p in status.participants} == {
+        n: lease_state(server.lease_of(RUN_NAME, n)).join.since  # type: ignore[union-attr]
+        for n in "ab"}
 
 
 def test_a_run_closed_while_waiting_ends_the_call_and_withdraws_the_request(

@@ -7,13 +7,14 @@ last-call stagger and the join timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from elasticrun.api import rounds
-from elasticrun.api.model import Assignment, RunStatus, StoreAddress
+from elasticrun.api.model import Assignment, RunStatus, StoreAddress, WaitingNode
 from elasticrun.handler import step
 from elasticrun.handler.step import Knowledge, next_action
 
@@ -39,6 +40,22 @@ def test_a_closed_run_ends_the_call_even_while_waiting() -> None:
 def test_a_newer_round_that_holds_the_node_completes_it_with_its_rank() -> None:
     known = knows(sealed("b", "a"), pending=(), previous_round=0)
     assert completes(next_action(known, at(0), CLOCK), 1)
+
+
+def test_a_round_holding_an_earlier_request_of_the_node_does_not_complete_the_call() -> None:
+    """A status restored by hand, or a round sealed with the request a failed call
+    left: the node waits with this call's request, which no round has answered."""
+    status = sealed("b", "a")
+    own = WaitingNode(name="a", address="10.0.0.1", store_port=29401, since=OWN_SINCE)
+    earlier = dataclasses.replace(status.participants[1], since=OWN_SINCE - dt.timedelta(1))
+    held = knows(status.replace(participants=(status.participants[0], earlier))).replace(
+        own=own, pending=(own,))
+    assert not isinstance(next_action(held, at(0), CLOCK), step.Complete)
+    answered = held.replace(run=run(status.replace(participants=(
+        status.participants[0], dataclasses.replace(earlier, since=OWN_SINCE)))))
+    assert completes(next_action(answered, at(0), CLOCK), 1)
+    # A round that does not say which request it answers still counts.
+    assert completes(next_action(held.replace(run=run(status)), at(0), CLOCK), 1)
 
 
 def test_the_round_the_node_was_in_does_not_complete_the_call() -> None:

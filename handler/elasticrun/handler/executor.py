@@ -122,7 +122,7 @@ class RoundExecutor:
                     # losing, a request that keeps vanishing) once shutdown() has begun.
                     raise RendezvousClosedError(f"{self._who()}: the agent is shutting down")
                 if isinstance(action, step.Complete):
-                    info = self._complete(known.run, action.assignment, known.own)
+                    info = self._complete(known.run, action.assignment)
                     if info is not None:
                         return info
                     # The round ended before its store answered: join the next one.
@@ -249,8 +249,7 @@ class RoundExecutor:
 
     # ------------------------------------------------------------------ the round
 
-    def _complete(self, run: ElasticRun, assignment: Assignment,
-                  own: WaitingNode | None = None) -> RendezvousInfo | None:
+    def _complete(self, run: ElasticRun, assignment: Assignment) -> RendezvousInfo | None:
         """torch's view of the round, or None when it ended before its store answered."""
         round_number, rank = assignment.round, assignment.rank
         if assignment.store is None:
@@ -259,7 +258,7 @@ class RoundExecutor:
                                        "publish its TCPStore port")
         host, port = assignment.store.host, assignment.store.port
         latest = self.session.watcher.latest or run
-        if not self._store_announced(latest, assignment, own):
+        if not self._store_announced(latest, assignment):
             return None
         base = reach_store(self.session, self.stores, latest, assignment,
                            self._report_unreachable)
@@ -275,28 +274,23 @@ class RoundExecutor:
         return RendezvousInfo(store, rank, assignment.world_size,
                               RendezvousStoreInfo(master_addr=host, master_port=port))
 
-    def _store_announced(self, run: ElasticRun, assignment: Assignment,
-                         request: WaitingNode | None) -> bool:
+    def _store_announced(self, run: ElasticRun, assignment: Assignment) -> bool:
         """Whether the round's store is the one its rank 0 announced; False: not our round.
 
-        Rank 0 serves its own store; anyone else reads rank 0's Lease (one
-        LIST by name) and compares (:func:`elasticrun.api.stores.store_problem`).
-        A round that does not answer this call's join ``request`` (a status
-        written by hand from an older round), or whose rank 0 has moved on
-        (its request withdrawn or replaced by a newer one), is not this node's
-        round: it joins the next one.  A round that answers rank 0's current
-        request with a store rank 0 did not announce is refused before any
-        connection is made, with torch's RendezvousStateError.
+        The round answers this call's request (:attr:`.step.Knowledge.assignment`
+        takes no other).  Rank 0 serves its own store; anyone else reads rank 0's
+        Lease (one LIST by name) and compares
+        (:func:`elasticrun.api.stores.store_problem`).  A round whose rank 0 has
+        moved on (its request withdrawn or replaced by a newer one, which rank 0
+        itself takes no round of) is not this node's round: it joins the next
+        one.  A round that answers rank 0's current request with a store rank 0
+        did not announce is refused before any connection is made, with torch's
+        RendezvousStateError.
         """
         session = self.session
         given, leader, round_number = assignment.store, assignment.leader, assignment.round
-        # Every seal records the request it answers: a round holding an older
-        # request of this node was written from an older round (a hand edit, a
-        # restore, the repair of a status whose roster was unreadable).
-        stale = request is not None and assignment.since is not None \
-            and assignment.since != request.since
         if assignment.rank == 0:
-            return self._own_store(given, round_number, stale)
+            return self._own_store(given, round_number)
         if leader is None:
             return True  # the round lost its rank 0: reach_store joins the next one
         # Rank 0's request in this round; a copy that predates the round (a member
@@ -316,11 +310,10 @@ class RoundExecutor:
             if problem is None:
                 return True
             join = lease_state(lease).join if lease is not None else None
-            if stale or join is None or join.since != answered:
-                log.warning("%s: not connecting to the store of round %d (%s); %s, joining "
-                            "the next round", self._who(), round_number, problem,
-                            "it answers an earlier request of this node" if stale
-                            else "rank 0 has moved on")
+            if join is None or join.since != answered:
+                log.warning("%s: not connecting to the store of round %d (%s); rank 0 has "
+                            "moved on, joining the next round", self._who(), round_number,
+                            problem)
                 return False
             session.check_watch()
             latest = session.watcher.latest or run
@@ -337,16 +330,11 @@ class RoundExecutor:
             session.wait_for_change(latest, min(deadline, time.monotonic() + 0.5),
                                     self._closing)
 
-    def _own_store(self, given: StoreAddress | None, round_number: int, stale: bool) -> bool:
+    def _own_store(self, given: StoreAddress | None, round_number: int) -> bool:
         """Rank 0's check: the round names the store this node serves for this call."""
         own = StoreAddress(self.settings.address, self.stores.port or 0)
         if given == own:
             return True
-        if stale:
-            log.warning("%s: round %d answers an earlier request of this node and names "
-                        "another store than its own; joining the next round", self._who(),
-                        round_number)
-            return False
         raise RendezvousStateError(
             f"{self._who()}: round {round_number} makes this node rank 0 with store "
             f"{given.host if given else None}:{given.port if given else None}, but it "

@@ -61,15 +61,16 @@ class Knowledge:
     def assignment(self) -> Assignment | None:
         """This node's place in a round newer than its previous one, if it has one.
 
-        The run it holds says so, or else its Lease does: an assignment there
-        counts when it answers the join request of this call (its ``since``)
-        and names a round newer than any the node knows of.  An assignment of
-        an earlier request, or of a round the run has moved past, is stale.
+        The run it holds says so, or else its Lease does: either counts when it
+        answers the join request of this call (:func:`answers`) and names a
+        round newer than any the node knows of.  An assignment of an earlier
+        request, or of a round the run has moved past, is stale: the node waits
+        with the request it made, which no round has answered yet.
         """
         status = self.run.status
         if status.round > self.previous_round:
             mine = status.assignment(self.node)
-            if mine is not None:
+            if mine is not None and answers(mine, self.own):
                 return mine
         offered, own = self.offered, self.own
         if offered is not None and own is not None and offered.since == own.since \
@@ -81,6 +82,20 @@ class Knowledge:
     def requested(self) -> bool:
         """Whether this node's join request is among the pending ones."""
         return any(w.name == self.node for w in self.pending)
+
+
+def answers(assignment: Assignment, request: WaitingNode | None) -> bool:
+    """Whether a round's ``assignment`` answers the join ``request`` of this call.
+
+    Every seal records the request it answers (``since``), so a round that holds
+    an earlier one was written from an older round (a hand edit, a restore, the
+    repair of a status whose roster was unreadable) or sealed with a request
+    that a failed call left on the Lease.  Such a round is no node's to take:
+    the other nodes read the newer request on this node's Lease, and a rank 0
+    that has moved on makes every member wait for the next round, so this node
+    does too.  Without either timestamp the round counts.
+    """
+    return request is None or assignment.since is None or assignment.since == request.since
 
 
 @dataclass(frozen=True)
