@@ -35,7 +35,9 @@ operator's :class:`~elasticrun.api.gateway.OperatorAccess`: one
 injection (:meth:`Faults.fail_next`, :meth:`Faults.on_next`) fails or
 interleaves the next calls of one method, or of every method (``"*"``).
 An unset ``status.signal`` is compared as ``""`` by the narrow watch's
-selector (the API server's value for a missing selectable field).
+selector (the API server's value for a missing selectable field), and so is an
+unset ``status.stableRound`` by a member's quiet watch (``watch_round``), whose
+events carry the run's metadata only, as ``PartialObjectMetadata``.
 """
 
 from __future__ import annotations
@@ -105,13 +107,17 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 
 def json_patch(target: dict[str, Any], operations: list[dict[str, Any]]) -> dict[str, Any]:
-    """RFC 6902 ``test`` and ``replace`` on object paths, all or nothing; 422 if one fails."""
+    """RFC 6902 ``test``, ``replace`` and ``add`` on object paths, all or nothing; 422 if
+    one fails (``add`` sets a member of an existing object, present or not)."""
     patched = copy.deepcopy(target)
     for op in operations:
         *parents, last = [part for part in op["path"].split("/") if part]
         node: Any = patched
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
+        if op["op"] == "add" and isinstance(node, dict):
+            node[last] = copy.deepcopy(op["value"])
+            continue
         if not isinstance(node, dict) or last not in node:
             raise api_error(422, "Invalid", f"{op['op']} {op['path']}: no such field")
         if op["op"] == "test" and node[last] != op["value"]:
@@ -133,6 +139,15 @@ class FakeWatch:
     ends_at: float
     events: deque[dict[str, Any]] = field(default_factory=deque)
     closed: bool = False
+    #: Events carry the object's metadata only (``Accept: ...as=PartialObjectMetadata``).
+    metadata_only: bool = False
+
+    def shown(self, obj: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``obj`` as this watch's events carry it."""
+        if not self.metadata_only or obj is None:
+            return copy.deepcopy(obj)
+        return {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                "metadata": copy.deepcopy(obj.get("metadata") or {})}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         cond = self.server.cond
@@ -162,9 +177,9 @@ class FakeWatch:
         was, now = old is not None and self.selector(old), new is not None and self.selector(new)
         if now:
             self.events.append({"type": "MODIFIED" if was else "ADDED",
-                                "object": copy.deepcopy(new)})
+                                "object": self.shown(new)})
         elif was:
-            self.events.append({"type": "DELETED", "object": copy.deepcopy(new or old)})
+            self.events.append({"type": "DELETED", "object": self.shown(new or old)})
 
 
 class FakeApiServer:
@@ -305,13 +320,14 @@ class FakeApiServer:
     # ------------------------------------------------------------------ watches
 
     def watch(self, key: Key, selector: Selector, resource_version: str | None,
-              timeout_seconds: float) -> FakeWatch:
+              timeout_seconds: float, metadata_only: bool = False) -> FakeWatch:
         with self.cond:
-            watch = FakeWatch(self, key, selector, time.monotonic() + timeout_seconds)
+            watch = FakeWatch(self, key, selector, time.monotonic() + timeout_seconds,
+                              metadata_only=metadata_only)
             if resource_version is None:
                 current = self.objects.get(key)
                 if current is not None and selector(current):
-                    watch.events.append({"type": "ADDED", "object": copy.deepcopy(current)})
+                    watch.events.append({"type": "ADDED", "object": watch.shown(current)})
             elif int(resource_version) < self.compacted_at:
                 watch.events.append({"type": "ERROR", "object": {
                     "kind": "Status", "code": 410, "reason": "Expired",
@@ -473,6 +489,18 @@ class FakeGateway(Faults):
             return str(value) != str(signal)
 
         return self.server.watch(self._run, moved, resource_version, timeout_seconds)
+
+    def watch_round(self, round_number: int, timeout_seconds: int) -> FakeWatch:
+        """As the real one: metadata only, from now, while ``status.stableRound`` is not
+        ``round_number`` (an unset field compares as ``""``)."""
+        self._request("watch_round")
+
+        def disturbed(run: dict[str, Any] | None) -> bool:
+            value = (run or {}).get("status", {}).get("stableRound", "")
+            return str(value) != str(round_number)
+
+        return self.server.watch(self._run, disturbed, None, timeout_seconds,
+                                 metadata_only=True)
 
     # ------------------------------------------------------------------ its Leases
 

@@ -114,6 +114,28 @@ def test_the_narrow_watch_sends_added_when_the_signal_moves_and_nothing_before()
     assert list(events) == []  # closed: the stream ends
 
 
+def test_the_quiet_watch_sends_metadata_once_the_round_is_disturbed_from_now_on() -> None:
+    _, gateway = run_with(RunStatus(round=2, signal=1).replace(
+        participants=(), restart_round=1))
+    stable = gateway.read()
+    assert stable is not None and stable["status"]["stableRound"] == 2
+    watch = gateway.watch_round(2, 5)  # undisturbed now: nothing first
+    also = gateway.watch_round(3, 5)  # another round: what is there now comes first
+    renewed = gateway.replace_status(stable["metadata"]["resourceVersion"],
+                                     {**stable["status"], "waitingCount": 1}, "m")
+    disturbed = gateway.replace_status(renewed["metadata"]["resourceVersion"],  # type: ignore[index]
+                                       {**stable["status"], "stableRound": 0}, "m")
+    events = iter(watch)
+    first = next(events)
+    watch.close()
+    assert (first["type"], rv(first["object"])) == ("ADDED", rv(disturbed))
+    assert first["object"] == {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                               "metadata": disturbed["metadata"]}  # type: ignore[index]
+    assert next(iter(also))["object"]["metadata"]["resourceVersion"] == \
+        stable["metadata"]["resourceVersion"]
+    also.close()
+
+
 def test_a_watch_replays_from_its_version_in_order_and_ends_on_time() -> None:
     server, gateway = run_with()
     gateway.create_lease(lease("a"))

@@ -41,8 +41,10 @@ class RecordingClient:
             raise self.error
         return {}
 
-    def watch(self, path: str, query: Mapping[str, Any], timeout_seconds: int) -> str:
-        self.sent.append(("WATCH", path, dict(query), timeout_seconds))
+    def watch(self, path: str, query: Mapping[str, Any], timeout_seconds: int,
+              accept: str = JSON) -> str:
+        self.sent.append(("WATCH", path, dict(query), timeout_seconds)
+                         + ((accept,) if accept != JSON else ()))
         return "stream"
 
 
@@ -77,6 +79,15 @@ def test_the_run_watch_and_the_lease_watch() -> None:
         ("WATCH", RUNS, {"fieldSelector": "metadata.name=r,status.signal!=3",
                          "resourceVersion": "7"}, 300),
         ("WATCH", LEASES, {"fieldSelector": "metadata.name=r.a", "resourceVersion": None}, 60),
+    ]
+
+
+def test_the_quiet_watch_of_a_member_asks_for_metadata_from_now() -> None:
+    access, client = gateway()
+    assert access.watch_round(4, 300) == "stream"
+    assert client.sent == [
+        ("WATCH", RUNS, {"fieldSelector": "metadata.name=r,status.stableRound!=4"}, 300,
+         "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"),
     ]
 
 

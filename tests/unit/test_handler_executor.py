@@ -386,3 +386,56 @@ def test_a_round_its_workers_report_lost_is_re_formed_in_place_by_the_followers(
     assert rejoined < 2.0  # LOST_FILE_INTERVAL (0.2 s) and the join, with room for a loaded CPU
     assert [p["name"] for p in server.run(RUN_NAME)["status"]["participants"]] == ["a", "b"]
     assert waiting == {0}
+
+
+def large_spec() -> RunSpec:
+    """A run whose operator tells members on their Leases (maxNodes 256), formed by one node."""
+    return RunSpec(min_nodes=1, max_nodes=rounds.TELL_BY_LEASE_FROM, join_timeout=60,
+                   last_call_timeout=1, heartbeat_timeout=30, lease_renew_interval=10)
+
+
+def seal_as_the_operator(server: FakeApiServer, *names: str) -> RunStatus:
+    """The operator's seal of a large run once ``names`` asked: the status with the signal
+    left alone, then each member's assignment on its Lease."""
+    for name in names:
+        wait_for(lambda name=name: join_of(server, name), BOUND, f"{name}'s request")
+    status = rounds.seal_round(parse_run(server.run(RUN_NAME)), now(), observer_pending(server),
+                               by_lease=True)
+    write_status(server, status)
+    gateway = FakeGateway(server, RUN_NAME)
+    for name, assignment in status.assignments().items():
+        lease = server.lease_of(RUN_NAME, name)
+        assert lease is not None and gateway.assign(name, assignment, lease["metadata"]["uid"])
+    return status
+
+
+def test_a_member_of_a_large_run_learns_of_a_loss_from_one_metadata_event(
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
+    server.seed_run(RUN_NAME, large_spec())
+    a, b = nodes("a"), nodes("b")
+    calls = [pool.submit(a.next_rendezvous), pool.submit(b.next_rendezvous)]
+    status = seal_as_the_operator(server, "a", "b")
+    assert sorted(info.rank for info in infos(calls)) == [0, 1]
+    watched = nodes.gateway(a)
+    wait_for(lambda: watched.reached["watch_round"], BOUND, "a's quiet watch", interval=0.01)
+    assert a.watcher is not None and a.watcher.quiet_round == 1
+    seen, reads = a.watcher.events_received, watched.reached["read"]
+    # A write that leaves round 1 undisturbed (a spare's request summarised) sends nothing.
+    write_status(server, status.replace(waiting=(
+        WaitingNode(name="spare", address="10.0.0.9", store_port=1, since=now()),)))
+    time.sleep(0.3)
+    assert (a.num_nodes_waiting(), a.watcher.events_received) == (0, seen)
+    # The loss: one event, of metadata only, and a waiting node without reading the run.
+    current = parse_run(server.run(RUN_NAME)).status
+    lost = rounds.remove_member(current, "b", rounds.LEASE_EXPIRED, now())
+    assert lost is not None
+    write_status(server, lost)
+    wait_for(a.num_nodes_waiting, BOUND, "a to hear of the loss", interval=0.01)
+    assert a.num_nodes_waiting() == 1
+    assert (a.watcher.events_received, watched.reached["read"]) == (seen + 1, reads)
+    # Asking again, it reads the run once and holds the next round, watched fully until then.
+    again = pool.submit(a.next_rendezvous)
+    wait_for(lambda: watched.reached["read"] > reads, BOUND, "a to read the run")
+    seal_as_the_operator(server, "a")
+    assert (again.result(BOUND).rank, a.round, a.watcher.quiet_round) == (0, 2, 2)
+    assert a.num_nodes_waiting() == 0

@@ -60,7 +60,9 @@ def test_announce_tests_both_counters_before_moving_them() -> None:
     assert ops[:2] == [{"op": "test", "path": "/status/joinNotice", "value": 2},
                        {"op": "test", "path": "/status/signal", "value": 7}]
     assert ops[2:] == [{"op": "replace", "path": "/status/joinNotice", "value": 3},
-                       {"op": "replace", "path": "/status/signal", "value": 8}]
+                       {"op": "replace", "path": "/status/signal", "value": 8},
+                       # the round is disturbed: its members' quiet watches wake
+                       {"op": "add", "path": "/status/stableRound", "value": 0}]
 
 
 def test_resource_versions_compare_as_numbers() -> None:

@@ -367,3 +367,70 @@ def test_a_removal_for_one_round_is_nothing_in_another_and_nothing_twice() -> No
     assert removed.lost_members[-1].reason == rounds.LEADER_LOST
     assert rounds.remove_member(full, "a", rounds.LEADER_LOST, at(5), in_round=2) is None
     assert rounds.remove_member(removed, "a", rounds.LEADER_LOST, at(6), in_round=3) is None
+
+
+# --------------------------------------------------------------------------- stableRound
+
+
+def _healthy() -> RunStatus:
+    return sealed("a", "b", "c", round_=3).replace(store=StoreAddress("10.0.0.0", 29400),
+                                                   join_notice=2, restart_round=2)
+
+
+def test_a_healthy_round_is_its_own_stable_round_and_every_write_carries_it() -> None:
+    status = _healthy()
+    assert status.stable_round == 3
+    assert status.to_dict()["stableRound"] == 3
+    assert RunStatus().stable_round == 0  # no round yet: nothing to be stable
+
+
+def test_every_disturbance_of_a_round_moves_its_stable_round_off_it() -> None:
+    status, base = _healthy(), run(_healthy(), max_nodes=256)
+    lost = rounds.remove_member(status, "b", rounds.LEASE_EXPIRED, at(1))
+    left = rounds.leave(status, "c", at(1), finished=False)
+    restarted = rounds.request_restart(status)
+    superseded = rounds.seal_round(base.replace_status(status.replace(
+        waiting=waiting("a", "b", "c", "d"))), at(1), by_lease=True)
+    assert lost is not None and left is not None and restarted is not None
+    disturbed = {"lost": lost, "left": left, "restart": restarted,
+                 "announced": status.replace(join_notice=3), "superseded": superseded}
+    assert {why: s.stable_round for why, s in disturbed.items()} == {
+        "lost": 0, "left": 0, "restart": 0, "announced": 0, "superseded": 4}
+    assert all(s.to_dict()["stableRound"] != 3 for s in disturbed.values())
+    # The seal told on the Leases left the signal alone: stableRound is what moved.
+    assert superseded.signal == status.signal
+
+
+def test_writes_that_leave_a_round_undisturbed_keep_its_stable_round() -> None:
+    status = _healthy()
+    summary = status.replace(waiting=waiting("d"), waiting_count=1)  # a spare's request
+    spare_gone = rounds.remove_member(summary, "d", rounds.LEASE_EXPIRED, at(1))
+    assert spare_gone is not None
+    assert summary.stable_round == spare_gone.stable_round == 3
+
+
+def test_a_closed_or_finished_run_keeps_its_rounds_number_so_no_member_is_woken() -> None:
+    closed = rounds.close(run(_healthy()), at(1))
+    finished = rounds.leave(_healthy(), "a", at(1), finished=True)
+    assert closed is not None and finished is not None
+    assert closed.stable_round == finished.stable_round == 3
+
+
+def test_a_stable_round_written_by_anyone_else_is_never_read() -> None:
+    raw = _healthy().to_dict()
+    for forged in (7, "garbage", None, -1):
+        parsed = RunStatus.from_dict({**raw, "stableRound": forged})
+        assert parsed == RunStatus.from_dict(raw) and parsed.to_dict()["stableRound"] == 3
+    lost = {**rounds.remove_member(_healthy(), "b", rounds.LEASE_EXPIRED, at(1)).to_dict(),
+            "stableRound": 3}  # a forged "undisturbed"
+    assert RunStatus.from_dict(lost).stable_round == 0
+
+
+def test_a_member_told_by_its_quiet_watch_reports_a_waiting_node_from_an_older_copy() -> None:
+    # The copy predates round 2 (told on the Lease); the quiet watch said round 2 is
+    # disturbed, which this copy cannot show.
+    older = run(sealed("a", "b"), max_nodes=256)
+    assert rounds.nodes_waiting(older, 2, now=at(1)) == 0
+    assert rounds.nodes_waiting(older, 2, now=at(1), disturbed=True) == 1
+    closed = run(sealed("a", "b"), max_nodes=256, closed=True)
+    assert rounds.nodes_waiting(closed, 2, now=at(1), disturbed=True) == 0

@@ -29,6 +29,7 @@ from elasticrun.api.kube import (
     APPLY_PATCH,
     JSON_PATCH,
     MERGE_PATCH,
+    METADATA_ONLY,
     ApiError,
     KubeClient,
     Watch,
@@ -64,6 +65,13 @@ def status_body(namespace: str, name: str, resource_version: str | None,
             "status": dict(status)}
 
 
+def round_selector(run: str, round_number: int) -> str:
+    """The field selector of a member's quiet watch (:meth:`RunGateway.watch_round`): run
+    ``run`` once its round ``round_number`` is disturbed (``status.stableRound`` moved off
+    it; an old writer's status without the field matches too)."""
+    return f"metadata.name={run},status.stableRound!={round_number}"
+
+
 def announce_patch(status: RunStatus) -> list[dict[str, Any]]:
     """Bump ``signal`` once for this round's ``joinNotice``; conflicts only with another notice.
 
@@ -76,6 +84,9 @@ def announce_patch(status: RunStatus) -> list[dict[str, Any]]:
         {"op": "test", "path": "/status/signal", "value": status.signal},
         {"op": "replace", "path": "/status/joinNotice", "value": status.round},
         {"op": "replace", "path": "/status/signal", "value": next_signal(status.signal)},
+        # A round announced to is disturbed (RunStatus.stable_round): "add" sets the
+        # field whether or not the writer before us wrote it.
+        {"op": "add", "path": "/status/stableRound", "value": 0},
     ]
 
 
@@ -131,6 +142,8 @@ class RunAccess(Protocol):
 
     def watch_run(self, signal: int, resource_version: str | None,
                   timeout_seconds: int) -> EventStream: ...
+
+    def watch_round(self, round_number: int, timeout_seconds: int) -> EventStream: ...
 
     def leases(self) -> list[dict[str, Any]]: ...
 
@@ -303,6 +316,19 @@ class RunGateway:
         return self.client.watch(runs_path(self.namespace),
                                  {"fieldSelector": selector,
                                   "resourceVersion": resource_version}, timeout_seconds)
+
+    def watch_round(self, round_number: int, timeout_seconds: int) -> Watch:
+        """The quiet watch of a member of round ``round_number``: the run's metadata once
+        its ``status.stableRound`` is not that round (:attr:`RunStatus.stable_round`).
+
+        Metadata only, so an event costs the same at any size of the roster; from
+        no resourceVersion, so the server first sends the run as it is now if it
+        matches already (the round was disturbed before the watch opened), and
+        nothing while the round stays undisturbed.
+        """
+        return self.client.watch(runs_path(self.namespace),
+                                 {"fieldSelector": round_selector(self.name, round_number)},
+                                 timeout_seconds, accept=METADATA_ONLY)
 
     # ------------------------------------------------------------------ its Leases
 

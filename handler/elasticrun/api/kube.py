@@ -33,6 +33,9 @@ JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
 JSON_PATCH = "application/json-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"
+#: Asks for objects as metadata only (``PartialObjectMetadata``): a watch's events then
+#: carry name, resourceVersion, labels, annotations and managedFields, never spec or status.
+METADATA_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 
 
 @dataclass(frozen=True)
@@ -173,8 +176,8 @@ class KubeClient:
                     connections: int = 8) -> KubeClient:
         return cls(load_credentials(kubeconfig, context), timeout, user_agent, connections)
 
-    def _headers(self, content_type: str | None) -> dict[str, str]:
-        headers = {"Accept": JSON, "User-Agent": self.user_agent}
+    def _headers(self, content_type: str | None, accept: str = JSON) -> dict[str, str]:
+        headers = {"Accept": accept, "User-Agent": self.user_agent}
         if content_type:
             headers["Content-Type"] = content_type
         auth = self.credentials.authorization()
@@ -233,13 +236,15 @@ class KubeClient:
         finally:
             _send_check.reset(token)
 
-    def watch(self, path: str, query: Mapping[str, Any], timeout_seconds: int) -> Watch:
-        """Open a watch; the server ends it after ``timeout_seconds``."""
+    def watch(self, path: str, query: Mapping[str, Any], timeout_seconds: int,
+              accept: str = JSON) -> Watch:
+        """Open a watch; the server ends it after ``timeout_seconds``.  ``accept``:
+        :data:`METADATA_ONLY` for events that carry the objects' metadata only."""
         params = {**query, "watch": "true", "timeoutSeconds": timeout_seconds,
                   "allowWatchBookmarks": "true"}
         try:
             response = self._pool.request(
-                "GET", self._url(path, params), headers=self._headers(None),
+                "GET", self._url(path, params), headers=self._headers(None, accept),
                 timeout=urllib3.Timeout(connect=min(self.timeout, 5.0),
                                         read=timeout_seconds + self.timeout),
                 preload_content=False)

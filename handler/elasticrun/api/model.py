@@ -597,6 +597,31 @@ class RunStatus:
         """The current round must be re-formed (lost member, drain or restart)."""
         return self.round > 0 and self.restart_round >= self.round
 
+    @property
+    def stable_round(self) -> int:
+        """The current round while nothing disturbed it, else 0: ``status.stableRound``.
+
+        Disturbed: it must re-form (a loss, a drain, a restart asked for:
+        :attr:`degraded`), or a waiting node was announced to it
+        (``joinNotice``).  A round superseded by a newer one is no longer the
+        current round, so its number is no longer the value either.  A closed or
+        finished run keeps its round's number, whatever happened to it: its
+        members are never told to restart (``rounds.nodes_waiting``), so waking
+        them would only have them re-read the run for nothing.  The
+        value is written with every status (:meth:`to_dict`) and never read
+        back: it exists so that a member of round R can watch the run with the
+        field selector ``status.stableRound!=R`` (a selectable field of the
+        CRD) and receive one event, of metadata only, when R is disturbed
+        (:mod:`elasticrun.handler.watcher`).  A value another writer left
+        there is a wake-up at most, never a membership fact: the member that
+        wakes reads the run before it acts.
+        """
+        if self.phase in FINISHED_PHASES:
+            return self.round
+        if self.round == 0 or self.degraded or self.join_notice >= self.round:
+            return 0
+        return self.round
+
     def condition(self, type_: str) -> Condition | None:
         return next((c for c in self.conditions if c.type == type_), None)
 
@@ -699,6 +724,7 @@ class RunStatus:
             "signal": self.signal,
             "joinNotice": self.join_notice,
             "restartRound": self.restart_round,
+            "stableRound": self.stable_round,
             "memberCount": len(self.participants),
             "waitingCount": len(self.waiting),
             "participants": [p.to_dict() for p in self.participants],

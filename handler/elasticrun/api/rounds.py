@@ -534,7 +534,7 @@ def request_restart(status: RunStatus) -> RunStatus | None:
 
 
 def nodes_waiting(run: ElasticRun, my_round: int, waiting: Waiting = None, *,
-                  now: dt.datetime) -> int:
+                  now: dt.datetime, disturbed: bool = False) -> int:
     """What ``num_nodes_waiting()`` reports to a member of ``my_round`` at ``now``.
 
     A round that lost a member or was superseded reports at least one waiting
@@ -543,13 +543,21 @@ def nodes_waiting(run: ElasticRun, my_round: int, waiting: Waiting = None, *,
     (pytorch/pytorch#111646).  Spares beyond ``maxNodes`` are not counted while
     the round is full, or the members would restart forever; newcomers held for
     the owner's target (:func:`announce_due`) are not counted before they are due,
-    so the members restart once for all of them.
+    so the members restart once for all of them.  ``disturbed``: the member's
+    quiet watch said that ``status.stableRound`` moved off ``my_round``
+    (:attr:`~elasticrun.api.model.RunStatus.stable_round`: lost a member, a node
+    announced, superseded), which ``run``, a copy from before, cannot show.
     """
     status = run.status
-    if my_round > status.round or run.closed:
-        # Told of its round on its Lease: this copy predates the round, and
-        # anything that happened to the round since would have moved the signal.
+    if run.closed:
         # A closed or finished run admits nobody: a restart would only fail.
+        return 0
+    if disturbed:
+        return max(1, len(eligible_waiting(run, waiting)))
+    if my_round > status.round:
+        # Told of its round on its Lease: this copy predates the round, and
+        # anything that happened to the round since would have moved the signal,
+        # or, watched quietly, ``disturbed``.
         return 0
     eligible = eligible_waiting(run, waiting)
     if my_round and (status.round > my_round or status.restart_round >= my_round

@@ -20,7 +20,9 @@ One round, as a node sees it:
    operator's seal tells each member its rank on the member's own Lease
    instead of sending every node the whole roster.
 3. **Wait** — on the narrow watch of :mod:`.watcher` (and, from 256 nodes, the
-   watch of the node's own Lease in :mod:`.mailbox`), never by polling.
+   watch of the node's own Lease in :mod:`.mailbox`), never by polling.  From
+   256 nodes a member holding its round then watches only for that round's
+   disturbance, one event of metadata (the watcher's quiet watch).
 
 A node that joins beside a running round bumps ``signal`` once per round (a
 JSON-patch ``test`` on the counters, so it conflicts only with another such
@@ -137,7 +139,12 @@ class K8sRendezvousHandler(RendezvousHandler):
                                    previous_round=self._round,
                                    join_deadline=started + run.spec.join_timeout,
                                    defer_until=defer_until)
-            return executor.run(known)
+            info = executor.run(known)
+            if rounds.members_told_by_lease(run.spec) and not self.settings.in_place:
+                # One bit per member instead of the roster: see watcher.py.  (In-place
+                # mode's follower acts on the run it watches, so it keeps the full watch.)
+                session.watcher.watch_quietly(self._round)
+            return info
 
     def _placed(self, round_number: int) -> None:
         """The executor's news: a round holds this node (before torch hears of it)."""
@@ -166,7 +173,9 @@ class K8sRendezvousHandler(RendezvousHandler):
             return max(1, rounds.nodes_waiting(run, self._round, now=now()))
         if run is None or self._round == 0:
             return 0
-        return rounds.nodes_waiting(run, self._round, now=now())
+        assert self._session is not None
+        return rounds.nodes_waiting(run, self._round, now=now(),
+                                    disturbed=self._session.watcher.disturbed(self._round))
 
     def shutdown(self) -> bool:
         """Leave the membership; never close the run for the others.

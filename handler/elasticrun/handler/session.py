@@ -72,7 +72,18 @@ class RunSession:
         return self.watcher.latest or self.read()
 
     def current(self) -> ElasticRun:
-        """The cached run if the watch trusts it, else the run read (or created) afresh."""
+        """The cached run if the watch trusts it, else the run read (or created) afresh.
+
+        Ends a quiet watch (:meth:`RunWatcher.watch_fully`): a node asking for a round
+        watches the run fully; one told by its quiet watch that its round is
+        disturbed holds a copy from before, so it reads the run first.
+        """
+        watcher = self.watcher
+        if watcher.disturbed(watcher.quiet_round):
+            fresh = self.read_or_raise()
+            watcher.watch_fully()
+            return fresh
+        watcher.watch_fully()
         if self.watcher.latest is not None:
             try:
                 self.watcher.check()

@@ -7,6 +7,17 @@ nodes; when the signal moves, the object starts to match and exactly one event
 arrives, after which the watch is re-opened with the new value.  That keeps the
 events delivered per round linear in the number of nodes instead of quadratic.
 
+A member of a large run (:func:`~elasticrun.api.rounds.members_told_by_lease`)
+that holds round R watches *quietly* instead (:meth:`RunWatcher.watch_quietly`):
+metadata only, with ``status.stableRound!=R``
+(:attr:`~elasticrun.api.model.RunStatus.stable_round`).  A signal would send
+every member the whole run, roster included (178 kB at 2,048 nodes), when all
+it needs is one bit, "round R is disturbed"; the quiet watch's first event is
+that bit, about 1 kB at any size.  The watcher keeps it
+(:meth:`RunWatcher.disturbed`) and stops watching until the node's next
+``next_rendezvous()`` reads the run and returns to the full watch
+(:meth:`RunWatcher.watch_fully`).
+
 ``num_nodes_waiting()`` is polled every 0.1 s by torch's agent; it reads this
 cache and never costs an API request.
 """
@@ -16,9 +27,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from elasticrun.api.gateway import RunAccess
+from elasticrun.api.gateway import EventStream, RunAccess
 from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.model import ElasticRun, InvalidRunError, parse_run
 from elasticrun.api.ordering import RoundMark, newer
@@ -41,8 +53,10 @@ class RunWatcher:
     owned by it; the garbage collector and the operator both delete them), and
     the node's Lease renewal calls :meth:`recheck` when it finds its Lease gone,
     so a deletion is noticed within a renewal interval.  As a backstop, whenever
-    the server ends a quiet watch (every ``watch_timeout`` seconds) the watcher
-    reads the object once.
+    the server ends an idle narrow watch (every ``watch_timeout`` seconds) the
+    watcher reads the object once; the quiet watch of a large run's member is
+    opened again without that read (N reads of the roster every few minutes),
+    leaving deletion to the Lease renewal.
     """
 
     def __init__(self, access: RunAccess, watch_timeout: int = 300) -> None:
@@ -65,6 +79,14 @@ class RunWatcher:
         self.resyncs = 0
         #: The highest status.round seen of the object: rounds never go back.
         self._round_mark = RoundMark()
+        #: The round watched quietly (0: the full watch), and whether the quiet watch
+        #: said it is disturbed (then nothing is watched until :meth:`watch_fully`).
+        self._quiet_round = 0
+        self._disturbed = False
+        #: Moves on every switch between the two watches; a watch opened before a
+        #: switch ends without the re-read that follows a watch the server ended.
+        self._mode = 0
+        self._mode_changed = threading.Event()
 
     # ------------------------------------------------------------------ cache
 
@@ -132,6 +154,40 @@ class RunWatcher:
             self._version += 1
             self._cond.notify_all()
 
+    # ------------------------------------------------------------------ quiet watch
+
+    def watch_quietly(self, round_number: int) -> None:
+        """From now on watch only for round ``round_number`` being disturbed
+        (:meth:`RunGateway.watch_round`): the node holds it in a large run."""
+        self._switch(round_number)
+
+    def watch_fully(self) -> None:
+        """Back to the full watch (``status.signal!=S``) from the cached run; what the
+        quiet watch said is forgotten, so read the run first when it said
+        :meth:`disturbed` (the cached copy predates the disturbance)."""
+        self._switch(0)
+
+    @property
+    def quiet_round(self) -> int:
+        """The round watched quietly; 0 while the watch is the full one."""
+        return self._quiet_round
+
+    def disturbed(self, round_number: int) -> bool:
+        """Whether the quiet watch of ``round_number`` said that the round is disturbed."""
+        return self._disturbed and self._quiet_round == round_number > 0
+
+    def _switch(self, quiet_round: int) -> None:
+        with self._cond:
+            if quiet_round == self._quiet_round and not self._disturbed:
+                return  # watching so already
+            self._quiet_round = quiet_round
+            self._disturbed = False
+            self._mode += 1
+        self._mode_changed.set()
+        watch = self._current_watch
+        if watch is not None:
+            watch.close()
+
     @property
     def stopped(self) -> bool:
         """Whether :meth:`stop` ran: the watch is over for good (a wait returns at once)."""
@@ -157,6 +213,7 @@ class RunWatcher:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        self._mode_changed.set()
         watch = self._current_watch
         if watch is not None:
             watch.close()
@@ -176,6 +233,16 @@ class RunWatcher:
         failures = 0
         while not self._stop.is_set():
             try:
+                if self._quiet_round and self._disturbed:
+                    # Told: nothing more to learn until the node reads the run again.
+                    self._mode_changed.wait(self.watch_timeout)
+                    self._mode_changed.clear()
+                    continue
+                if self._quiet_round:
+                    self._watch_quietly(self._quiet_round)
+                    failures = 0
+                    self._disconnected_since = None
+                    continue
                 run = self._latest or self._relist()
                 if run is None:
                     # Deleted: look again later, a re-created run starts clean.
@@ -189,7 +256,8 @@ class RunWatcher:
                 if self._stop.is_set():
                     return
                 if isinstance(exc, ApiError) and exc.gone:
-                    self._gone()
+                    if not self._quiet_round:  # the quiet watch starts from now anyway
+                        self._gone()
                     continue
                 if self._disconnected_since is None:
                     self._disconnected_since = time.monotonic()
@@ -223,26 +291,63 @@ class RunWatcher:
             self._latest = None
         self._relist()
 
-    def _watch_once(self, run: ElasticRun) -> None:
-        watch = self.access.watch_run(run.status.signal, run.resource_version,
-                                      self.watch_timeout)
+    def _opened(self, watch: EventStream, mode: int) -> bool:
+        """Keep ``watch`` as the one :meth:`stop` and a switch close; False (and closed)
+        when either ran while the request was being opened."""
         self._current_watch = watch
         self.watches_opened += 1
-        if self._stop.is_set():  # stop() ran while the request was being opened
+        if self._stop.is_set() or self._mode != mode:
             watch.close()
-            return
+            return False
         self._disconnected_since = None
+        return True
+
+    def _events(self, watch: EventStream) -> Iterator[tuple[str, dict[str, Any]]]:
+        """``watch``'s events as (type, object), bookmarks skipped, an ERROR raised."""
+        for event in watch:
+            kind = str(event.get("type"))
+            obj = event.get("object") or {}
+            if kind == "BOOKMARK":
+                continue
+            if kind == "ERROR":
+                code = int(obj.get("code") or 0)
+                raise ApiError(code, str(obj.get("reason", "")), str(obj.get("message", "")),
+                               obj)
+            self.events_received += 1
+            yield kind, obj
+
+    def _watch_quietly(self, round_number: int) -> None:
+        """One quiet watch: its first event (the run as metadata) means the round is
+        disturbed.  A watch the server ended is opened again without a read: a deleted
+        run is noticed by the Lease renewal (:meth:`recheck`)."""
+        mode = self._mode
+        watch = self.access.watch_round(round_number, self.watch_timeout)
+        if not self._opened(watch, mode):
+            return
         try:
-            for event in watch:
-                kind = event.get("type")
-                obj = event.get("object") or {}
-                if kind == "BOOKMARK":
-                    continue
-                if kind == "ERROR":
-                    code = int(obj.get("code") or 0)
-                    raise ApiError(code, str(obj.get("reason", "")), str(obj.get("message", "")),
-                                   obj)
-                self.events_received += 1
+            for kind, _ in self._events(watch):
+                if kind == "DELETED":
+                    # Deleted, or the field went back to our round (never written so).
+                    self._relist()
+                    return
+                with self._cond:
+                    if self._mode == mode:
+                        self._disturbed = True
+                        self._version += 1
+                        self._cond.notify_all()
+                return
+        finally:
+            self._current_watch = None
+            watch.close()
+
+    def _watch_once(self, run: ElasticRun) -> None:
+        mode = self._mode
+        watch = self.access.watch_run(run.status.signal, run.resource_version,
+                                      self.watch_timeout)
+        if not self._opened(watch, mode):
+            return
+        try:
+            for kind, obj in self._events(watch):
                 if kind == "DELETED":
                     # Deleted, or left the selection (signal back to what we saw).
                     self._relist()
@@ -252,6 +357,6 @@ class RunWatcher:
         finally:
             self._current_watch = None
             watch.close()
-        if not self._stop.is_set():
-            self._relist()  # the server ended a quiet watch: see whether the run still exists
+        if not self._stop.is_set() and self._mode == mode:
+            self._relist()  # the server ended an idle watch: see whether the run still exists
 

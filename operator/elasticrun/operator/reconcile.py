@@ -766,6 +766,7 @@ def repair(raw_status: object, error: Exception, now: dt.datetime, generation: i
         "signal": next_signal(count("signal")),
         "joinNotice": round_,
         "restartRound": round_,
+        "stableRound": 0,  # the repaired round is re-formed (RunStatus.stable_round)
         "memberCount": len(roster),
         "waitingCount": len(waiting),
         "participants": roster,

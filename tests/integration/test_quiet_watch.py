@@ -1,0 +1,111 @@
+"""A member's quiet watch of a large run, as the real API server serves it.
+
+``status.stableRound`` is a selectable field of the CRD; a member of round R
+watches the run's metadata with ``status.stableRound!=R``
+(``RunGateway.watch_round``).  The API server must send it nothing while the
+round stays undisturbed, whatever else is written, and one small event (the
+run's metadata, never the roster) when the round loses a member.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from elasticrun.api import rounds
+from elasticrun.api.gateway import RunGateway
+from elasticrun.api.kube import lease_path, leases_path
+from elasticrun.api.model import (
+    Participant,
+    RunSpec,
+    RunStatus,
+    StoreAddress,
+    WaitingNode,
+    now,
+    parse_run,
+)
+from elasticrun.handler.watcher import RunWatcher
+
+from conftest import Cluster, wait_for
+
+MEMBERS = 256
+#: Bound on the events the watch is given to arrive in.
+BOUND = 10.0
+
+
+def sealed_round(members: int) -> RunStatus:
+    """Round 1 of ``members`` nodes, each with a roster entry as long as a real one."""
+    return RunStatus(phase="Running", round=1, signal=1, store=StoreAddress("10.0.0.1", 29400),
+                     sealed_at=now(), participants=tuple(
+                         Participant(name=f"node-{i:04d}", rank=i, pod=f"job-worker-{i}-a1b2c",
+                                     pod_uid=f"0b6c1a8e-1f1d-4c36-9c55-{i:012d}", since=now())
+                         for i in range(members)))
+
+
+def write(gateway: RunGateway, status: RunStatus) -> dict[str, Any]:
+    current = gateway.read()
+    assert current is not None
+    written = gateway.replace_status(current["metadata"]["resourceVersion"], status.to_dict(),
+                                     "elasticrun-tests")
+    assert written is not None
+    return written
+
+
+def test_a_loss_sends_one_small_event_to_a_quiet_member_and_nothing_else_does(
+        cluster: Cluster, namespace: str) -> None:
+    gateway = RunGateway(cluster.client, namespace, "quiet")
+    assert gateway.create(RunSpec(min_nodes=1, max_nodes=MEMBERS)) is not None
+    status = sealed_round(MEMBERS)
+    full = write(gateway, status)
+    assert full["status"]["stableRound"] == 1
+    events: list[tuple[str, int, dict[str, Any]]] = []
+    watch = gateway.watch_round(1, 30)
+
+    def collect() -> None:
+        for event in watch:
+            if event.get("type") != "BOOKMARK":
+                events.append((str(event["type"]), len(json.dumps(event)), event["object"]))
+
+    reader = threading.Thread(target=collect, daemon=True)
+    reader.start()
+    watcher = RunWatcher(gateway, watch_timeout=30)
+    watcher.offer(full)
+    watcher.start()
+    try:
+        watcher.watch_quietly(1)
+        # Undisturbed: a Lease renewed, a spare's request summarised, the same status again.
+        cluster.client.request("POST", leases_path(namespace), body={
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": "quiet.node-0001"}, "spec": {"holderIdentity": "node-0001"}})
+        cluster.client.request("PATCH", lease_path(namespace, "quiet.node-0001"),
+                               body={"spec": {"renewTime": "2026-01-01T00:00:00.000000Z"}},
+                               content_type="application/merge-patch+json")
+        write(gateway, status.replace(waiting=(
+            WaitingNode(name="spare", address="10.0.0.9", store_port=1, since=now()),)))
+        write(gateway, status)
+        time.sleep(1.0)
+        assert events == []
+        assert not watcher.disturbed(1)
+        # The loss: one event, the run's metadata only, and the watcher says so.
+        lost = rounds.remove_member(status, "node-0007", rounds.LEASE_EXPIRED, now())
+        assert lost is not None
+        written = write(gateway, lost)
+        wait_for(lambda: events, BOUND, "the loss's event")
+        wait_for(lambda: watcher.disturbed(1), BOUND, "the watcher to hear of the loss")
+        time.sleep(0.5)
+    finally:
+        watch.close()
+        watcher.stop()
+        reader.join(BOUND)
+    assert len(events) == 1
+    kind, size, obj = events[0]
+    assert (kind, obj["kind"], obj["metadata"]["resourceVersion"]) == (
+        "ADDED", "PartialObjectMetadata", written["metadata"]["resourceVersion"])
+    assert "status" not in obj and "spec" not in obj
+    roster = len(json.dumps(written))
+    assert roster > 40_000 and size < 4_000, (roster, size)
+    # The watcher holds the copy from before: the member reads the run when it asks again.
+    assert watcher.latest is not None and parse_run(full).resource_version == \
+        watcher.latest.resource_version
