@@ -19,7 +19,9 @@ product's own code: it reads the run, creates its Lease with its join request
 (:func:`elasticrun.api.leases.node_lease`, ``WaitingNode`` as the handler writes it), opens
 the narrow watch (``status.signal!=S`` from the resourceVersion it read) and, in
 runs of 256 nodes or more, the watch of its own Lease, where the operator writes
-its place in the round, and renews its Lease with the handler's merge patch.  It
+its place in the round, then, holding that round, the handler's quiet watch
+(metadata only, ``status.stableRound!=R``, :func:`elasticrun.api.gateway.round_selector`),
+and renews its Lease with the handler's merge patch.  It
 leaves sealing to the operator, as a real node of a run of 64 nodes or more does
 (:func:`elasticrun.api.rounds.nodes_defer_seal`); it does not host a TCPStore.
 Each node has its own connections (requests, run watch, Lease watch), as a handler's
@@ -44,8 +46,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
+from elasticrun.api.gateway import round_selector
 from elasticrun.api.kube import (
+    JSON,
     MERGE_PATCH,
+    METADATA_ONLY,
     USER_AGENT,
     Credentials,
     lease_path,
@@ -94,13 +99,13 @@ class Connection:
                                                                  ssl=self.tls)
 
     async def send(self, method: str, path: str, body: Any = None,
-                   content_type: str = "application/json") -> None:
+                   content_type: str = "application/json", accept: str = JSON) -> None:
         if self.writer is None:
             await self.open()
         assert self.writer is not None
         data = b"" if body is None else json.dumps(body).encode()
         head = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}",
-                "Accept: application/json", f"User-Agent: {USER_AGENT}",
+                f"Accept: {accept}", f"User-Agent: {USER_AGENT}",
                 f"Content-Length: {len(data)}"]
         if body is not None:
             head.append(f"Content-Type: {content_type}")
@@ -156,10 +161,11 @@ class Connection:
             self.writer = None
 
 
-async def watch_lines(connection: Connection, path: str, query: dict[str, Any]) -> Any:
+async def watch_lines(connection: Connection, path: str, query: dict[str, Any],
+                      accept: str = JSON) -> Any:
     """The lines (events) of one watch of ``path``, as they arrive."""
     query = {**query, "watch": "true", "timeoutSeconds": 300, "allowWatchBookmarks": "true"}
-    await connection.send("GET", f"{path}?{urlencode(query)}")
+    await connection.send("GET", f"{path}?{urlencode(query)}", accept=accept)
     status, _ = await connection.head()
     if status >= 400:
         raise HttpError(status, b"watch refused")
@@ -276,6 +282,11 @@ class SimNode:
         watch re-opened from the change it saw, and in large runs its Lease watch.
         """
         assert self.lease is not None
+        if change.run is None:  # told by the quiet watch: read the run, as the handler does
+            raw = json.loads(await self.requests.request(
+                "GET", run_path(self.shared.namespace, self.shared.run)))
+            change = Change(change.t, parse_run(raw), str(raw["metadata"]["resourceVersion"]))
+        assert change.run is not None and change.resource_version is not None
         join = WaitingNode(name=self.name, address="127.0.0.1", store_port=self.port,
                            since=now())
         patched = json.loads(await self.requests.request(
@@ -295,7 +306,8 @@ class SimNode:
         held = int(self.formed.result()["round"]) if self.formed is not None else 0
         formed: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.formed = formed
-        self.follower = asyncio.create_task(self._follow_run(signal, run_version, held))
+        self.follower = asyncio.create_task(
+            self._follow_run(signal, run_version, held, members_told_by_lease(spec)))
         waits: list[asyncio.Future[Any]] = [formed, self.follower]
         mailbox = None
         if members_told_by_lease(spec):  # as the handler does
@@ -317,8 +329,47 @@ class SimNode:
                 mailbox.cancel()
             self.mailbox.close()
 
-    async def _follow_run(self, signal: int, resource_version: str, held: int
+    async def _follow_run(self, signal: int, resource_version: str, held: int, quiet: bool
                           ) -> Change | None:
+        """The run watch of a node: its place in a round after ``held``, then its change.
+
+        ``quiet`` (a large run): once the node holds its round, by either watch,
+        the narrow watch gives way to the handler's quiet watch of that round
+        (:meth:`_follow_quietly`), as ``RunWatcher.watch_quietly`` does.
+        """
+        if not quiet:
+            return await self._follow_signal(signal, resource_version, held)
+        formed = self.formed
+        assert formed is not None
+        narrow = asyncio.create_task(self._follow_signal(signal, resource_version, held))
+        either: list[asyncio.Future[Any]] = [formed, narrow]
+        try:
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            narrow.cancel()
+            self.watch.close()
+        if not formed.done():
+            return None
+        self.watch = self.shared.connection()
+        return await self._follow_quietly(int(formed.result()["round"]))
+
+    async def _follow_quietly(self, round_number: int) -> Change | None:
+        """The handler's quiet watch (``RunGateway.watch_round``): its first event, the run
+        as metadata, is the change; the run itself is read only when the node asks again
+        (:meth:`rejoin`).  None when the watch ended first."""
+        s = self.shared
+        query = {"fieldSelector": round_selector(s.run, round_number)}
+        try:
+            async for line in watch_lines(self.watch, runs_path(s.namespace), query,
+                                           METADATA_ONLY):
+                if s.parse(line).get("type") in ("ADDED", "MODIFIED"):
+                    return Change(time.monotonic(), None, None)
+            return None
+        finally:
+            self.watch.close()
+
+    async def _follow_signal(self, signal: int, resource_version: str, held: int
+                             ) -> Change | None:
         """The narrow run watch: this node's place in a round after ``held``, then its change.
 
         Returns when (monotonic) the run first shows that this node's
@@ -392,11 +443,12 @@ class SimNode:
 
 @dataclass(frozen=True)
 class Change:
-    """What a formed node saw when its round changed: when (monotonic), and the run then."""
+    """What a formed node saw when its round changed: when (monotonic), and the run then
+    (None, None: told by the quiet watch, which carries no status)."""
 
     t: float
-    run: ElasticRun
-    resource_version: str
+    run: ElasticRun | None
+    resource_version: str | None
 
 
 def placed_in(obj: dict[str, Any], node: str, held: int) -> dict[str, Any] | None:
