@@ -446,10 +446,14 @@ class FakeGateway(Faults):
         self.server = server
         self.namespace = server.namespace
         self.name = name
+        #: The ``not_older_than`` of each read, in order.
+        self.read_versions: list[str | None] = []
 
     # ------------------------------------------------------------------ the run
 
-    def read(self) -> dict[str, Any] | None:
+    def read(self, not_older_than: str | None = None) -> dict[str, Any] | None:
+        """The run as it is now, which is never older than any version it had."""
+        self.read_versions.append(not_older_than)
         return self._answer("read", lambda: self.server.get(self._run), NOT_FOUND)
 
     def create(self, spec: RunSpec) -> dict[str, Any] | None:

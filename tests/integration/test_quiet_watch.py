@@ -106,6 +106,10 @@ def test_a_loss_sends_one_small_event_to_a_quiet_member_and_nothing_else_does(
     assert "status" not in obj and "spec" not in obj
     roster = len(json.dumps(written))
     assert roster > 40_000 and size < 4_000, (roster, size)
-    # The watcher holds the copy from before: the member reads the run when it asks again.
+    # The watcher holds the copy from before: the member reads the run when it asks again,
+    # no older than the event (from the API server's cache), and finds the loss.
     assert watcher.latest is not None and parse_run(full).resource_version == \
         watcher.latest.resource_version
+    assert watcher.disturbed_version == written["metadata"]["resourceVersion"]
+    read = gateway.read(not_older_than=watcher.disturbed_version)
+    assert read is not None and parse_run(read).status.restart_round == 1

@@ -85,9 +85,13 @@ def test_the_run_watch_and_the_lease_watch() -> None:
 def test_the_quiet_watch_of_a_member_asks_for_metadata_from_now() -> None:
     access, client = gateway()
     assert access.watch_round(4, 300) == "stream"
+    access.read()
+    access.read(not_older_than="9")  # after its event: from the API server's cache
     assert client.sent == [
         ("WATCH", RUNS, {"fieldSelector": "metadata.name=r,status.stableRound!=4"}, 300,
          "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"),
+        ("GET", f"{RUNS}/r", None, None, JSON, None),
+        ("GET", f"{RUNS}/r", None, {"resourceVersion": "9"}, JSON, None),
     ]
 
 

@@ -430,12 +430,16 @@ def test_a_member_of_a_large_run_learns_of_a_loss_from_one_metadata_event(
     lost = rounds.remove_member(current, "b", rounds.LEASE_EXPIRED, now())
     assert lost is not None
     write_status(server, lost)
+    version = server.run(RUN_NAME)["metadata"]["resourceVersion"]
     wait_for(a.num_nodes_waiting, BOUND, "a to hear of the loss", interval=0.01)
     assert a.num_nodes_waiting() == 1
     assert (a.watcher.events_received, watched.reached["read"]) == (seen + 1, reads)
-    # Asking again, it reads the run once and holds the next round, watched fully until then.
+    assert a.watcher.disturbed_version == version
+    # Asking again, it reads the run once, no older than the event, and holds the next
+    # round.
     again = pool.submit(a.next_rendezvous)
     wait_for(lambda: watched.reached["read"] > reads, BOUND, "a to read the run")
+    assert watched.read_versions[reads] == version
     seal_as_the_operator(server, "a")
     assert (again.result(BOUND).rank, a.round, a.watcher.quiet_round) == (0, 2, 2)
     assert a.num_nodes_waiting() == 0

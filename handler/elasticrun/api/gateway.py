@@ -129,7 +129,7 @@ class RunAccess(Protocol):
     @property
     def host(self) -> str: ...
 
-    def read(self) -> dict[str, Any] | None: ...
+    def read(self, not_older_than: str | None = None) -> dict[str, Any] | None: ...
 
     def create(self, spec: RunSpec) -> dict[str, Any] | None: ...
 
@@ -249,10 +249,17 @@ class RunGateway:
 
     # ------------------------------------------------------------------ the run
 
-    def read(self) -> dict[str, Any] | None:
-        """The run as stored; None when there is none."""
+    def read(self, not_older_than: str | None = None) -> dict[str, Any] | None:
+        """The run as stored; None when there is none.
+
+        ``not_older_than``: a resourceVersion the answer must be at least as new
+        as, which lets the API server answer from its watch cache instead of
+        reading etcd (a member's read after its quiet watch's event, sent by
+        hundreds of members at once).
+        """
+        query = {"resourceVersion": not_older_than} if not_older_than else None
         try:
-            return self.client.request("GET", run_path(self.namespace, self.name))
+            return self.client.request("GET", run_path(self.namespace, self.name), query=query)
         except ApiError as exc:
             if exc.not_found:
                 return None

@@ -57,12 +57,13 @@ class RunSession:
             raise RendezvousStateError(f"{self.who}: cannot read the ElasticRun: {exc}. The "
                                        "status was probably edited by hand") from exc
 
-    def read(self, bound: float | None = None) -> ElasticRun | None:
-        raw = self.call("read the run", self.gateway.read, bound)
+    def read(self, bound: float | None = None, not_older_than: str | None = None
+             ) -> ElasticRun | None:
+        raw = self.call("read the run", lambda: self.gateway.read(not_older_than), bound)
         return None if raw is None else self.accept(raw)
 
-    def read_or_raise(self) -> ElasticRun:
-        run = self.read()
+    def read_or_raise(self, not_older_than: str | None = None) -> ElasticRun:
+        run = self.read(not_older_than=not_older_than)
         if run is None:
             raise RendezvousClosedError(f"{self.who}: the ElasticRun was deleted while this "
                                         "node was waiting; re-create it to start a new run")
@@ -76,11 +77,12 @@ class RunSession:
 
         Ends a quiet watch (:meth:`RunWatcher.watch_fully`): a node asking for a round
         watches the run fully; one told by its quiet watch that its round is
-        disturbed holds a copy from before, so it reads the run first.
+        disturbed holds a copy from before, so it reads the run first, no older
+        than the watch's event (which lets the API server answer from its cache).
         """
         watcher = self.watcher
         if watcher.disturbed(watcher.quiet_round):
-            fresh = self.read_or_raise()
+            fresh = self.read_or_raise(watcher.disturbed_version)
             watcher.watch_fully()
             return fresh
         watcher.watch_fully()

@@ -83,6 +83,8 @@ class RunWatcher:
         #: said it is disturbed (then nothing is watched until :meth:`watch_fully`).
         self._quiet_round = 0
         self._disturbed = False
+        #: The resourceVersion of the run in the quiet watch's event.
+        self._disturbed_version: str | None = None
         #: Moves on every switch between the two watches; a watch opened before a
         #: switch ends without the re-read that follows a watch the server ended.
         self._mode = 0
@@ -175,6 +177,12 @@ class RunWatcher:
     def disturbed(self, round_number: int) -> bool:
         """Whether the quiet watch of ``round_number`` said that the round is disturbed."""
         return self._disturbed and self._quiet_round == round_number > 0
+
+    @property
+    def disturbed_version(self) -> str | None:
+        """The run's resourceVersion in the quiet watch's event: a read of the run at least
+        that new shows the disturbance (None before one came)."""
+        return self._disturbed_version if self._disturbed else None
 
     def _switch(self, quiet_round: int) -> None:
         with self._cond:
@@ -325,14 +333,16 @@ class RunWatcher:
         if not self._opened(watch, mode):
             return
         try:
-            for kind, _ in self._events(watch):
+            for kind, obj in self._events(watch):
                 if kind == "DELETED":
                     # Deleted, or the field went back to our round (never written so).
                     self._relist()
                     return
+                version = (obj.get("metadata") or {}).get("resourceVersion")
                 with self._cond:
                     if self._mode == mode:
                         self._disturbed = True
+                        self._disturbed_version = str(version) if version else None
                         self._version += 1
                         self._cond.notify_all()
                 return
