@@ -283,8 +283,9 @@ class SimNode:
         """
         assert self.lease is not None
         if change.run is None:  # told by the quiet watch: read the run, as the handler does
+            query = urlencode({"resourceVersion": change.resource_version})
             raw = json.loads(await self.requests.request(
-                "GET", run_path(self.shared.namespace, self.shared.run)))
+                "GET", f"{run_path(self.shared.namespace, self.shared.run)}?{query}"))
             change = Change(change.t, parse_run(raw), str(raw["metadata"]["resourceVersion"]))
         assert change.run is not None and change.resource_version is not None
         join = WaitingNode(name=self.name, address="127.0.0.1", store_port=self.port,
@@ -347,6 +348,7 @@ class SimNode:
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         finally:
             narrow.cancel()
+            await asyncio.wait([narrow])  # its own close of self.watch, before the next one
             self.watch.close()
         if not formed.done():
             return None
@@ -362,8 +364,10 @@ class SimNode:
         try:
             async for line in watch_lines(self.watch, runs_path(s.namespace), query,
                                            METADATA_ONLY):
-                if s.parse(line).get("type") in ("ADDED", "MODIFIED"):
-                    return Change(time.monotonic(), None, None)
+                event = s.parse(line)
+                if event.get("type") in ("ADDED", "MODIFIED"):
+                    meta = (event.get("object") or {}).get("metadata") or {}
+                    return Change(time.monotonic(), None, str(meta.get("resourceVersion")))
             return None
         finally:
             self.watch.close()
@@ -444,7 +448,7 @@ class SimNode:
 @dataclass(frozen=True)
 class Change:
     """What a formed node saw when its round changed: when (monotonic), and the run then
-    (None, None: told by the quiet watch, which carries no status)."""
+    (None: told by the quiet watch, which carries the run's resourceVersion only)."""
 
     t: float
     run: ElasticRun | None
