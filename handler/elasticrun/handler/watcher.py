@@ -38,6 +38,8 @@ from elasticrun.api.ordering import RoundMark, newer
 log = logging.getLogger(__name__)
 
 RECONNECT_DELAYS = (0.1, 0.2, 0.5, 1.0, 2.0)
+#: A quiet watch that ended sooner than this is opened again only this much later.
+QUIET_REOPEN_AFTER = 0.1
 
 
 class RunDeletedError(Exception):
@@ -247,9 +249,13 @@ class RunWatcher:
                     self._mode_changed.clear()
                     continue
                 if self._quiet_round:
+                    opened = time.monotonic()
                     self._watch_quietly(self._quiet_round)
                     failures = 0
                     self._disconnected_since = None
+                    if time.monotonic() - opened < QUIET_REOPEN_AFTER:
+                        # A watch the server ended at once is not opened again at once.
+                        self._stop.wait(QUIET_REOPEN_AFTER)
                     continue
                 run = self._latest or self._relist()
                 if run is None:
