@@ -61,6 +61,7 @@ from elasticrun.api.gateway import (
     annotations_removal,
     announce_patch,
     assign_patch,
+    end_selector,
     status_body,
 )
 from elasticrun.api.kube import (
@@ -104,6 +105,24 @@ def merge_patch(target: Any, patch: Any) -> Any:
         else:
             merged[key] = merge_patch(merged.get(key), value)
     return merged
+
+
+def field_selected(obj: dict[str, Any] | None, selector: str) -> bool:
+    """Whether ``obj`` matches a field selector of ``path=value`` and ``path!=value`` terms,
+    all of which must hold; a missing field is ``""``, as the API server compares it."""
+    if obj is None:
+        return False
+    for term in selector.split(","):
+        path, unequal, value = term.partition("!=")
+        if not unequal:
+            path, _, value = term.partition("=")
+        field_value: Any = obj
+        for part in path.split("."):
+            field_value = field_value.get(part, "") if isinstance(field_value, dict) else ""
+        text = str(field_value).lower() if isinstance(field_value, bool) else str(field_value)
+        if (text == value) == bool(unequal):
+            return False
+    return True
 
 
 def json_patch(target: dict[str, Any], operations: list[dict[str, Any]]) -> dict[str, Any]:
@@ -505,6 +524,14 @@ class FakeGateway(Faults):
 
         return self.server.watch(self._run, disturbed, None, timeout_seconds,
                                  metadata_only=True)
+
+    def watch_end(self, timeout_seconds: int) -> FakeWatch:
+        """As the real one: metadata only, from now, while the run matches
+        :func:`~elasticrun.api.gateway.end_selector`, read as the API server reads it."""
+        self._request("watch_end")
+        selector = end_selector(self.name)
+        return self.server.watch(self._run, lambda run: field_selected(run, selector), None,
+                                 timeout_seconds, metadata_only=True)
 
     # ------------------------------------------------------------------ its Leases
 

@@ -136,6 +136,27 @@ def test_the_quiet_watch_sends_metadata_once_the_round_is_disturbed_from_now_on(
     also.close()
 
 
+def test_the_watch_for_the_end_sends_metadata_once_the_run_is_closed_or_finished() -> None:
+    _, gateway = run_with(RunStatus(phase="Running", round=2, signal=1))
+    running = gateway.read()
+    assert running is not None
+    watch = gateway.watch_end(5)  # running now: nothing first
+    degraded = gateway.replace_status(str(rv(running)),
+                                      {**running["status"], "phase": "Degraded"}, "m")
+    closed = gateway.replace_status(str(rv(degraded)), {**running["status"], "phase": "Closed"},
+                                    "m")
+    first = next(iter(watch))
+    watch.close()
+    assert (first["type"], first["object"]) == ("ADDED", {
+        "kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+        "metadata": closed["metadata"]})  # type: ignore[index]
+    succeeded = gateway.replace_status(str(rv(closed)),
+                                       {**running["status"], "phase": "Succeeded"}, "m")
+    after = gateway.watch_end(5)  # finished already: what is there now comes first
+    assert rv(next(iter(after))["object"]) == rv(succeeded)
+    after.close()
+
+
 def test_a_watch_replays_from_its_version_in_order_and_ends_on_time() -> None:
     server, gateway = run_with()
     gateway.create_lease(lease("a"))

@@ -95,6 +95,16 @@ def test_the_quiet_watch_of_a_member_asks_for_metadata_from_now() -> None:
     ]
 
 
+def test_the_watch_of_a_rejoining_member_asks_for_metadata_once_the_run_ended() -> None:
+    access, client = gateway()
+    assert access.watch_end(300) == "stream"
+    assert client.sent == [
+        ("WATCH", RUNS, {"fieldSelector": "metadata.name=r,status.phase!=Pending,"
+                         "status.phase!=Forming,status.phase!=Running,status.phase!=Degraded"},
+         300, "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"),
+    ]
+
+
 @pytest.mark.parametrize(("status", "answers"), [
     (404, {"patch_lease": None, "delete_lease": False}),
     (409, {"create_lease": None}),

@@ -409,37 +409,93 @@ def seal_as_the_operator(server: FakeApiServer, *names: str) -> RunStatus:
     return status
 
 
-def test_a_member_of_a_large_run_learns_of_a_loss_from_one_metadata_event(
-        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
+def formed_large_run(server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor
+                     ) -> tuple[K8sRendezvousHandler, RunStatus]:
+    """Round 1 of a large run, members a (rank 0) and b, sealed by the operator, with a
+    watching the round quietly."""
     server.seed_run(RUN_NAME, large_spec())
     a, b = nodes("a"), nodes("b")
     calls = [pool.submit(a.next_rendezvous), pool.submit(b.next_rendezvous)]
     status = seal_as_the_operator(server, "a", "b")
     assert sorted(info.rank for info in infos(calls)) == [0, 1]
-    watched = nodes.gateway(a)
-    wait_for(lambda: watched.reached["watch_round"], BOUND, "a's quiet watch", interval=0.01)
+    wait_for(lambda: nodes.gateway(a).reached["watch_round"], BOUND, "a's quiet watch",
+             interval=0.01)
     assert a.watcher is not None and a.watcher.quiet_round == 1
+    return a, status
+
+
+def lose(server: FakeApiServer, member: str, reason: str) -> str:
+    """The operator's removal of ``member`` from the running round; the run's new version."""
+    lost = rounds.remove_member(parse_run(server.run(RUN_NAME)).status, member, reason, now())
+    assert lost is not None
+    write_status(server, lost)
+    return str(server.run(RUN_NAME)["metadata"]["resourceVersion"])
+
+
+def test_a_member_of_a_large_run_hears_of_a_loss_in_one_event_and_rejoins_reading_nothing(
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
+    a, status = formed_large_run(server, nodes, pool)
+    assert a.watcher is not None
+    watched = nodes.gateway(a)
     seen, reads = a.watcher.events_received, watched.reached["read"]
+    watches = watched.reached["watch_run"]
     # A write that leaves round 1 undisturbed (a spare's request summarised) sends nothing.
     write_status(server, status.replace(waiting=(
         WaitingNode(name="spare", address="10.0.0.9", store_port=1, since=now()),)))
     time.sleep(0.3)
     assert (a.num_nodes_waiting(), a.watcher.events_received) == (0, seen)
     # The loss: one event, of metadata only, and a waiting node without reading the run.
-    current = parse_run(server.run(RUN_NAME)).status
-    lost = rounds.remove_member(current, "b", rounds.LEASE_EXPIRED, now())
-    assert lost is not None
-    write_status(server, lost)
-    version = server.run(RUN_NAME)["metadata"]["resourceVersion"]
+    version = lose(server, "b", rounds.LEASE_EXPIRED)
     wait_for(a.num_nodes_waiting, BOUND, "a to hear of the loss", interval=0.01)
     assert a.num_nodes_waiting() == 1
     assert (a.watcher.events_received, watched.reached["read"]) == (seen + 1, reads)
     assert a.watcher.disturbed_version == version
-    # Asking again, it reads the run once, no older than the event, and holds the next
-    # round.
+    # Asking again, it rejoins from the copy it holds, reading nothing: it writes its
+    # request, announces nothing from that copy, watches for the run's end only, and
+    # holds the round its Lease tells it.
+    asked = join_of(server, "a")
     again = pool.submit(a.next_rendezvous)
-    wait_for(lambda: watched.reached["read"] > reads, BOUND, "a to read the run")
-    assert watched.read_versions[reads] == version
+    wait_for(lambda: join_of(server, "a") != asked, BOUND, "a's new request")
+    wait_for(lambda: watched.reached["watch_end"], BOUND, "a's watch for the run's end",
+             interval=0.01)
     seal_as_the_operator(server, "a")
     assert (again.result(BOUND).rank, a.round, a.watcher.quiet_round) == (0, 2, 2)
+    assert (watched.reached["read"], watched.reached["watch_run"],
+            watched.reached["announce"]) == (reads, watches, 0)
     assert a.num_nodes_waiting() == 0
+
+
+def test_a_large_run_closed_while_a_woken_member_rejoins_ends_its_call_after_one_read(
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
+    a, _ = formed_large_run(server, nodes, pool)
+    watched = nodes.gateway(a)
+    lose(server, "b", rounds.LEASE_EXPIRED)
+    wait_for(a.num_nodes_waiting, BOUND, "a to hear of the loss", interval=0.01)
+    asked, reads = join_of(server, "a"), watched.reached["read"]
+    again = pool.submit(a.next_rendezvous)
+    wait_for(lambda: join_of(server, "a") != asked, BOUND, "a's new request")
+    wait_for(lambda: watched.reached["watch_end"], BOUND, "a's watch for the run's end",
+             interval=0.01)
+    closed = rounds.close(parse_run(server.run(RUN_NAME)), now())
+    assert closed is not None
+    write_status(server, closed)
+    with pytest.raises(RendezvousClosedError, match="the run is closed"):
+        again.result(BOUND)
+    assert watched.reached["read"] == reads + 1
+    assert join_of(server, "a") is None  # its request withdrawn
+
+
+def test_a_woken_member_whose_pod_is_going_withdraws_the_request_its_stale_copy_made(
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
+    """Its copy predates its own removal; the operator deleted its Lease with it, so the
+    join finds the Lease gone and reads the run (the one read), which shows why."""
+    a, _ = formed_large_run(server, nodes, pool)
+    watched = nodes.gateway(a)
+    lose(server, "a", rounds.POD_DELETED)
+    assert FakeGateway(server, RUN_NAME).delete_lease("a")
+    wait_for(a.num_nodes_waiting, BOUND, "a to hear of its removal", interval=0.01)
+    reads = watched.reached["read"]
+    with pytest.raises(RendezvousClosedError, match="because its Pod is going"):
+        a.next_rendezvous()
+    assert watched.reached["read"] == reads + 1
+    assert join_of(server, "a") is None

@@ -394,3 +394,37 @@ def test_a_copy_of_the_run_older_than_the_round_supersedes_nothing() -> None:
     assert step.superseded(run(sealed("lead", "a"), closed=True), 2, "a", "lead") == \
         "the run was closed"
     assert step.superseded(older, 1, "a", None) == "it has lost its rank 0"
+
+
+def test_a_member_woken_from_a_stale_copy_neither_announces_nor_lists_until_it_reads() -> None:
+    """Its quiet watch saw round 1 disturbed at version 5; it holds version 1."""
+    fresh = defers(sealed("a", "b")).replace(previous_round=1)
+    assert next_action(fresh, at(0), CLOCK) == step.Announce()  # what a fresh copy says
+    stale = fresh.replace(woken="5")
+    assert stale.stale
+    assert next_action(stale, at(0), CLOCK) == step.Wait(until=CLOCK + 10.0)
+    # Past its wait it lists nothing from that copy: its Wait ends at once (a read).
+    assert next_action(stale, at(10), CLOCK + 10.0) == step.Wait(until=CLOCK + 10.0)
+    assert next_action(stale.replace(defer_until=None), at(0), CLOCK) == step.Wait(until=CLOCK)
+    assert next_action(stale, at(60), CLOCK + JOIN_TIMEOUT) == step.TimedOut()
+    # A copy as new as the disturbance is not stale: the node goes on as any other.
+    read = stale.replace(run=dataclasses.replace(stale.run, resource_version="5"))
+    assert not read.stale
+    assert next_action(read, at(10), CLOCK + 10.0) == step.List()
+
+
+def test_a_member_woken_from_a_stale_copy_completes_only_from_its_lease() -> None:
+    stale = defers(sealed("lead", "a"), max_nodes=64).replace(previous_round=1, woken="5")
+    assert isinstance(next_action(stale, at(0), CLOCK), step.Wait)  # its copy's round 1
+    assert isinstance(next_action(stale.replace(offered=_offer(round_=1)), at(0), CLOCK),
+                      step.Wait)
+    action = next_action(stale.replace(offered=_offer(round_=2)), at(0), CLOCK)
+    assert isinstance(action, step.Complete) and action.assignment == _offer(round_=2)
+
+
+def test_a_member_whose_pod_is_going_withdraws_a_request_it_made_before_it_knew() -> None:
+    deleted = rounds.remove_member(sealed("a", "b"), "a", rounds.POD_DELETED, at(0),
+                                   "pod a deleted")
+    assert deleted is not None
+    joined = knows(deleted, node="a", previous_round=1)
+    assert next_action(joined, at(1), CLOCK) == step.PodGone("PodDeleted: pod a deleted")

@@ -47,6 +47,8 @@ from elasticrun.api.leases import (
     run_leases_query,
 )
 from elasticrun.api.model import (
+    FINISHED_PHASES,
+    PHASES,
     Assignment,
     RunSpec,
     RunStatus,
@@ -70,6 +72,15 @@ def round_selector(run: str, round_number: int) -> str:
     ``run`` once its round ``round_number`` is disturbed (``status.stableRound`` moved off
     it; an old writer's status without the field matches too)."""
     return f"metadata.name={run},status.stableRound!={round_number}"
+
+
+def end_selector(run: str) -> str:
+    """The field selector of a rejoining member's watch (:meth:`RunGateway.watch_end`): run
+    ``run`` once it has ended, its phase one of ``FINISHED_PHASES`` (a selector's terms
+    all hold, so it names every other phase as one it is not)."""
+    others = ",".join(f"status.phase!={phase}" for phase in PHASES
+                      if phase not in FINISHED_PHASES)
+    return f"metadata.name={run},{others}"
 
 
 def announce_patch(status: RunStatus) -> list[dict[str, Any]]:
@@ -144,6 +155,8 @@ class RunAccess(Protocol):
                   timeout_seconds: int) -> EventStream: ...
 
     def watch_round(self, round_number: int, timeout_seconds: int) -> EventStream: ...
+
+    def watch_end(self, timeout_seconds: int) -> EventStream: ...
 
     def leases(self) -> list[dict[str, Any]]: ...
 
@@ -335,6 +348,20 @@ class RunGateway:
         """
         return self.client.watch(runs_path(self.namespace),
                                  {"fieldSelector": round_selector(self.name, round_number)},
+                                 timeout_seconds, accept=METADATA_ONLY)
+
+    def watch_end(self, timeout_seconds: int) -> Watch:
+        """The watch of a member rejoining from a copy of the run older than its round's
+        disturbance: the run's metadata once it has ended (closed or finished,
+        :func:`end_selector`), from now.
+
+        A signal watch from that copy's signal would match every later status
+        write and send each the whole run; this one sends nothing until the run
+        ends, and then one event of metadata, after which the member reads the
+        run once.
+        """
+        return self.client.watch(runs_path(self.namespace),
+                                 {"fieldSelector": end_selector(self.name)},
                                  timeout_seconds, accept=METADATA_ONLY)
 
     # ------------------------------------------------------------------ its Leases

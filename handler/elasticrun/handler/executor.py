@@ -122,6 +122,10 @@ class RoundExecutor:
                     # losing, a request that keeps vanishing) once shutdown() has begun.
                     raise RendezvousClosedError(f"{self._who()}: the agent is shutting down")
                 if isinstance(action, step.Complete):
+                    if session.watcher.watching_for_end:
+                        # Rejoined from a stale copy: what ends the new round now comes
+                        # from its quiet watch (RunSession.newest reads the run then).
+                        session.watcher.watch_quietly(action.assignment.round)
                     info = self._complete(known.run, action.assignment)
                     if info is not None:
                         return info
@@ -129,6 +133,7 @@ class RoundExecutor:
                     run = session.watcher.latest or session.read_or_raise()
                     known = known.replace(run=run, previous_round=action.assignment.round,
                                           joined=False)
+                    self._watch(known)
                     continue
                 known = self._carry_out(known, action)
         finally:
@@ -151,8 +156,10 @@ class RoundExecutor:
                                         f"(phase {run.status.phase}, spec.closed="
                                         f"{str(run.spec.closed).lower()})")
         if isinstance(action, step.PodGone):
-            # Nothing to withdraw: this call made no request.  torchrun's agent ends,
-            # as the kubelet's signal would end it a moment later.
+            # torchrun's agent ends, as the kubelet's signal would end it a moment later;
+            # a request made from a stale copy, before the node knew, is withdrawn.
+            if known.joined:
+                self._leave_waiting()
             raise RendezvousClosedError(
                 f"{self._who()}: removed from round {known.previous_round} because its Pod "
                 f"is going ({action.message}); not asking for another round")
@@ -194,7 +201,18 @@ class RoundExecutor:
         offered = self.mailbox.latest if self.mailbox is not None else None
         if changed is known.run:
             return known.replace(offered=offered)
-        return known.replace(run=changed, listed=False, offered=offered)
+        updated = known.replace(run=changed, listed=False, offered=offered)
+        if known.stale:
+            self._watch(updated)
+        return updated
+
+    def _watch(self, known: step.Knowledge) -> None:
+        """The run watch for what the node knows: for the run's end only while its copy is
+        stale (:attr:`step.Knowledge.stale`), else the full one from that copy."""
+        if known.stale:
+            self.session.watcher.watch_for_end()
+        else:
+            self.session.watcher.watch_fully()
 
     def _watch_assignments(self) -> None:
         """Watch our Lease for the operator's assignments (large runs), until the call ends."""
@@ -316,7 +334,7 @@ class RoundExecutor:
                             problem)
                 return False
             session.check_watch()
-            latest = session.watcher.latest or run
+            latest = session.newest(run, round_number)
             if step.superseded(latest, round_number, self.settings.node_name,
                                leader) is not None:
                 return False

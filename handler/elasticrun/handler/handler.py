@@ -126,7 +126,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         """One rendezvous: torchrun's call, or the in-place follower's."""
         with self._lock:
             session = self._connect()
-            run = session.current()
+            run, woken = session.current()
             executor = self._round_executor(session, self._start_lease(session, run))
             try:
                 self.stores.fresh(self.settings.address, self.settings.store_port)
@@ -138,7 +138,7 @@ class K8sRendezvousHandler(RendezvousHandler):
             known = step.Knowledge(node=self.settings.node_name, run=run,
                                    previous_round=self._round,
                                    join_deadline=started + run.spec.join_timeout,
-                                   defer_until=defer_until)
+                                   defer_until=defer_until, woken=woken)
             info = executor.run(known)
             if rounds.members_told_by_lease(run.spec) and not self.settings.in_place:
                 # One bit per member instead of the roster: see watcher.py.  (In-place

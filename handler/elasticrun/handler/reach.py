@@ -81,7 +81,7 @@ def reach_store(session: RunSession, stores: RoundStores, run: ElasticRun,
             attempts += 1
             error = (str(exc).splitlines() or [repr(exc)])[0]
         session.check_watch()
-        latest = session.watcher.latest or run
+        latest = session.newest(run, round_number)
         why = step.superseded(latest, round_number, node, leader)
         if why is not None:
             log.info("%s: round %d ended before its store at %s:%d answered (%s); joining "

@@ -69,30 +69,47 @@ class RunSession:
                                         "node was waiting; re-create it to start a new run")
         return run
 
+    def newest(self, run: ElasticRun, round_number: int) -> ElasticRun:
+        """The newest copy of the run the node holds (``run`` if none is newer), read
+        afresh, no older than the quiet watch's event, once that watch said round
+        ``round_number`` is disturbed since that copy: a node reaching the store of
+        a round it was told on its Lease otherwise holds a copy from before it."""
+        watcher = self.watcher
+        latest = watcher.latest or run
+        woken = watcher.disturbed_version if watcher.disturbed(round_number) else None
+        if woken is not None and newer(woken, latest.resource_version):
+            return self.read_or_raise(woken)
+        return latest
+
     def cached_or_read(self) -> ElasticRun | None:
         return self.watcher.latest or self.read()
 
-    def current(self) -> ElasticRun:
-        """The cached run if the watch trusts it, else the run read (or created) afresh.
+    def current(self) -> tuple[ElasticRun, str | None]:
+        """The run a call starts from, and the resourceVersion of a disturbance of its
+        round that this copy does not show yet (None: the copy is current).
 
-        Ends a quiet watch (:meth:`RunWatcher.watch_fully`): a node asking for a round
-        watches the run fully; one told by its quiet watch that its round is
-        disturbed holds a copy from before, so it reads the run first, no older
-        than the watch's event (which lets the API server answer from its cache).
+        The cached run if the watch trusts it, else the run read (or created)
+        afresh, watched fully.  A member told by its quiet watch that its round
+        is disturbed rejoins from the copy it holds, without reading the run:
+        in large runs the operator tells it its place on its Lease, and a read
+        per member would have the API server encode the whole run once per
+        reader.  It then watches for the run's end only
+        (:meth:`RunWatcher.watch_for_end`).
         """
         watcher = self.watcher
-        if watcher.disturbed(watcher.quiet_round):
-            fresh = self.read_or_raise(watcher.disturbed_version)
-            watcher.watch_fully()
-            return fresh
+        woken, held = watcher.disturbed_version, watcher.latest
+        if woken is not None and held is not None:
+            watcher.watch_for_end()
+            self.check_watch()
+            return held, woken
         watcher.watch_fully()
         if self.watcher.latest is not None:
             try:
                 self.watcher.check()
-                return self.watcher.latest
+                return self.watcher.latest, None
             except (RunDeletedError, InvalidRunError):
                 pass  # read it afresh below
-        return self.accept(self.ensure_run())
+        return self.accept(self.ensure_run()), None
 
     def ensure_run(self) -> dict[str, Any]:
         """The run as stored, created from the command line's spec if there is none."""

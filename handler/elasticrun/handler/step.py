@@ -18,6 +18,7 @@ from typing import Literal
 
 from elasticrun.api import rounds
 from elasticrun.api.model import Assignment, ElasticRun, WaitingNode
+from elasticrun.api.ordering import newer
 
 #: Stagger between nodes that all hold a last-call timer, so that one seals and
 #: the rest see its signal before their own timer fires; also between the turns
@@ -53,9 +54,23 @@ class Knowledge:
     #: The assignment last read from the node's own Lease (large runs:
     #: :func:`~elasticrun.api.rounds.members_told_by_lease`).
     offered: Assignment | None = None
+    #: The resourceVersion at which the member's quiet watch saw its previous round
+    #: disturbed, when this call began from a copy older than that (:attr:`stale`).
+    woken: str | None = None
 
     def replace(self, **changes: object) -> Knowledge:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def stale(self) -> bool:
+        """Whether ``run`` predates the disturbance of ``previous_round`` that woke this call.
+
+        Such a copy says nothing about what disturbed the round (a loss, this
+        node's own removal, a newer round), and its counters are behind: the
+        node acts on it only as a member rejoining, whose place the operator
+        tells it on its Lease.  Any copy read since is at least as new.
+        """
+        return self.woken is not None and newer(self.woken, self.run.resource_version)
 
     @property
     def assignment(self) -> Assignment | None:
@@ -162,7 +177,9 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
     previous round because its Pod is going (:func:`~elasticrun.api.rounds.pod_gone`);
     the first step joins; a round that
     holds this node completes it; while the operator seals, the node only makes
-    sure a running round hears of it and waits; otherwise it lists the pending
+    sure a running round hears of it and waits, and a node woken from a stale
+    copy (:attr:`Knowledge.stale`) only waits for its Lease, and past its wait
+    for a fresh copy; otherwise it lists the pending
     requests once per change of the run, makes a request that vanished (its
     Lease removed or expired) again, and applies torch's sealing rules
     (:func:`~elasticrun.api.rounds.decide_seal`) to the listed requests (a
@@ -176,16 +193,20 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
     run, pending = known.run, known.pending
     if run.closed:
         return Closed()
+    gone = rounds.pod_gone(run.status, known.node, known.previous_round)
+    if gone is not None:
+        # Also after joining: a stale copy cannot show the removal, a fresh one does
+        # (read when the join found the node's Lease deleted), and the request goes.
+        return PodGone(f"{gone.reason}: {gone.message or 'its Pod is gone'}")
     if not known.joined:
-        gone = rounds.pod_gone(run.status, known.node, known.previous_round)
-        if gone is not None:
-            return PodGone(f"{gone.reason}: {gone.message or 'its Pod is gone'}")
         return Join()
     assignment = known.assignment
     if assignment is not None:
         return Complete(assignment)
-    if known.defer_until is not None and clock < known.defer_until:
-        return _deferring(known, known.defer_until, now, clock)
+    if known.stale or (known.defer_until is not None and clock < known.defer_until):
+        # A stale copy is never listed against nor sealed from: past its wait the
+        # node's Wait ends at once, and the executor reads the run.
+        return _deferring(known, known.defer_until or clock, now, clock)
     if not known.listed:
         return List()
     if not known.requested:
@@ -266,6 +287,11 @@ def _deferring(known: Knowledge, defer_until: float, now: dt.datetime, clock: fl
     (:func:`~elasticrun.api.rounds.announce_due`).
     """
     run = known.run
+    if known.stale:
+        # The members heard of the disturbance that woke this node, and this copy's
+        # counters are behind it: an announce would fail its test (a 422 and a read).
+        return TimedOut() if clock >= known.join_deadline else \
+            Wait(min(defer_until, known.join_deadline))
     own = (known.own,) if known.own is not None else ()
     seen = own if rounds.target_size(run) is None else (
         *own, *(w for w in run.status.waiting if w.name != known.node))

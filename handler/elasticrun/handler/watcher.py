@@ -15,8 +15,14 @@ every member the whole run, roster included (178 kB at 2,048 nodes), when all
 it needs is one bit, "round R is disturbed"; the quiet watch's first event is
 that bit, about 1 kB at any size.  The watcher keeps it
 (:meth:`RunWatcher.disturbed`) and stops watching until the node's next
-``next_rendezvous()`` reads the run and returns to the full watch
-(:meth:`RunWatcher.watch_fully`).
+``next_rendezvous()``.  That call rejoins without reading the run (the operator
+tells it its place on its Lease), so it holds a copy from before the
+disturbance, whose signal every later status write moves past: a signal watch
+from it would send the whole run on each.  The watcher watches for the run's
+end instead (:meth:`RunWatcher.watch_for_end`: metadata only, the run closed or
+finished), reads the run once when that comes, and the member watches its new
+round quietly once it holds it, or the run fully once it reads the run
+afresh (:meth:`RunWatcher.watch_fully`).
 
 ``num_nodes_waiting()`` is polled every 0.1 s by torch's agent; it reads this
 cache and never costs an API request.
@@ -81,9 +87,12 @@ class RunWatcher:
         self.resyncs = 0
         #: The highest status.round seen of the object: rounds never go back.
         self._round_mark = RoundMark()
-        #: The round watched quietly (0: the full watch), and whether the quiet watch
-        #: said it is disturbed (then nothing is watched until :meth:`watch_fully`).
+        #: The round watched quietly (0: none), whether the watch is for the run's end
+        #: instead (:meth:`watch_for_end`; neither: the full watch), and whether
+        #: either said what it watches for: the round disturbed, the run ended (then
+        #: nothing is watched until the next switch).
         self._quiet_round = 0
+        self._end = False
         self._disturbed = False
         #: The resourceVersion of the run in the quiet watch's event.
         self._disturbed_version: str | None = None
@@ -167,9 +176,20 @@ class RunWatcher:
 
     def watch_fully(self) -> None:
         """Back to the full watch (``status.signal!=S``) from the cached run; what the
-        quiet watch said is forgotten, so read the run first when it said
-        :meth:`disturbed` (the cached copy predates the disturbance)."""
+        quiet watch said is forgotten, so only from a copy at least as new as what
+        it said (the cached copy predates a disturbance it reported)."""
         self._switch(0)
+
+    def watch_for_end(self) -> None:
+        """From now on watch only for the run's end (:meth:`RunGateway.watch_end`), and
+        read the run once when it comes: the node rejoins from a copy older than
+        its round's disturbance, and learns its place on its Lease."""
+        self._switch(0, end=True)
+
+    @property
+    def watching_for_end(self) -> bool:
+        """Whether the watch is :meth:`watch_for_end`'s."""
+        return self._end
 
     @property
     def quiet_round(self) -> int:
@@ -184,13 +204,14 @@ class RunWatcher:
     def disturbed_version(self) -> str | None:
         """The run's resourceVersion in the quiet watch's event: a read of the run at least
         that new shows the disturbance (None before one came)."""
-        return self._disturbed_version if self._disturbed else None
+        return self._disturbed_version if self.disturbed(self._quiet_round) else None
 
-    def _switch(self, quiet_round: int) -> None:
+    def _switch(self, quiet_round: int, end: bool = False) -> None:
         with self._cond:
-            if quiet_round == self._quiet_round and not self._disturbed:
+            if (quiet_round, end) == (self._quiet_round, self._end) and not self._disturbed:
                 return  # watching so already
             self._quiet_round = quiet_round
+            self._end = end
             self._disturbed = False
             self._mode += 1
         self._mode_changed.set()
@@ -243,19 +264,18 @@ class RunWatcher:
         failures = 0
         while not self._stop.is_set():
             try:
-                if self._quiet_round and self._disturbed:
-                    # Told: nothing more to learn until the node reads the run again.
+                with self._cond:  # one mode's settings, whatever switch comes next
+                    mode, quiet_round, end, told = (self._mode, self._quiet_round, self._end,
+                                                    self._disturbed)
+                if (quiet_round or end) and told:
+                    # Told: nothing more to learn until the node switches the watch.
                     self._mode_changed.wait(self.watch_timeout)
                     self._mode_changed.clear()
                     continue
-                if self._quiet_round:
-                    opened = time.monotonic()
-                    self._watch_quietly(self._quiet_round)
+                if quiet_round or end:
+                    self._watch_metadata(quiet_round, mode)
                     failures = 0
                     self._disconnected_since = None
-                    if time.monotonic() - opened < QUIET_REOPEN_AFTER:
-                        # A watch the server ended at once is not opened again at once.
-                        self._stop.wait(QUIET_REOPEN_AFTER)
                     continue
                 run = self._latest or self._relist()
                 if run is None:
@@ -263,14 +283,14 @@ class RunWatcher:
                     self._stop.wait(1.0)
                     self._relist()
                     continue
-                self._watch_once(run)
+                self._watch_once(run, mode)
                 failures = 0
                 self._disconnected_since = None
             except (ApiConnectionError, ApiError) as exc:
                 if self._stop.is_set():
                     return
                 if isinstance(exc, ApiError) and exc.gone:
-                    if not self._quiet_round:  # the quiet watch starts from now anyway
+                    if not (self._quiet_round or self._end):  # metadata watches start from now
                         self._gone()
                     continue
                 if self._disconnected_since is None:
@@ -330,11 +350,22 @@ class RunWatcher:
             self.events_received += 1
             yield kind, obj
 
-    def _watch_quietly(self, round_number: int) -> None:
+    def _watch_metadata(self, quiet_round: int, mode: int) -> None:
+        """One of the watches of the run's metadata: the quiet watch of ``quiet_round``, or
+        (0) the watch for the run's end."""
+        opened = time.monotonic()
+        if quiet_round:
+            self._watch_quietly(quiet_round, mode)
+        else:
+            self._watch_for_end(mode)
+        if time.monotonic() - opened < QUIET_REOPEN_AFTER:
+            # A watch the server ended at once is not opened again at once.
+            self._stop.wait(QUIET_REOPEN_AFTER)
+
+    def _watch_quietly(self, round_number: int, mode: int) -> None:
         """One quiet watch: its first event (the run as metadata) means the round is
         disturbed.  A watch the server ended is opened again without a read: a deleted
         run is noticed by the Lease renewal (:meth:`recheck`)."""
-        mode = self._mode
         watch = self.access.watch_round(round_number, self.watch_timeout)
         if not self._opened(watch, mode):
             return
@@ -356,8 +387,25 @@ class RunWatcher:
             self._current_watch = None
             watch.close()
 
-    def _watch_once(self, run: ElasticRun) -> None:
-        mode = self._mode
+    def _watch_for_end(self, mode: int) -> None:
+        """One watch for the run's end: its first event means the run ended (or, DELETED,
+        was deleted), and the run is read once, which wakes whoever waits.  A watch the
+        server ended is opened again without a read, as the quiet watch is."""
+        watch = self.access.watch_end(self.watch_timeout)
+        if not self._opened(watch, mode):
+            return
+        try:
+            for _ in self._events(watch):
+                self._relist()
+                with self._cond:
+                    if self._mode == mode:
+                        self._disturbed = True
+                return
+        finally:
+            self._current_watch = None
+            watch.close()
+
+    def _watch_once(self, run: ElasticRun, mode: int) -> None:
         watch = self.access.watch_run(run.status.signal, run.resource_version,
                                       self.watch_timeout)
         if not self._opened(watch, mode):
