@@ -42,11 +42,12 @@ import ssl
 import sys
 import time
 import uuid
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-from elasticrun.api.gateway import round_selector
+from elasticrun.api.gateway import end_selector, round_selector
 from elasticrun.api.kube import (
     JSON,
     MERGE_PATCH,
@@ -236,6 +237,8 @@ class SimNode:
         #: The name of its Lease, once created; the holder it writes there, as a handler's.
         self.lease: str | None = None
         self.holder = f"{name}@{uuid.uuid4().hex[:8]}"
+        #: The run's spec, as the node first read it.
+        self.spec: RunSpec | None = None
         #: The round this node asked for (its result), set by whichever watch saw it first.
         self.formed: asyncio.Future[dict[str, Any]] | None = None
         #: The run watch, kept open after formation to see the round change.
@@ -271,7 +274,8 @@ class SimNode:
         self.renewed_at = time.monotonic()
         self.renewal = asyncio.create_task(self.renew(interval))
         signal = (run.get("status") or {}).get("signal", 0)
-        return await self._placed(RunSpec.from_dict(spec), join, signal,
+        self.spec = RunSpec.from_dict(spec)
+        return await self._placed(self.spec, join, signal,
                                   meta["resourceVersion"], created["metadata"]["resourceVersion"])
 
     async def rejoin(self, change: Change) -> dict[str, Any]:
@@ -280,14 +284,11 @@ class SimNode:
         One merge patch of its Lease's annotations (the handler's ``set_join``:
         the new request, the old round's assignment withdrawn), then the run
         watch re-opened from the change it saw, and in large runs its Lease watch.
+        Told by the quiet watch, it reads nothing, as the handler does: it
+        watches for the run's end instead of the run (:meth:`_follow_end`) until
+        its Lease tells it its place.
         """
         assert self.lease is not None
-        if change.run is None:  # told by the quiet watch: read the run, as the handler does
-            query = urlencode({"resourceVersion": change.resource_version})
-            raw = json.loads(await self.requests.request(
-                "GET", f"{run_path(self.shared.namespace, self.shared.run)}?{query}"))
-            change = Change(change.t, parse_run(raw), str(raw["metadata"]["resourceVersion"]))
-        assert change.run is not None and change.resource_version is not None
         join = WaitingNode(name=self.name, address="127.0.0.1", store_port=self.port,
                            since=now())
         patched = json.loads(await self.requests.request(
@@ -297,13 +298,18 @@ class SimNode:
                                           ASSIGNMENT_ANNOTATION: None}}}, MERGE_PATCH))
         self.watch = self.shared.connection()
         self.mailbox = self.shared.connection()
+        lease_version = patched["metadata"]["resourceVersion"]
+        if change.run is None:
+            assert self.spec is not None
+            return await self._placed(self.spec, join, None, None, lease_version)
+        assert change.resource_version is not None
         return await self._placed(change.run.spec, join, change.run.status.signal,
-                                  change.resource_version,
-                                  patched["metadata"]["resourceVersion"])
+                                  change.resource_version, lease_version)
 
-    async def _placed(self, spec: RunSpec, join: WaitingNode, signal: int, run_version: str,
-                      lease_version: str) -> dict[str, Any]:
-        """Wait for the round that answers ``join``: on the run watch, or on the Lease."""
+    async def _placed(self, spec: RunSpec, join: WaitingNode, signal: int | None,
+                      run_version: str | None, lease_version: str) -> dict[str, Any]:
+        """Wait for the round that answers ``join``: on the run watch (from ``signal`` and
+        ``run_version``; None: for the run's end only), or on the Lease."""
         held = int(self.formed.result()["round"]) if self.formed is not None else 0
         formed: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.formed = formed
@@ -330,19 +336,24 @@ class SimNode:
                 mailbox.cancel()
             self.mailbox.close()
 
-    async def _follow_run(self, signal: int, resource_version: str, held: int, quiet: bool
-                          ) -> Change | None:
+    async def _follow_run(self, signal: int | None, resource_version: str | None, held: int,
+                          quiet: bool) -> Change | None:
         """The run watch of a node: its place in a round after ``held``, then its change.
 
         ``quiet`` (a large run): once the node holds its round, by either watch,
-        the narrow watch gives way to the handler's quiet watch of that round
-        (:meth:`_follow_quietly`), as ``RunWatcher.watch_quietly`` does.
+        the narrow watch (or, rejoining without a read, ``signal`` None, the
+        watch for the run's end) gives way to the handler's quiet watch of that
+        round (:meth:`_follow_quietly`), as ``RunWatcher.watch_quietly`` does.
         """
+        if signal is None or resource_version is None:
+            first: Coroutine[Any, Any, Change | None] = self._follow_end()
+        else:
+            first = self._follow_signal(signal, resource_version, held)
         if not quiet:
-            return await self._follow_signal(signal, resource_version, held)
+            return await first
         formed = self.formed
         assert formed is not None
-        narrow = asyncio.create_task(self._follow_signal(signal, resource_version, held))
+        narrow = asyncio.create_task(first)
         either: list[asyncio.Future[Any]] = [formed, narrow]
         try:
             await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
@@ -354,6 +365,20 @@ class SimNode:
             return None
         self.watch = self.shared.connection()
         return await self._follow_quietly(int(formed.result()["round"]))
+
+    async def _follow_end(self) -> Change | None:
+        """The handler's watch for the run's end while it rejoins (``RunGateway.watch_end``):
+        on its first event the node reads the run once, and the watch has ended
+        (None)."""
+        s = self.shared
+        query = {"fieldSelector": end_selector(s.run)}
+        try:
+            async for _ in watch_lines(self.watch, runs_path(s.namespace), query, METADATA_ONLY):
+                await self.requests.request("GET", run_path(s.namespace, s.run))
+                return None
+            return None
+        finally:
+            self.watch.close()
 
     async def _follow_quietly(self, round_number: int) -> Change | None:
         """The handler's quiet watch (``RunGateway.watch_round``): its first event, the run
