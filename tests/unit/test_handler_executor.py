@@ -436,6 +436,9 @@ def test_a_member_of_a_large_run_hears_of_a_loss_in_one_event_and_rejoins_readin
         server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
     a, status = formed_large_run(server, nodes, pool)
     assert a.watcher is not None
+    # Its copy shows round 1 (read, say, when its Lease renewal rechecked the run): that
+    # copy would have it announce itself, were it not stale.
+    assert a.watcher.recheck()
     watched = nodes.gateway(a)
     seen, reads = a.watcher.events_received, watched.reached["read"]
     watches = watched.reached["watch_run"]
@@ -479,8 +482,11 @@ def test_a_large_run_closed_while_a_woken_member_rejoins_ends_its_call_after_one
     closed = rounds.close(parse_run(server.run(RUN_NAME)), now())
     assert closed is not None
     write_status(server, closed)
+    written = time.monotonic()
     with pytest.raises(RendezvousClosedError, match="the run is closed"):
         again.result(BOUND)
+    # From the watch's event, not from the read its defer timer would make.
+    assert time.monotonic() - written < rounds.defer_seal_wait(large_spec()) / 2
     assert watched.reached["read"] == reads + 1
     assert join_of(server, "a") is None  # its request withdrawn
 
