@@ -33,12 +33,14 @@ from elasticrun.api.leases import JOIN_ANNOTATION, lease_state
 from elasticrun.api.model import RunSpec, RunStatus, StoreAddress, WaitingNode, now, parse_run
 from elasticrun.api.roundfile import ROUND_FILE_VARIABLE, decode_round
 from elasticrun.handler import executor as executor_mod
+from elasticrun.handler import step
 from elasticrun.handler.handler import K8sRendezvousHandler, RunSucceededError
 from elasticrun.handler.lease import LeaseKeeper
 from elasticrun.handler.session import RunSession
 from elasticrun.handler.settings import RendezvousSettings, from_parameters
 from elasticrun.inplace.source import FileRoundSource
 
+from builders import sealed
 from conftest import wait_for
 
 RUN_NAME = "r"
@@ -505,3 +507,33 @@ def test_a_woken_member_whose_pod_is_going_withdraws_the_request_its_stale_copy_
         a.next_rendezvous()
     assert watched.reached["read"] == reads + 1
     assert join_of(server, "a") is None
+
+
+def test_a_member_reaching_a_round_told_on_its_lease_reads_the_run_once_it_is_disturbed(
+        server: FakeApiServer) -> None:
+    """Its copy predates round 2; the quiet watch of round 2 says when that copy no longer
+    tells whether the round still stands (reach_store's superseded check)."""
+    store = StoreAddress("10.0.0.1", 29400)
+    server.seed_run(RUN_NAME, large_spec(), sealed("a", "b", round_=1).replace(store=store))
+    gateway = FakeGateway(server, RUN_NAME)
+    session = RunSession(settings("a"), gateway)
+    held = session.read_or_raise()
+    write_status(server, sealed("b", "a", round_=2).replace(store=store))
+    session.watcher.watch_quietly(2)
+    session.watcher.start()
+    try:
+        wait_for(lambda: gateway.reached["watch_round"], BOUND, "the quiet watch", interval=0.01)
+        time.sleep(0.2)
+        assert session.newest(held, 2) is held  # undisturbed: nothing read
+        version = lose(server, "b", rounds.LEASE_EXPIRED)
+        wait_for(lambda: session.watcher.disturbed(2), BOUND, "round 2 disturbed",
+                 interval=0.01)
+        reads = gateway.reached["read"]
+        fresh = session.newest(held, 2)
+        assert (fresh.status.round, fresh.status.restart_round) == (2, 2)
+        assert step.superseded(fresh, 2, "a", "b") == "its rank 0, b, was removed from it"
+        assert session.newest(held, 2) is fresh  # read once
+        assert gateway.reached["read"] == reads + 1
+        assert gateway.read_versions[-1] == version
+    finally:
+        session.watcher.stop()
