@@ -113,3 +113,43 @@ def test_a_loss_sends_one_small_event_to_a_quiet_member_and_nothing_else_does(
     assert watcher.disturbed_version == written["metadata"]["resourceVersion"]
     read = gateway.read(not_older_than=watcher.disturbed_version)
     assert read is not None and parse_run(read).status.restart_round == 1
+
+
+def test_the_watch_for_the_end_sends_nothing_while_the_run_goes_on_and_metadata_once_closed(
+        cluster: Cluster, namespace: str) -> None:
+    """A rejoining member's watch (``RunGateway.watch_end``): the API server takes its
+    selector (every phase of a run that goes on, each as ``!=``) and sends nothing for
+    a loss, a re-formed round or a degraded phase, then the run's metadata once closed."""
+    gateway = RunGateway(cluster.client, namespace, "ending")
+    assert gateway.create(RunSpec(min_nodes=1, max_nodes=MEMBERS)) is not None
+    status = sealed_round(8)
+    write(gateway, status)
+    events: list[tuple[str, dict[str, Any]]] = []
+    watch = gateway.watch_end(30)
+
+    def collect() -> None:
+        for event in watch:
+            if event.get("type") != "BOOKMARK":
+                events.append((str(event["type"]), event["object"]))
+
+    reader = threading.Thread(target=collect, daemon=True)
+    reader.start()
+    try:
+        lost = rounds.remove_member(status, "node-0003", rounds.LEASE_EXPIRED, now())
+        assert lost is not None
+        write(gateway, lost.replace(phase="Degraded"))
+        write(gateway, sealed_round(7).replace(round=2, signal=2))
+        time.sleep(1.0)
+        assert events == []
+        closed = rounds.close(parse_run(gateway.read() or {}), now())
+        assert closed is not None
+        written = write(gateway, closed)
+        wait_for(lambda: events, BOUND, "the close's event")
+        time.sleep(0.5)
+    finally:
+        watch.close()
+        reader.join(BOUND)
+    assert len(events) == 1
+    kind, obj = events[0]
+    assert (kind, obj["kind"], obj["metadata"]["resourceVersion"]) == (
+        "ADDED", "PartialObjectMetadata", written["metadata"]["resourceVersion"])
