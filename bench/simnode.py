@@ -373,7 +373,10 @@ class SimNode:
         s = self.shared
         query = {"fieldSelector": end_selector(s.run)}
         try:
-            async for _ in watch_lines(self.watch, runs_path(s.namespace), query, METADATA_ONLY):
+            async for line in watch_lines(self.watch, runs_path(s.namespace), query,
+                                           METADATA_ONLY):
+                if s.parse(line).get("type") == "BOOKMARK":
+                    continue
                 await self.requests.request("GET", run_path(s.namespace, s.run))
                 return None
             return None
