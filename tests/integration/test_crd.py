@@ -208,6 +208,8 @@ def test_model_round_trips_what_the_server_accepts(cluster: Cluster, namespace: 
                         "lastTransitionTime": "2026-01-02T03:04:05.000000Z"}],
         "sealedAt": "2026-01-02T03:04:05.000000Z",
         "observedGeneration": 1,
+        # Derived (RunStatus.stable_round): round 3, neither re-forming nor announced to.
+        "stableRound": 3,
     }
     created["status"] = status
     stored = cluster.client.request("PUT", run_path(namespace, "rt", "status"), body=created)
