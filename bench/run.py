@@ -245,6 +245,21 @@ def only_resize(args: argparse.Namespace, command: str) -> int:
     return 1 if failed else 0
 
 
+#: Sections that ``--only`` measures in runs of their own, each column stamped with its
+#: commit and date; a whole run does not measure them.
+MEASURED_ALONE = ("resize",)
+
+
+def measured_alone(path: Path) -> dict[str, Any]:
+    """The sections of ``path`` (a ``benchmarks.json``) that a whole run carries over:
+    :data:`MEASURED_ALONE`, which only ``--only`` measures, so that the page a whole
+    run renders keeps them as they were measured."""
+    if not path.exists():
+        return {}
+    previous = json.loads(path.read_text())
+    return {key: previous[key] for key in MEASURED_ALONE if key in previous}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = arguments(__doc__.splitlines()[0])
     parser.add_argument("--backends", default=",".join(backends.BACKENDS),
@@ -268,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_setup:
         ensure_setup()
     out, work, log_dir = directories(args, "elasticrun-bench-")
-    data: dict[str, Any] = header(command, args.quick)
+    data: dict[str, Any] = {**header(command, args.quick),
+                            **measured_alone(out / "benchmarks.json")}
     began = time.monotonic()
     failed = False
     try:
