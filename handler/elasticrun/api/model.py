@@ -604,7 +604,9 @@ class RunStatus:
         Disturbed: it must re-form (a loss, a drain, a restart asked for:
         :attr:`degraded`), or a waiting node was announced to it
         (``joinNotice``).  A round superseded by a newer one is no longer the
-        current round, so its number is no longer the value either.  A closed or
+        current round, so its number is no longer the value either: round R is
+        disturbed exactly when this is not R, the one rule that
+        ``rounds.nodes_waiting`` and ``rounds.announce_needed`` read too.  A closed or
         finished run keeps its round's number, whatever happened to it: its
         members are never told to restart (``rounds.nodes_waiting``), so waking
         them would only have them re-read the run for nothing.  The

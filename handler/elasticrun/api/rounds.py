@@ -560,8 +560,7 @@ def nodes_waiting(run: ElasticRun, my_round: int, waiting: Waiting = None, *,
         # or, watched quietly, ``disturbed``.
         return 0
     eligible = eligible_waiting(run, waiting)
-    if my_round and (status.round > my_round or status.restart_round >= my_round
-                     or status.join_notice >= my_round):
+    if my_round and status.stable_round != my_round:
         # Superseded, lost a member, or a node announced that it is waiting.
         return max(1, len(eligible))
     members = status.member_names
@@ -630,6 +629,7 @@ def announce_needed(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) 
     (:func:`announce_due`).
     """
     status = run.status
-    if status.round == 0 or status.degraded or status.join_notice >= status.round:
+    if status.stable_round == 0:
+        # No round, or it is disturbed already: it re-forms, or it was announced to.
         return False
     return nodes_waiting(run, status.round, waiting, now=now) > 0

@@ -760,13 +760,12 @@ def repair(raw_status: object, error: Exception, now: dt.datetime, generation: i
                           message=f"status could not be read ({error}); round {round_} is "
                                   "re-formed", last_transition_time=now,
                           observed_generation=generation)
-    return {
+    repaired: dict[str, object] = {
         "phase": "Degraded" if round_ else "Forming",
         "round": round_,
         "signal": next_signal(count("signal")),
         "joinNotice": round_,
         "restartRound": round_,
-        "stableRound": 0,  # the repaired round is re-formed (RunStatus.stable_round)
         "memberCount": len(roster),
         "waitingCount": len(waiting),
         "participants": roster,
@@ -775,6 +774,8 @@ def repair(raw_status: object, error: Exception, now: dt.datetime, generation: i
         "conditions": [condition.to_dict()],
         "observedGeneration": generation,
     }
+    repaired["stableRound"] = RunStatus.from_dict(repaired).stable_round
+    return repaired
 
 
 def _readable_roster(raw: object, round_: int) -> list[dict[str, object]]:
