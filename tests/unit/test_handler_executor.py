@@ -537,3 +537,70 @@ def test_a_member_reaching_a_round_told_on_its_lease_reads_the_run_once_it_is_di
         assert gateway.read_versions[-1] == version
     finally:
         session.watcher.stop()
+
+
+def test_the_run_watch_fits_what_the_node_holds(server: FakeApiServer) -> None:
+    """RunSession.follow, the one rule: quiet while it holds a round of a large run outside
+    in-place mode, the run's end only while its copy is stale, else the full watch."""
+    server.seed_run(RUN_NAME, large_spec(),
+                    sealed("a", "b", round_=1).replace(store=StoreAddress("10.0.0.1", 29400)))
+    small = spec(2)
+    gateway = FakeGateway(server, RUN_NAME)
+    session = RunSession(settings("a"), gateway)
+    in_place = RunSession(dataclasses.replace(settings("a"), in_place=True), gateway)
+    large = session.read_or_raise().spec
+    session.watcher.start()
+    try:
+        wait_for(lambda: gateway.reached["watch_run"], BOUND, "the full watch", interval=0.01)
+        session.follow(large, stale=False, holding=1)
+        assert session.watcher.quiet_round == 1
+        wait_for(lambda: gateway.reached["watch_round"], BOUND, "the quiet watch",
+                 interval=0.01)
+        session.follow(large, stale=True)
+        assert session.watcher.quiet_round == 0
+        wait_for(lambda: gateway.reached["watch_end"], BOUND, "the watch for the run's end",
+                 interval=0.01)
+        full = gateway.reached["watch_run"]
+        session.follow(large, stale=False)
+        wait_for(lambda: gateway.reached["watch_run"] > full, BOUND, "the full watch again",
+                 interval=0.01)
+        # Holding a round of a small run, or in in-place mode, the watch stays full.
+        session.follow(small, stale=False, holding=1)
+        in_place.follow(large, stale=False, holding=1)
+        assert (session.watcher.quiet_round, in_place.watcher.quiet_round) == (0, 0)
+    finally:
+        session.watcher.stop()
+
+
+def test_a_woken_member_whose_copy_shows_the_disturbance_starts_from_it_watching_fully(
+        server: FakeApiServer) -> None:
+    """A copy read since the quiet watch's event is not stale: the call starts from it with
+    the full watch, not from a version it already shows."""
+    server.seed_run(RUN_NAME, large_spec(),
+                    sealed("a", "b", round_=1).replace(store=StoreAddress("10.0.0.1", 29400)))
+    gateway = FakeGateway(server, RUN_NAME)
+    session = RunSession(settings("a"), gateway)
+    held = session.read_or_raise()
+    session.watcher.watch_quietly(1)
+    session.watcher.start()
+    try:
+        wait_for(lambda: gateway.reached["watch_round"], BOUND, "the quiet watch", interval=0.01)
+        version = lose(server, "b", rounds.LEASE_EXPIRED)
+        wait_for(lambda: session.watcher.disturbed(1), BOUND, "round 1 disturbed",
+                 interval=0.01)
+        # Positive control: from the copy held before the loss, the call starts stale.
+        assert session.current() == (held, version)
+        wait_for(lambda: gateway.reached["watch_end"], BOUND, "the watch for the run's end",
+                 interval=0.01)
+        session.watcher.watch_quietly(1)
+        wait_for(lambda: session.watcher.disturbed(1), BOUND, "round 1 disturbed again",
+                 interval=0.01)
+        fresh = session.read_or_raise()
+        assert fresh.resource_version == version
+        full = gateway.reached["watch_run"]
+        run, woken = session.current()
+        assert (run, woken) == (fresh, None)
+        wait_for(lambda: gateway.reached["watch_run"] > full, BOUND, "the full watch",
+                 interval=0.01)
+    finally:
+        session.watcher.stop()

@@ -122,18 +122,19 @@ class RoundExecutor:
                     # losing, a request that keeps vanishing) once shutdown() has begun.
                     raise RendezvousClosedError(f"{self._who()}: the agent is shutting down")
                 if isinstance(action, step.Complete):
-                    if session.watcher.watching_for_end:
-                        # Rejoined from a stale copy: what ends the new round now comes
-                        # from its quiet watch (RunSession.newest reads the run then).
-                        session.watcher.watch_quietly(action.assignment.round)
+                    round_number = action.assignment.round
+                    if known.stale:
+                        # What ends the new round comes from its quiet watch while the
+                        # node reaches the store (RunSession.newest reads the run then).
+                        session.follow(known.run.spec, stale=True, holding=round_number)
                     info = self._complete(known.run, action.assignment)
                     if info is not None:
+                        session.follow(known.run.spec, stale=False, holding=round_number)
                         return info
                     # The round ended before its store answered: join the next one.
                     run = session.watcher.latest or session.read_or_raise()
-                    known = known.replace(run=run, previous_round=action.assignment.round,
-                                          joined=False)
-                    self._watch(known)
+                    known = known.replace(run=run, previous_round=round_number, joined=False)
+                    session.follow(run.spec, stale=known.stale)
                     continue
                 known = self._carry_out(known, action)
         finally:
@@ -203,16 +204,8 @@ class RoundExecutor:
             return known.replace(offered=offered)
         updated = known.replace(run=changed, listed=False, offered=offered)
         if known.stale:
-            self._watch(updated)
+            session.follow(changed.spec, stale=updated.stale)
         return updated
-
-    def _watch(self, known: step.Knowledge) -> None:
-        """The run watch for what the node knows: for the run's end only while its copy is
-        stale (:attr:`step.Knowledge.stale`), else the full one from that copy."""
-        if known.stale:
-            self.session.watcher.watch_for_end()
-        else:
-            self.session.watcher.watch_fully()
 
     def _watch_assignments(self) -> None:
         """Watch our Lease for the operator's assignments (large runs), until the call ends."""

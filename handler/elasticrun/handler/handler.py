@@ -139,12 +139,7 @@ class K8sRendezvousHandler(RendezvousHandler):
                                    previous_round=self._round,
                                    join_deadline=started + run.spec.join_timeout,
                                    defer_until=defer_until, woken=woken)
-            info = executor.run(known)
-            if rounds.members_told_by_lease(run.spec) and not self.settings.in_place:
-                # One bit per member instead of the roster: see watcher.py.  (In-place
-                # mode's follower acts on the run it watches, so it keeps the full watch.)
-                session.watcher.watch_quietly(self._round)
-            return info
+            return executor.run(known)
 
     def _placed(self, round_number: int) -> None:
         """The executor's news: a round holds this node (before torch hears of it)."""

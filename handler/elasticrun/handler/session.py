@@ -18,9 +18,10 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
 )
 
+from elasticrun.api import rounds
 from elasticrun.api.gateway import RunAccess
 from elasticrun.api.leases import LeaseState, RenewalClock, lease_state, pending_joins
-from elasticrun.api.model import ElasticRun, InvalidRunError, RunStatus, WaitingNode, now
+from elasticrun.api.model import ElasticRun, InvalidRunError, RunSpec, RunStatus, WaitingNode, now
 from elasticrun.api.ordering import newer
 from elasticrun.handler.calls import ApiCalls, who
 from elasticrun.handler.settings import RendezvousSettings
@@ -88,28 +89,49 @@ class RunSession:
         """The run a call starts from, and the resourceVersion of a disturbance of its
         round that this copy does not show yet (None: the copy is current).
 
-        The cached run if the watch trusts it, else the run read (or created)
-        afresh, watched fully.  A member told by its quiet watch that its round
-        is disturbed rejoins from the copy it holds, without reading the run:
-        in large runs the operator tells it its place on its Lease, and a read
-        per member would have the API server encode the whole run once per
-        reader.  It then watches for the run's end only
-        (:meth:`RunWatcher.watch_for_end`).
+        A member told by its quiet watch that its round is disturbed rejoins
+        from the copy it holds, without reading the run, and watches it as a
+        stale copy is watched (:meth:`follow`).  Otherwise the cached run if the
+        watch trusts it, else the run read (or created) afresh, watched fully.
         """
         watcher = self.watcher
         woken, held = watcher.disturbed_version, watcher.latest
-        if woken is not None and held is not None:
-            watcher.watch_for_end()
+        if held is not None and woken is not None and newer(woken, held.resource_version):
+            self.follow(held.spec, stale=True)
             self.check_watch()
             return held, woken
         watcher.watch_fully()
-        if self.watcher.latest is not None:
+        if held is not None:
             try:
-                self.watcher.check()
-                return self.watcher.latest, None
+                watcher.check()
+                return held, None
             except (RunDeletedError, InvalidRunError):
                 pass  # read it afresh below
         return self.accept(self.ensure_run()), None
+
+    def follow(self, spec: RunSpec, *, stale: bool, holding: int = 0) -> None:
+        """Watch the run the way that fits what this node holds: the one rule for it.
+
+        * Quietly (:meth:`RunWatcher.watch_quietly`), for round ``holding`` of a
+          run whose members are told their places on their Leases
+          (:func:`~elasticrun.api.rounds.members_told_by_lease`): one event, of
+          metadata only, when the round is disturbed, instead of the roster on
+          every change (:mod:`elasticrun.handler.watcher`).  Not in in-place
+          mode, whose follower acts on the run it watches.
+        * For the run's end only (:meth:`RunWatcher.watch_for_end`) while the
+          node's copy is older than the disturbance that woke it
+          (:attr:`.step.Knowledge.stale`): the operator tells it its place on
+          its Lease, and a read per member would have the API server encode
+          the whole run once per reader.
+        * Else fully, from the cached copy (:meth:`RunWatcher.watch_fully`).
+        """
+        watcher = self.watcher
+        if holding and rounds.members_told_by_lease(spec) and not self.settings.in_place:
+            watcher.watch_quietly(holding)
+        elif stale:
+            watcher.watch_for_end()
+        else:
+            watcher.watch_fully()
 
     def ensure_run(self) -> dict[str, Any]:
         """The run as stored, created from the command line's spec if there is none."""

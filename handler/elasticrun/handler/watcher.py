@@ -22,7 +22,8 @@ from it would send the whole run on each.  The watcher watches for the run's
 end instead (:meth:`RunWatcher.watch_for_end`: metadata only, the run closed or
 finished), reads the run once when that comes, and the member watches its new
 round quietly once it holds it, or the run fully once it reads the run
-afresh (:meth:`RunWatcher.watch_fully`).
+afresh (:meth:`RunWatcher.watch_fully`).  Which of the three fits what the node
+holds is one rule, :meth:`~elasticrun.handler.session.RunSession.follow`.
 
 ``num_nodes_waiting()`` is polled every 0.1 s by torch's agent; it reads this
 cache and never costs an API request.
@@ -185,11 +186,6 @@ class RunWatcher:
         read the run once when it comes: the node rejoins from a copy older than
         its round's disturbance, and learns its place on its Lease."""
         self._switch(0, end=True)
-
-    @property
-    def watching_for_end(self) -> bool:
-        """Whether the watch is :meth:`watch_for_end`'s."""
-        return self._end
 
     @property
     def quiet_round(self) -> int:
