@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +45,3 @@ def test_make_bench_keeps_an_incomplete_floor_round_and_reports_it(
     assert asked == [(2, 2, "n2-r0"), (2, 2, "n2-r1")]
     assert [(r["rep"], r["formation_s"], r["loss_s"], r["newcomer_s"]) for r in rows] == [
         (0, 0.2, 0.05, 0.1), (1, 0.2, None, 0.1)]
-
-
-def test_a_whole_make_bench_keeps_the_sections_measured_alone(tmp_path: Path) -> None:
-    """``--only resize`` columns survive a whole run, which does not measure them: the page
-    it renders keeps its Resize section, each column with its own commit."""
-    path = tmp_path / "benchmarks.json"
-    assert run.measured_alone(path) == {}
-    resize = {"after": {"commit": "abc1234", "backends": {}}}
-    path.write_text(json.dumps({"commit": "old", "backends": {"k8s": {}}, "resize": resize}))
-    assert run.measured_alone(path) == {"resize": resize}
-    path.write_text(json.dumps({"commit": "old", "backends": {}}))
-    assert run.measured_alone(path) == {}
