@@ -18,9 +18,11 @@ to it, :func:`elasticrun.api.rounds.nodes_defer_seal`):
 
 Each mixed round then admits a newcomer (a real handler; the run has room for
 N + 1) and loses a member of the round it joined, beside the floor
-(:mod:`bench.floor`) on the same server; and in runs of their own, with the
-shortest heartbeat, a **frozen member** stops renewing its Lease: its removal
-and the survivors' next round are timed.
+(:mod:`bench.floor`) on the same server: each of its phases the median of
+:attr:`Plan.floor_reps` rounds after the mixed round (:func:`floor_fields`),
+since one round alone is too noisy to divide by; and in runs of their own, with
+the shortest heartbeat, a **frozen member** stops renewing its Lease: its
+removal and the survivors' next round are timed.
 
 Results: ``<out>/benchmarks-scale.json`` and ``<out>/benchmarks-scale.md`` with
 a log-log plot; ``<out>/benchmarks.md`` embeds the latter (:mod:`bench.report`).
@@ -37,7 +39,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -58,7 +60,8 @@ from bench.backends import K8sBackend, Run, Timing  # noqa: E402
 from bench.membership import monotonic_of, removal, until_all  # noqa: E402
 from bench.pool import Pool, worker_env  # noqa: E402
 from bench.proc import cpu_seconds, machine, stop_pid  # noqa: E402
-from bench.run import arguments, commit, directories, versions  # noqa: E402
+from bench.run import FLOOR_PHASES, arguments, commit, directories, versions  # noqa: E402
+from bench.stats import summary  # noqa: E402
 from controlplane import apiserver  # noqa: E402
 
 
@@ -79,12 +82,17 @@ class Plan:
     workers: int = 4
     sim_processes: int = 4
     formation_bound: float = 120.0
+    #: Floor rounds (:mod:`bench.floor`) after each mixed round, reported as their median
+    #: per phase, as ``make bench`` does (:attr:`bench.run.Plan.floor_reps`): there, one
+    #: round's formation at N = 32 measured 0.146 s in one run and 0.283 s in the next, so
+    #: a single round can move ours / floor by 2x on its own.
+    floor_reps: int = 3
 
     @classmethod
     def quick(cls) -> Plan:
         return cls(mixed_sizes=(8, 16), sample=2, real_sizes=(8,), c10d_sizes=(8,),
                    baseline_sizes=(8,), frozen_sizes=(8,), reps=1, workers=2, sim_processes=2,
-                   formation_bound=60.0)
+                   formation_bound=60.0, floor_reps=1)
 
 
 #: Simulated nodes renew their Lease at the run's interval, from its creation on; the
@@ -102,6 +110,10 @@ LOSS_BOUND = 30.0
 NEWCOMER = "node-new"
 #: Between a frozen-member run's formation and the freeze: every Lease renewed once.
 FROZEN_SETTLE = 2.0
+#: The mixed row's field for the median of each floor phase (:data:`bench.run.FLOOR_PHASES`),
+#: the names ``bench/scale_report.py`` reads.
+FLOOR_FIELDS = dict(zip(FLOOR_PHASES, ("floor_s", "floor_loss_s", "floor_newcomer_s"),
+                        strict=True))
 
 
 def has_room(n: int) -> bool:
@@ -440,12 +452,34 @@ def mixed_round(backend: K8sBackend, pool: Pool, late: Pool, log_dir: Path, n: i
         backend.quiesce(30)
 
 
-def floor_round(backend: K8sBackend, log_dir: Path, n: int, processes: int
-                ) -> dict[str, Any]:
-    """The floor (:mod:`bench.floor`) at ``n`` on the same server, as a mixed row's fields."""
-    found = floor.on_server(backend, log_dir, n, processes)
-    return {"floor_s": found.formation_s, "floor_loss_s": found.loss_s,
-            "floor_newcomer_s": found.newcomer_s, "floor_errors": list(found.errors)}
+def floor_fields(rounds: Sequence[floor.Floor]) -> dict[str, Any]:
+    """Floor rounds at one N as a mixed row's fields (:data:`FLOOR_FIELDS`).
+
+    Each phase is the median of the rounds that timed it, and None if none did:
+    a phase that one round did not finish within the floor's bound leaves the
+    others' times standing, as ``make bench``'s report does with its floor rows.
+    ``floor_rounds`` keeps every round's times, so a median over fewer rounds
+    than ``floor_reps`` shows; ``floor_errors`` keeps every round's client
+    errors, each named by its round.
+    """
+    fields: dict[str, Any] = {}
+    for phase, field in FLOOR_FIELDS.items():
+        found = summary(getattr(f, phase) for f in rounds)
+        fields[field] = None if found is None else found["median"]
+    fields["floor_reps"] = len(rounds)
+    fields["floor_rounds"] = [{phase: getattr(f, phase) for phase in FLOOR_FIELDS}
+                              for f in rounds]
+    fields["floor_errors"] = [f"round {i}: {error}" for i, f in enumerate(rounds)
+                              for error in f.errors]
+    return fields
+
+
+def floor_rounds(backend: K8sBackend, log_dir: Path, n: int, processes: int, reps: int
+                 ) -> dict[str, Any]:
+    """The floor (:mod:`bench.floor`) at ``n`` on the same server, ``reps`` rounds one after
+    the other, as a mixed row's fields (:func:`floor_fields`)."""
+    return floor_fields([floor.on_server(backend, log_dir, n, processes, f"n{n}-r{rep}")
+                         for rep in range(reps)])
 
 
 def mixed(plan: Plan, backend: K8sBackend, log_dir: Path, operator_pid: int
@@ -458,7 +492,7 @@ def mixed(plan: Plan, backend: K8sBackend, log_dir: Path, operator_pid: int
             began = time.monotonic()
             row = mixed_round(backend, pool, late, log_dir, n, plan.sample, plan.sim_processes,
                               operator_pid, plan.formation_bound)
-            row.update(floor_round(backend, log_dir, n, plan.sim_processes))
+            row.update(floor_rounds(backend, log_dir, n, plan.sim_processes, plan.floor_reps))
             rows.append(row)
             print(f"  mixed N={n}: formed={row['formed']} latency={row['latency_s']} "
                   f"floor={row['floor_s']} newcomer={row.get('newcomer_s')} "

@@ -29,6 +29,17 @@ def _ratio(ours: float | None, floor: float | None) -> str:
     return f"{ours / floor:.2f}×" if ours and floor else "–"
 
 
+def _floor_rounds(rows: list[dict[str, Any]]) -> str:
+    """How many floor rounds each N's times come from (``floor_reps``; one in rows without it,
+    which :func:`bench.scale.floor_fields` did not write)."""
+    reps = sorted({int(r.get("floor_reps", 1)) for r in rows})
+    if reps == [1]:
+        return "one round per N"
+    counts = str(reps[0]) if len(reps) == 1 else f"{reps[0]}–{reps[-1]}"
+    return (f"the median of {counts} rounds per N, each phase over the rounds that timed it "
+            "(`scale.floor_fields`)")
+
+
 def _floor_table(mixed: list[dict[str, Any]]) -> list[str]:
     """The floor (:mod:`bench.floor`) measured right after each mixed round, and ours over it."""
     rows = [r for r in mixed if "floor_s" in r]
@@ -36,7 +47,8 @@ def _floor_table(mixed: list[dict[str, Any]]) -> list[str]:
         return []
     lines = ["", "### Against the floor", "",
              "The cheapest rendezvous this API server allows, measured right after each "
-             "mixed round on the same server (`bench/floor.py`): N clients each create "
+             f"mixed round on the same server (`bench/floor.py`; {_floor_rounds(rows)}): "
+             "N clients each create "
              "their own Lease once and wait for one watch event of one ConfigMap, which "
              "a single writer updates once after its Lease watch has shown all N; a loss "
              "(one Lease deleted) and a newcomer (one more created) are one more update "

@@ -55,6 +55,7 @@ def test_each_mixed_round_has_the_floor_beside_it(
     out, data = scale_run
     for row in data["mixed"]:
         assert row["floor_errors"] == [], row
+        assert row["floor_reps"] == data["plan"]["floor_reps"] == len(row["floor_rounds"]), row
         assert all(row[key] is not None and row[key] > 0
                    for key in ("floor_s", "floor_loss_s", "floor_newcomer_s")), row
     page = (out / "benchmarks-scale.md").read_text()

@@ -1,15 +1,14 @@
 """The floor benchmark (bench/floor.py): when its one writer updates the board, and how
-``make bench`` (bench/run.py) measures it."""
+``make bench`` (bench/run.py) and ``make bench-scale`` (bench/scale.py) measure it."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench import floor, run
+from bench import floor, run, scale, scale_report
 from bench.floor import Floor, next_board_round
 
 
@@ -48,13 +47,39 @@ def test_make_bench_keeps_an_incomplete_floor_round_and_reports_it(
         (0, 0.2, 0.05, 0.1), (1, 0.2, None, 0.1)]
 
 
-def test_a_whole_make_bench_keeps_the_sections_measured_alone(tmp_path: Path) -> None:
-    """``--only resize`` columns survive a whole run, which does not measure them: the page
-    it renders keeps its Resize section, each column with its own commit."""
-    path = tmp_path / "benchmarks.json"
-    assert run.measured_alone(path) == {}
-    resize = {"after": {"commit": "abc1234", "backends": {}}}
-    path.write_text(json.dumps({"commit": "old", "backends": {"k8s": {}}, "resize": resize}))
-    assert run.measured_alone(path) == {"resize": resize}
-    path.write_text(json.dumps({"commit": "old", "backends": {}}))
-    assert run.measured_alone(path) == {}
+def test_make_bench_scale_takes_each_floor_phase_as_the_median_of_the_rounds_timing_it() -> None:
+    """A round without a loss leaves the other two rounds' median; every round's errors stay."""
+    rounds = [Floor(8, 0.3, 0.02, 0.1), Floor(8, 0.1, None, 0.4, ("floor-3: gone",)),
+              Floor(8, 0.2, 0.06, 0.2)]
+    fields = scale.floor_fields(rounds)
+    assert (fields["floor_s"], fields["floor_newcomer_s"]) == (0.2, 0.2)
+    assert fields["floor_loss_s"] == pytest.approx(0.04)
+    assert fields["floor_reps"] == 3
+    assert fields["floor_errors"] == ["round 1: floor-3: gone"]
+    assert fields["floor_rounds"][1] == {"formation_s": 0.1, "loss_s": None, "newcomer_s": 0.4}
+    assert scale.floor_fields([Floor(8, 0.3, None, None)])["floor_loss_s"] is None
+
+
+def test_make_bench_scale_runs_the_plans_floor_rounds_one_tag_each(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    server = object()
+    asked: list[tuple[int, int, str]] = []
+
+    def on_server(backend: Any, log_dir: Path, n: int, processes: int, tag: str = "") -> Floor:
+        assert backend is server and log_dir == tmp_path
+        asked.append((n, processes, tag))
+        return Floor(n, 0.1 * len(asked), 0.05, 0.1)
+
+    monkeypatch.setattr(floor, "on_server", on_server)
+    fields = scale.floor_rounds(server, tmp_path, 64, 4, scale.Plan().floor_reps)
+    assert asked == [(64, 4, "n64-r0"), (64, 4, "n64-r1"), (64, 4, "n64-r2")]
+    assert fields["floor_s"] == pytest.approx(0.2)
+    assert scale.Plan.quick().floor_reps == 1
+
+
+def test_the_scale_page_says_how_many_floor_rounds_its_times_are_the_median_of() -> None:
+    row = {"n": 64, "formed": True, "latency_s": 0.5, "floor_s": 0.3}
+    assert "the median of 3 rounds per N" in "\n".join(
+        scale_report._floor_table([{**row, "floor_reps": 3}]))
+    once = "\n".join(scale_report._floor_table([row]))  # written before floor_reps
+    assert "one round per N" in once and "median" not in once
