@@ -403,9 +403,10 @@ def test_a_member_woken_from_a_stale_copy_neither_announces_nor_lists_until_it_r
     stale = fresh.replace(woken="5")
     assert stale.stale
     assert next_action(stale, at(0), CLOCK) == step.Wait(until=CLOCK + 10.0)
-    # Past its wait it lists nothing from that copy: its Wait ends at once (a read).
-    assert next_action(stale, at(10), CLOCK + 10.0) == step.Wait(until=CLOCK + 10.0)
-    assert next_action(stale.replace(defer_until=None), at(0), CLOCK) == step.Wait(until=CLOCK)
+    # Past its wait it lists nothing from that copy: it reads the run afresh.
+    assert next_action(stale, at(9), CLOCK + 9.9) == step.Wait(until=CLOCK + 10.0)
+    assert next_action(stale, at(10), CLOCK + 10.0) == step.Read()
+    assert next_action(stale.replace(defer_until=None), at(0), CLOCK) == step.Read()
     assert next_action(stale, at(60), CLOCK + JOIN_TIMEOUT) == step.TimedOut()
     # A copy as new as the disturbance is not stale: the node goes on as any other.
     read = stale.replace(run=dataclasses.replace(stale.run, resource_version="5"))

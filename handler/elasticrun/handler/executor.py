@@ -179,6 +179,10 @@ class RoundExecutor:
             return known.replace(run=run, listed=False)
         if isinstance(action, step.Announce):
             return known.replace(run=session.announce(run))
+        if isinstance(action, step.Read):
+            fresh = known.replace(run=session.read_or_raise(), listed=False)
+            session.follow(fresh.run.spec, stale=fresh.stale)
+            return fresh
         if isinstance(action, step.TimedOut):
             self._leave_waiting()
             raise RendezvousTimeoutError(

@@ -160,13 +160,18 @@ class TimedOut:
 
 
 @dataclass(frozen=True)
+class Read:
+    """Read the run afresh: the node's copy is stale and its wait for its Lease ran out."""
+
+
+@dataclass(frozen=True)
 class Wait:
     """Wait for the run to change, or until ``until`` (monotonic), then look again."""
 
     until: float
 
 
-Action = Closed | PodGone | Join | List | Complete | Seal | Announce | TimedOut | Wait
+Action = Closed | PodGone | Join | List | Complete | Seal | Announce | TimedOut | Read | Wait
 
 
 def next_action(  # noqa: PLR0911 - one return per action, in the order of the rules
@@ -179,7 +184,7 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
     holds this node completes it; while the operator seals, the node only makes
     sure a running round hears of it and waits, and a node woken from a stale
     copy (:attr:`Knowledge.stale`) only waits for its Lease, and past its wait
-    for a fresh copy; otherwise it lists the pending
+    reads a fresh copy; otherwise it lists the pending
     requests once per change of the run, makes a request that vanished (its
     Lease removed or expired) again, and applies torch's sealing rules
     (:func:`~elasticrun.api.rounds.decide_seal`) to the listed requests (a
@@ -203,10 +208,10 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
     assignment = known.assignment
     if assignment is not None:
         return Complete(assignment)
-    if known.stale or (known.defer_until is not None and clock < known.defer_until):
-        # A stale copy is never listed against nor sealed from: past its wait the
-        # node's Wait ends at once, and the executor reads the run.
-        return _deferring(known, known.defer_until or clock, now, clock)
+    if known.stale:
+        return _rejoining(known, clock)
+    if known.defer_until is not None and clock < known.defer_until:
+        return _deferring(known, known.defer_until, now, clock)
     if not known.listed:
         return List()
     if not known.requested:
@@ -287,11 +292,6 @@ def _deferring(known: Knowledge, defer_until: float, now: dt.datetime, clock: fl
     (:func:`~elasticrun.api.rounds.announce_due`).
     """
     run = known.run
-    if known.stale:
-        # The members heard of the disturbance that woke this node, and this copy's
-        # counters are behind it: an announce would fail its test (a 422 and a read).
-        return TimedOut() if clock >= known.join_deadline else \
-            Wait(min(defer_until, known.join_deadline))
     own = (known.own,) if known.own is not None else ()
     seen = own if rounds.target_size(run) is None else (
         *own, *(w for w in run.status.waiting if w.name != known.node))
@@ -304,6 +304,21 @@ def _deferring(known: Knowledge, defer_until: float, now: dt.datetime, clock: fl
     if due is not None:
         wake_at = min(wake_at, clock + max(0.0, (due - now).total_seconds()))
     return Wait(wake_at)
+
+
+def _rejoining(known: Knowledge, clock: float) -> Action:
+    """A member woken from a stale copy (:attr:`Knowledge.stale`): it waits for its place on
+    its Lease while the operator seals, and past that wait reads the run afresh.
+
+    It never lists against, seals from or announces from that copy: the
+    members heard of the disturbance that woke it, and the copy's counters are
+    behind it (an announce would fail its test: a 422 and a read).
+    """
+    if clock >= known.join_deadline:
+        return TimedOut()
+    if known.defer_until is not None and clock < known.defer_until:
+        return Wait(min(known.defer_until, known.join_deadline))
+    return Read()
 
 
 def superseded(  # noqa: PLR0911 - one return per reason
