@@ -84,9 +84,17 @@ def collect(workers: Sequence[WorkerProcess], bound: float = ROUND_BOUND
         answer = worker.receive(msg_id, bound + 30)
         if answer["pending"]:
             raise ScenarioError(f"{worker.name}: {answer['pending']} nodes still busy after "
-                                f"{bound:.0f}s")
+                                f"{bound:.0f}s{_where(answer.get('stuck') or {})}")
         results.extend(answer["results"])
     return results
+
+
+def _where(stuck: dict[str, list[str]]) -> str:
+    """The innermost frames of the first busy node (the worker's log has every stack)."""
+    if not stuck:
+        return ""
+    name = min(stuck)
+    return f"; {name} sits in:\n    " + "\n    ".join(stuck[name][-8:])
 
 
 def _check(results: list[dict[str, Any]], world: int, what: str) -> None:

@@ -121,8 +121,9 @@ class Worker:
         names = msg.get("nodes")
         return list(self.nodes.values()) if names is None else [self.nodes[n] for n in names]
 
-    def _spawn(self, target: Any, *args: Any) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True)
+    def _spawn(self, target: Any, node: Node, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=(node, *args), daemon=True,
+                                  name=f"{target.__name__.strip('_')}:{node.name}")
         self._threads.append(thread)
         thread.start()
 
@@ -249,11 +250,11 @@ class Worker:
         deadline = time.monotonic() + float(msg.get("timeout", COMMAND_BOUND))
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        pending = sum(1 for t in self._threads if t.is_alive())
+        self._threads = [t for t in self._threads if t.is_alive()]
         with self._lock:
             results, self._results = self._results, []
-        self._threads = [t for t in self._threads if t.is_alive()]
-        return {"results": results, "pending": pending}
+        return {"results": results, "pending": len(self._threads),
+                "stuck": _stacks(self._threads)}
 
     def shutdown(self, msg: dict[str, Any]) -> dict[str, Any]:
         nodes = self._selected(msg)
@@ -302,6 +303,30 @@ def _release(node: Node) -> None:
         stop_heartbeats()
     else:
         node.handler.shutdown()
+
+
+def _stacks(busy: list[threading.Thread]) -> dict[str, list[str]]:
+    """Where each ``busy`` thread is now, innermost frame last; every thread's stack goes
+    to the log.
+
+    A node still busy when its round should have formed is the one failure a
+    benchmark cannot explain afterwards: its stack, and those of its handler's
+    own threads (watches, keep-alive), taken while it still sits there, say
+    which call it waits in.
+    """
+    if not busy:
+        return {}
+    frames = sys._current_frames()
+    stacks: dict[str, list[str]] = {}
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident or -1)
+        if frame is None:
+            continue
+        stacks[thread.name] = [f"{f.filename}:{f.lineno} {f.name}: {(f.line or '').strip()}"
+                               for f in traceback.extract_stack(frame)]
+        log.warning("%s %s:\n  %s", "busy" if thread in busy else "thread", thread.name,
+                    "\n  ".join(stacks[thread.name]))
+    return {t.name: stacks[t.name] for t in busy if t.name in stacks}
 
 
 def _next_rendezvous(node: Node) -> dict[str, Any]:

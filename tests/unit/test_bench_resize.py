@@ -1,15 +1,18 @@
-"""The resize benchmark's counting: restarts and the time to the round, from agents' records."""
+"""The resize benchmark's counting (restarts, the time to the round, from agents' records) and
+what the bench worker reports of its nodes."""
 
 # The rendered page uses en dashes and times signs.
 # ruff: noqa: RUF001
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import pytest
 
+from bench import scenarios
 from bench.resize import outcome, starts
 from bench.worker import Node, Worker
 
@@ -170,3 +173,34 @@ def test_the_resize_section_shows_each_column_and_the_ratio_to_c10d() -> None:
             "re-entry → round 31.0 s) | – |") in text
     assert "equal to the Job's parallelism after the resize in 1 of 2 repetitions" in text
     assert "What the owner buys: `before` → `after`" not in text  # one column only
+
+
+class _Stuck:
+    """A handler whose ``next_rendezvous()`` waits until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def next_rendezvous(self) -> _Info:
+        self.release.wait(10)
+        return _Info(1)
+
+
+def test_a_node_still_busy_at_collect_is_reported_with_where_it_waits() -> None:
+    handler = _Stuck()
+    worker = Worker()
+    worker.nodes["m0"] = Node("m0", handler, None)
+    worker.rendezvous({"start_at": 0})
+    try:
+        busy = worker.collect({"timeout": 0.2})
+        assert busy["pending"] == 1 and busy["results"] == []
+        assert list(busy["stuck"]) == ["rendezvous_one:m0"]
+        assert any(frame.endswith("next_rendezvous: self.release.wait(10)")
+                   for frame in busy["stuck"]["rendezvous_one:m0"])
+        where = scenarios._where(busy["stuck"])
+        assert where.startswith("; rendezvous_one:m0 sits in:") and "release.wait" in where
+    finally:
+        handler.release.set()
+    done = worker.collect({"timeout": 10})  # positive control: nothing busy, nothing reported
+    assert done["pending"] == 0 and done["stuck"] == {} and scenarios._where({}) == ""
+    assert [r["world"] for r in done["results"]] == [1]
