@@ -56,16 +56,26 @@ class Credentials:
         return None
 
 
+#: Held while the official client loads credentials.  For a certificate given inline
+#: (``certificate-authority-data``, ``client-key-data``) its loader writes a file, which it
+#: remembers by content for every later load in the process, and it remembers the file's
+#: name before it has written the file: another thread loading the same kubeconfig at
+#: that moment is handed a file still empty.  Several handlers in one process (the
+#: benchmarks' workers) load at once.
+_LOADING = threading.Lock()
+
+
 def load_credentials(kubeconfig: str | None = None, context: str | None = None) -> Credentials:
     """In-cluster credentials inside a pod, else the kubeconfig (``KUBECONFIG`` or ~/.kube)."""
     from kubernetes import client, config  # noqa: PLC0415 - heavy import, done once
 
     cfg = client.Configuration()
-    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
-    else:
-        config.load_kube_config(  # type: ignore[no-untyped-call]
-            config_file=kubeconfig, context=context, client_configuration=cfg)
+    with _LOADING:
+        if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        else:
+            config.load_kube_config(  # type: ignore[no-untyped-call]
+                config_file=kubeconfig, context=context, client_configuration=cfg)
     return Credentials(host=cfg.host.rstrip("/"), ca_file=cfg.ssl_ca_cert, cert_file=cfg.cert_file,
                        key_file=cfg.key_file, verify=bool(cfg.verify_ssl), config=cfg)
 
