@@ -83,8 +83,11 @@ def collect(workers: Sequence[WorkerProcess], bound: float = ROUND_BOUND
     for worker, msg_id in zip(workers, ids, strict=True):
         answer = worker.receive(msg_id, bound + 30)
         if answer["pending"]:
-            raise ScenarioError(f"{worker.name}: {answer['pending']} nodes still busy after "
-                                f"{bound:.0f}s{_where(answer.get('stuck') or {})}")
+            failed = [f"{r['node']}: {r['error']}" for r in answer["results"] if "error" in r]
+            raise ScenarioError(
+                f"{worker.name}: {answer['pending']} nodes still busy after {bound:.0f}s"
+                + (f" ({len(failed)} failed, first {failed[0]})" if failed else "")
+                + _where(answer.get("stuck") or {}))
         results.extend(answer["results"])
     return results
 

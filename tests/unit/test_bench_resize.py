@@ -204,3 +204,32 @@ def test_a_node_still_busy_at_collect_is_reported_with_where_it_waits() -> None:
     done = worker.collect({"timeout": 10})  # positive control: nothing busy, nothing reported
     assert done["pending"] == 0 and done["stuck"] == {} and scenarios._where({}) == ""
     assert [r["world"] for r in done["results"]] == [1]
+
+
+class _Answering:
+    """A worker that answers every command with ``answer``."""
+
+    name = "w0"
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        self.answer = answer
+
+    def send(self, cmd: str, **fields: Any) -> int:
+        return 1
+
+    def receive(self, msg_id: int, timeout: float) -> dict[str, Any]:
+        return self.answer
+
+
+def test_a_round_that_did_not_form_names_the_node_that_failed_and_where_the_others_wait(
+        ) -> None:
+    """One node's error ends its call while the others wait for it: the error says both."""
+    answer = {"pending": 3, "results": [{"node": "node-004", "error": "SSLError: no CA"}],
+              "stuck": {"rendezvous_one:node-000": ["a.py:1 f: x", "b.py:2 g: wait()"]}}
+    with pytest.raises(scenarios.ScenarioError) as caught:
+        scenarios.collect([_Answering(answer)], 60)  # type: ignore[list-item]
+    assert str(caught.value) == (
+        "w0: 3 nodes still busy after 60s (1 failed, first node-004: SSLError: no CA); "
+        "rendezvous_one:node-000 sits in:\n    a.py:1 f: x\n    b.py:2 g: wait()")
+    formed = {"pending": 0, "results": [{"node": "node-000", "t_done": 1.0}], "stuck": {}}
+    assert scenarios.collect([_Answering(formed)], 60) == formed["results"]  # type: ignore[list-item]
