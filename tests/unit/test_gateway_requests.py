@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from elasticrun.api.gateway import OperatorGateway, RunGateway
+from elasticrun.api.gateway import OperatorGateway, RunGateway, readable_lease
 from elasticrun.api.kube import APPLY_PATCH, JSON, MERGE_PATCH, ApiError
 from elasticrun.api.leases import assignment_value
 from elasticrun.api.model import Assignment, StoreAddress
@@ -70,6 +70,33 @@ def test_a_nodes_own_lease_requests() -> None:
         ("DELETE", f"{LEASES}/r.a", None, None, JSON, 3.0),
     ]
 
+
+
+class ObjectGetRefused(RecordingClient):
+    """A client whose GETs of one Lease by name are refused (403), as a per-run Role that
+    does not name that Lease yet refuses them; its LISTs answer one item."""
+
+    def request(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        super().request(method, path, **kwargs)
+        if path.startswith(f"{LEASES}/"):
+            raise ApiError(403, "Forbidden", "leases \"r.a\" is forbidden", {})
+        return {"items": [{"metadata": {"name": "r.a"}}]}
+
+
+def test_a_lease_is_read_by_a_get_and_listed_by_name_where_the_get_is_refused() -> None:
+    access, client = gateway()
+    assert readable_lease(access, "a") == {}
+    assert client.sent == [("GET", f"{LEASES}/r.a", None, None, JSON, None)]
+    refused = ObjectGetRefused()
+    access = RunGateway(refused, "ns", "r")  # type: ignore[arg-type]
+    assert readable_lease(access, "a") == {"metadata": {"name": "r.a"}}
+    assert refused.sent == [("GET", f"{LEASES}/r.a", None, None, JSON, None),
+                            ("GET", LEASES, None, {"fieldSelector": "metadata.name=r.a"},
+                             JSON, None)]
+    access, client = gateway(ApiError(500, "InternalError", "etcd", {}))
+    with pytest.raises(ApiError, match="etcd"):  # any other failure is the caller's
+        readable_lease(access, "a")
+    assert len(client.sent) == 1
 
 def test_the_run_watch_and_the_lease_watch() -> None:
     access, client = gateway()

@@ -146,6 +146,8 @@ def test_two_nodes_form_one_round_with_ranks_0_and_1(
     assert got[0].bootstrap_store_info.master_port == got[1].bootstrap_store_info.master_port
     got[0].store.set("from-rank-0", "hello")  # one store: rank 1 reads what rank 0 wrote
     assert got[1].store.get("from-rank-0") == b"hello"
+    # b listed a's request before it sealed: it checks a's store on that copy, reading none.
+    assert (nodes.gateway(b).calls["lease"], nodes.gateway(b).calls["listed_lease"]) == (0, 0)
 
 
 def test_a_member_whose_pod_is_going_asks_for_no_next_round(
@@ -208,6 +210,8 @@ def test_a_store_rank_0_did_not_announce_is_refused(
     write_status(server, dataclasses.replace(sealed, store=StoreAddress("127.0.0.1", 29401)))
     with pytest.raises(RendezvousStateError, match="refusing the store of round 1"):
         call.result(BOUND)
+    # Its listing's copy showed another store, so it read rank 0's Lease, by name.
+    assert nodes.gateway(b).calls["lease"] >= 1 and nodes.gateway(b).calls["listed_lease"] == 0
 
 
 def test_a_round_of_a_failed_calls_request_leaves_the_next_calls_request_standing(

@@ -31,6 +31,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from elasticrun.api import rounds
+from elasticrun.api.gateway import readable_lease
 from elasticrun.api.leases import lease_state
 from elasticrun.api.model import Assignment, ElasticRun, StoreAddress, WaitingNode, now
 from elasticrun.api.roundfile import ROUND_FILE_VARIABLE, Round, lost_file, write_round
@@ -294,8 +295,10 @@ class RoundExecutor:
 
         The round answers this call's request (:attr:`.step.Knowledge.assignment`
         takes no other).  Rank 0 serves its own store; anyone else reads rank 0's
-        Lease (one LIST by name) and compares
-        (:func:`elasticrun.api.stores.store_problem`).  A round whose rank 0 has
+        Lease and compares (:func:`elasticrun.api.stores.store_problem`): the copy
+        in this node's last listing of the Leases where that shows the very request
+        the round answered (a request is replaced, never rewritten), else one read
+        (:func:`~elasticrun.api.gateway.readable_lease`).  A round whose rank 0 has
         moved on (its request withdrawn or replaced by a newer one, which rank 0
         itself takes no round of) is not this node's round: it joins the next
         one.  A round that answers rank 0's current request with a store rank 0
@@ -312,10 +315,14 @@ class RoundExecutor:
         # told on its Lease) has none, and is read afresh only if the store differs.
         member = run.status.participant(leader) if run.status.round == round_number else None
         answered, read_afresh = (member.since if member is not None else None), member is None
+        listed = session.listed.get(leader)
+        if answered is not None and listed is not None and store_problem(
+                given, listed, self.settings.run_name, run.uid, leader, answered) is None:
+            return True
         deadline = time.monotonic() + STORE_CHECK_SECONDS
         while True:
             lease = session.call("read rank 0's Lease",
-                                 lambda: session.gateway.listed_lease(leader))
+                                 lambda: readable_lease(session.gateway, leader))
             problem = store_problem(given, lease, self.settings.run_name, run.uid, leader,
                                     answered)
             if problem is not None and read_afresh:

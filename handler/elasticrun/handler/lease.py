@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from elasticrun.api.gateway import RunAccess
+from elasticrun.api.gateway import RunAccess, readable_lease
 from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.leases import (
     ASSIGNMENT_ANNOTATION,
@@ -108,19 +108,12 @@ class LeaseKeeper:
 
         With per-run RBAC the node may ``get`` only Leases the operator granted
         by name, and an object squatting the name is not one of them; ``list``
-        is granted namespace-wide, so a LIST selected by name reads it instead.
+        is granted namespace-wide, so a LIST selected by name reads it instead
+        (:func:`~elasticrun.api.gateway.readable_lease`).
         """
-        try:
-            current = self.access.lease(self.node)
-        except ApiError as exc:
-            if exc.status != 403:
-                raise
-            found = self.access.listed_lease(self.node)
-            if found is None:
-                raise
-            return found
+        current = readable_lease(self.access, self.node)
         if current is None:
-            # Deleted between the create's 409 and this read: the GET's own answer.
+            # Deleted between the create's 409 and this read.
             raise ApiError(404, "NotFound", f"leases {self.name!r} not found", {})
         return current
 

@@ -43,6 +43,8 @@ class RunSession:
         #: When this node saw each of the run's Leases renewed, by its own clock, across
         #: every LIST and GET of the session: other nodes' clocks are not ours.
         self.renewals = RenewalClock()
+        #: The run's Leases as this node's last LIST of them showed them, by node.
+        self.listed: dict[str, dict[str, Any]] = {}
 
     @property
     def who(self) -> str:
@@ -173,6 +175,7 @@ class RunSession:
         """
         items = self.call("list the run's Leases", self.gateway.leases)
         states = [self.observe(lease_state(item)) for item in items]
+        self.listed = {s.node: item for s, item in zip(states, items, strict=True) if s.node}
         names = {s.node for s in states}
         self.renewals.retain(lambda node: node in names)
         return pending_joins(states, run.status, now(), run.uid, run.spec.heartbeat_timeout)
