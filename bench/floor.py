@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from elasticrun.api.kube import MERGE_PATCH, leases_path
 
-from bench.simnode import HttpError, Shared, shared_from, watch_lines
+from bench.simnode import HttpError, Shared, Tickets, shared_from, watch_lines
 
 if TYPE_CHECKING:
     from bench.backends import K8sBackend
@@ -72,7 +72,8 @@ async def _client(shared: Shared, config: dict[str, Any], name: str,
                   out: asyncio.Queue[dict[str, Any]]) -> None:
     """One client: read the board, create its Lease, report each board update it sees."""
     ns, board, last = config["namespace"], config["board"], int(config["rounds"])
-    requests, watch = shared.connection(), shared.connection()
+    tickets = Tickets()  # a process of its own, as a node is (simnode.Tickets)
+    requests, watch = shared.connection(tickets), shared.connection(tickets)
     await asyncio.sleep(max(0.0, float(config["start_at"]) - time.monotonic()))
     await out.put({"node": name, "t_start": time.monotonic()})
     try:
@@ -146,7 +147,8 @@ async def _writer(config: dict[str, Any]) -> None:
     """
     ns, n = config["namespace"], int(config["n"])
     shared = shared_from(config["kubeconfig"], ns, "")
-    requests, watch = shared.connection(), shared.connection()
+    tickets = Tickets()
+    requests, watch = shared.connection(tickets), shared.connection(tickets)
     selector = f"{LABEL}={config['tag']}"
     board_round = 0
     names: set[str] | None = None
@@ -187,7 +189,7 @@ async def _writer(config: dict[str, Any]) -> None:
                     names.discard(name)
                 await look(added or deleted, len(names))
         watch.close()
-        watch = shared.connection()
+        watch = shared.connection(tickets)
 
 
 # --------------------------------------------------------------------------- the coordinator

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import ssl
 import sys
@@ -83,6 +84,30 @@ class HttpError(RuntimeError):
 
 
 @dataclass
+class Tickets:
+    """One client's latest TLS session, offered on its next connection, as a handler's
+    client does (:class:`elasticrun.api.kube.ResumingContext`): each simulated node, and
+    each floor client, plays a process of its own, so each has its own."""
+
+    session: ssl.SSLSession | None = None
+
+
+#: The session the connection being opened offers (:class:`_OfferingContext`).
+_offered: contextvars.ContextVar[ssl.SSLSession | None] = contextvars.ContextVar(
+    "simnode_offered", default=None)
+
+
+class _OfferingContext(ssl.SSLContext):
+    """The process's one TLS context; each connection offers its own client's session
+    (:data:`_offered`, set around the connect in the client's task)."""
+
+    def wrap_bio(self, *args: Any, **kwargs: Any) -> ssl.SSLObject:
+        if kwargs.get("session") is None:
+            kwargs["session"] = _offered.get()
+        return super().wrap_bio(*args, **kwargs)
+
+
+@dataclass
 class Connection:
     """One keep-alive HTTP/1.1 connection to the API server."""
 
@@ -90,14 +115,31 @@ class Connection:
     port: int
     tls: ssl.SSLContext | None
     auth: str | None
+    tickets: Tickets
     reader: asyncio.StreamReader | None = None
     writer: asyncio.StreamWriter | None = None
     #: One request at a time: a member's renewal and its new join request share it.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: Whether its TLS session was kept in :attr:`tickets` (after its first response).
+    remembered: bool = False
 
     async def open(self) -> None:
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port,
-                                                                 ssl=self.tls)
+        offered = _offered.set(self.tickets.session)
+        try:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port,
+                                                                     ssl=self.tls)
+        finally:
+            _offered.reset(offered)
+        self.remembered = False
+
+    def _remember(self) -> None:
+        """Keep the session for the client's next connection once a response was read
+        (the server's ticket came before it)."""
+        self.remembered = True
+        sslobj = self.writer.get_extra_info("ssl_object") if self.writer is not None else None
+        session = sslobj.session if sslobj is not None else None
+        if session is not None and session.has_ticket:
+            self.tickets.session = session
 
     async def send(self, method: str, path: str, body: Any = None,
                    content_type: str = "application/json", accept: str = JSON) -> None:
@@ -121,6 +163,8 @@ class Connection:
         if not status_line:
             raise ConnectionError("the API server closed the connection")
         status = int(status_line.split()[1])
+        if not self.remembered:
+            self._remember()
         headers: dict[str, str] = {}
         while True:
             line = await self.reader.readline()
@@ -191,8 +235,10 @@ class Shared:
     parsed: dict[bytes, dict[str, Any]] = field(default_factory=dict)
     runs: dict[bytes, ElasticRun] = field(default_factory=dict)
 
-    def connection(self) -> Connection:
-        return Connection(self.host, self.port, self.tls, self.credentials.authorization())
+    def connection(self, tickets: Tickets) -> Connection:
+        """A connection of the client whose TLS sessions ``tickets`` keeps."""
+        return Connection(self.host, self.port, self.tls, self.credentials.authorization(),
+                          tickets)
 
     def parse(self, line: bytes) -> dict[str, Any]:
         """One watch event; every watcher gets the same bytes, so each is parsed once here."""
@@ -216,7 +262,11 @@ def shared_from(kubeconfig: str, namespace: str, run: str) -> Shared:
     url = urlsplit(credentials.host)
     tls = None
     if url.scheme == "https":
-        tls = ssl.create_default_context(cafile=credentials.ca_file)
+        tls = _OfferingContext(ssl.PROTOCOL_TLS_CLIENT)
+        if credentials.ca_file:
+            tls.load_verify_locations(credentials.ca_file)
+        else:
+            tls.load_default_certs()
         if not credentials.verify:
             tls.check_hostname = False
             tls.verify_mode = ssl.CERT_NONE
@@ -231,9 +281,10 @@ class SimNode:
         self.shared = shared
         self.name = name
         self.port = port
-        self.requests = shared.connection()
-        self.watch = shared.connection()
-        self.mailbox = shared.connection()
+        self.tickets = Tickets()
+        self.requests = shared.connection(self.tickets)
+        self.watch = shared.connection(self.tickets)
+        self.mailbox = shared.connection(self.tickets)
         #: The name of its Lease, once created; the holder it writes there, as a handler's.
         self.lease: str | None = None
         self.holder = f"{name}@{uuid.uuid4().hex[:8]}"
@@ -296,8 +347,8 @@ class SimNode:
             {"metadata": {"annotations": {JOIN_ANNOTATION: join_value(join),
                                           UNREACHABLE_ANNOTATION: None,
                                           ASSIGNMENT_ANNOTATION: None}}}, MERGE_PATCH))
-        self.watch = self.shared.connection()
-        self.mailbox = self.shared.connection()
+        self.watch = self.shared.connection(self.tickets)
+        self.mailbox = self.shared.connection(self.tickets)
         lease_version = patched["metadata"]["resourceVersion"]
         if change.run is None:
             assert self.spec is not None
@@ -363,7 +414,7 @@ class SimNode:
             self.watch.close()
         if not formed.done():
             return None
-        self.watch = self.shared.connection()
+        self.watch = self.shared.connection(self.tickets)
         return await self._follow_quietly(int(formed.result()["round"]))
 
     async def _follow_end(self) -> Change | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import ssl
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
@@ -138,12 +139,78 @@ class _CheckedSend:
         super().send(data)  # type: ignore[misc]
 
 
+class ResumingContext(ssl.SSLContext):
+    """A client's TLS context that offers the server the session of an earlier connection.
+
+    A node opens a new TLS connection for each watch it re-opens and each
+    connection its pool adds, and a full handshake costs the API server an
+    RSA signature: on this project's control plane 1.3 ms of its CPU, a third
+    of all it spends while 2,048 nodes form a round (``make bench-scale``).
+    Resumed from a session ticket (TLS 1.3) the handshake costs it about
+    0.5 ms and the client half the time.  One context per client, so one
+    node's connections share its sessions and nobody else's.  The server
+    may refuse a session (a restart, expired ticket keys): the handshake is
+    then a full one, as without a session.
+    """
+
+    _session: ssl.SSLSession | None = None
+    #: Connections that read a response, and those of them that resumed a session.
+    handshakes = 0
+    resumed = 0
+
+    def wrap_socket(self, sock: Any, *args: Any, **kwargs: Any) -> ssl.SSLSocket:
+        if kwargs.get("session") is None and self._session is not None:
+            kwargs["session"] = self._session
+        return super().wrap_socket(sock, *args, **kwargs)
+
+    def remember(self, sock: ssl.SSLSocket) -> None:
+        """Keep ``sock``'s session for the next connection, once it carries a ticket (the
+        server sends it after the handshake: it is there once a response was read)."""
+        self.handshakes += 1
+        self.resumed += bool(sock.session_reused)
+        session = sock.session
+        if session is not None and session.has_ticket:
+            self._session = session
+
+
+def tls_context(credentials: Credentials) -> ResumingContext:
+    """The TLS context of one client: the cluster's CA and the client's certificate, loaded
+    once (rather than for every connection), and its sessions resumed."""
+    context = ResumingContext(ssl.PROTOCOL_TLS_CLIENT)
+    if credentials.verify:
+        if credentials.ca_file:
+            context.load_verify_locations(credentials.ca_file)
+        else:
+            context.load_default_certs()
+    else:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if credentials.cert_file:
+        context.load_cert_chain(credentials.cert_file, credentials.key_file)
+    return context
+
+
 class _CheckedHTTPConnection(_CheckedSend, urllib3.connection.HTTPConnection):
     pass
 
 
 class _CheckedHTTPSConnection(_CheckedSend, urllib3.connection.HTTPSConnection):
-    pass
+    #: Whether this connection's session was handed to its context (:class:`ResumingContext`).
+    _remembered = False
+
+    def getresponse(self) -> Any:
+        response = super().getresponse()
+        if not self._remembered:
+            # A response was read: the session ticket came before it.
+            sock = self.sock
+            if isinstance(sock, ssl.SSLSocket) and isinstance(sock.context, ResumingContext):
+                sock.context.remember(sock)
+            self._remembered = True
+        return response
+
+    def connect(self) -> None:
+        super().connect()
+        self._remembered = False
 
 
 class _CheckedHTTPPool(urllib3.HTTPConnectionPool):
@@ -168,13 +235,12 @@ class KubeClient:
         self.credentials = credentials
         self.timeout = timeout
         self.user_agent = user_agent
+        self.tls = tls_context(credentials)
         self._pool = urllib3.PoolManager(
             num_pools=4,
             maxsize=connections,
             cert_reqs="CERT_REQUIRED" if credentials.verify else "CERT_NONE",
-            ca_certs=credentials.ca_file,
-            cert_file=credentials.cert_file,
-            key_file=credentials.key_file,
+            ssl_context=self.tls,
             retries=False,
         )
         self._pool.pool_classes_by_scheme = {"http": _CheckedHTTPPool,
