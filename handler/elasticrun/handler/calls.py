@@ -46,7 +46,12 @@ def connect_client(settings: RendezvousSettings) -> KubeClient:
             "ServiceAccount, or set KUBECONFIG or --rdzv-conf kubeconfig=PATH") from exc
     if settings.api_server:
         credentials = type(credentials)(**{**credentials.__dict__, "host": settings.api_server})
-    return KubeClient(credentials, settings.request_timeout)
+    try:
+        return KubeClient(credentials, settings.request_timeout)
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        raise RendezvousConnectionError(
+            f"{who(settings)}: cannot use the Kubernetes credentials' certificates (CA "
+            f"{credentials.ca_file}, client certificate {credentials.cert_file}): {exc}") from exc
 
 
 class ApiCalls:
