@@ -39,6 +39,15 @@ class AuditEntry:
     code: int
     user: str
     user_agent: str = ""
+    #: The response's message, for a failure.
+    message: str = ""
+
+    @property
+    def cut_short(self) -> bool:
+        """The client stopped sending before the API server had read the request's body
+        (500, the read of the body failed): nothing of it was carried out."""
+        return self.code == 500 and (self.message.startswith("read tcp ")
+                                     or "unexpected EOF" in self.message)
 
     @property
     def kind(self) -> str:
@@ -118,7 +127,8 @@ def audit_entries(events: Iterable[dict[str, Any]], namespace: str) -> list[Audi
             subresource=str(ref.get("subresource") or ""), name=str(ref.get("name") or ""),
             code=int((event.get("responseStatus") or {}).get("code") or 0),
             user=str((event.get("user") or {}).get("username") or ""),
-            user_agent=str(event.get("userAgent") or "")))
+            user_agent=str(event.get("userAgent") or ""),
+            message=str((event.get("responseStatus") or {}).get("message") or "")))
     return entries
 
 
