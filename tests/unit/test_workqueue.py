@@ -6,11 +6,13 @@ import asyncio
 import datetime as dt
 import itertools
 
+import pytest
+
 from elasticrun.api.kube import ApiConnectionError
 from elasticrun.api.leases import node_lease
 from elasticrun.api.model import RunSpec, new_run_manifest, now
 from elasticrun.api.rounds import DEFER_SEAL_FROM
-from elasticrun.operator.controller import LEASE_EVENT_WINDOW, Controller
+from elasticrun.operator.controller import LEASE_EVENT_WINDOW, Controller, lease_event_window
 from elasticrun.operator.metrics import Metrics
 from elasticrun.operator.workqueue import BACKOFF_CAP_SECONDS, Backoff, Key, WorkQueue
 
@@ -204,7 +206,7 @@ def test_a_large_runs_lease_events_are_gathered_and_a_small_runs_go_at_once() ->
 
         controller.queue = WorkQueue(record, workers=2)
         controller.queue.start()
-        for name, size in (("large", DEFER_SEAL_FROM), ("small", DEFER_SEAL_FROM - 1)):
+        for name, size in (("large", 2048), ("small", DEFER_SEAL_FROM - 1)):
             manifest = new_run_manifest(name, "ns", RunSpec(min_nodes=1, max_nodes=size))
             manifest["metadata"].update(uid=f"uid-{name}", resourceVersion="1")
             controller.run_event("ADDED", manifest)
@@ -224,3 +226,14 @@ def test_a_large_runs_lease_events_are_gathered_and_a_small_runs_go_at_once() ->
     assert len(gathered) == 1 and gathered[0] >= LEASE_EVENT_WINDOW
     # The small run: a pass after the run's event, then again and again while events come.
     assert len(passes["small"]) >= 3 and passes["small"][1] < LEASE_EVENT_WINDOW / 2
+
+
+@pytest.mark.parametrize(("max_nodes", "window"), [
+    (DEFER_SEAL_FROM - 1, None), (DEFER_SEAL_FROM, 0.0064), (256, 0.0256), (1024, 0.1024),
+    (2000, 0.2), (2048, LEASE_EVENT_WINDOW)])
+def test_a_runs_lease_events_wait_in_proportion_to_its_size(max_nodes: int,
+                                                             window: float | None) -> None:
+    """A pass over the run costs O(maxNodes): its Lease events wait in proportion, up to
+    ``LEASE_EVENT_WINDOW``; runs whose nodes seal themselves not at all."""
+    manifest = new_run_manifest("r", "ns", RunSpec(min_nodes=1, max_nodes=max_nodes))
+    assert lease_event_window(manifest) == pytest.approx(window)
