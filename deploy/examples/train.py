@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -108,5 +109,23 @@ def main() -> int:
     return 0
 
 
+def leave(code: int) -> None:
+    """Exit with ``code``, logs flushed, without the interpreter's teardown.
+
+    With torch 2.15 and gloo, a worker that has finished and destroyed its
+    process group can still abort in the teardown that follows its last line
+    of Python ("terminate called without an active exception", SIGABRT):
+    5 of 39 runs of two torchrun agents on torch's own c10d backend, on a
+    loaded machine, always in rank 1; none of 40 that left this way.  torchrun
+    takes that for a failure and restarts every node's workers, which resume
+    from the last checkpoint only to finish again.  Nothing is left that the
+    operating system does not release itself.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    leave(main())

@@ -9,6 +9,9 @@ spare.  What a user choosing a hot spare is promised:
 * when the members finish, their round has passed torch's exit barrier, the
   first member out marks the run ``Succeeded``, and the spare exits 0 without
   a worker ever starting (``RunSucceededError``);
+
+The workers train until the test writes a stop file (``held_train.py``), so no
+window depends on how fast the machine trains.
 * when a member is lost, the spare takes its place in the next round and the
   survivor restarts once.
 """
@@ -25,19 +28,15 @@ import pytest
 from elasticrun.api import rounds
 from elasticrun.api.model import ElasticRun
 
-from conftest import ROOT, Cluster, OperatorProcess, ProcessGroup, consistently, wait_for
+from conftest import Cluster, OperatorProcess, ProcessGroup, consistently, wait_for
 from controlplane.localcluster import kill_tree
 from rdzv import RoundLog, read_run, start_torchrun_agent
 from timings import outlasting
 
 pytestmark = pytest.mark.torchrun
-TRAIN = ROOT / "deploy" / "examples" / "train.py"
+TRAIN = Path(__file__).with_name("held_train.py")
 RUN = "spare"
 LAST_CALL = 3
-#: Long enough to outlast the spare's last call by a wide margin on a loaded machine
-#: (each epoch ends with a barrier and a log line; the test checks the premise).
-EPOCHS = 40
-STEPS = 200
 WORKER_STARTED = "starting at epoch"
 
 
@@ -48,8 +47,23 @@ def start_agent(processes: ProcessGroup, cluster: Cluster, namespace: str, node:
         conf=f"namespace={namespace},last_call_timeout={LAST_CALL},heartbeat_timeout=10,"
              "lease_interval=2",
         max_restarts=3, script=TRAIN,
-        script_args=["--epochs", str(EPOCHS), "--steps-per-epoch", str(STEPS),
+        script_args=["--stop-file", str(workdir / "stop"),
                      "--checkpoint", str(workdir / "checkpoint.pt")])
+
+
+def stop_training(workdir: Path) -> int:
+    """Tell the workers to stop after their current epoch; the last epoch logged so far."""
+    logged = last_epoch(workdir)
+    (workdir / "stop").touch()
+    return logged
+
+
+def assert_training_ended(workdir: Path, stopped_at: int) -> None:
+    """Every rank logged the last epoch, after the stop, and the checkpoint kept it."""
+    import torch
+
+    final = torch.load(workdir / "checkpoint.pt", weights_only=True)["epoch"]
+    assert final == last_epoch(workdir) > stopped_at, (final, stopped_at)
 
 
 def log_of(workdir: Path, node: str) -> str:
@@ -102,14 +116,15 @@ def test_a_spare_beside_a_healthy_round_waits_and_exits_0_when_the_members_finis
         # Past the spare's last call (counted from its join) with margin, round 1 trains on.
         consistently(healthy, outlasting(LAST_CALL) + 2,
                      "round 1 of m0 and m1 with the spare waiting")
-        assert last_epoch(tmp_path) < EPOCHS, "training ended inside the window: premise"
-        codes = {n: p.wait(timeout=300) for n, p in agents.items()}
+        stopped_at = stop_training(tmp_path)
+        codes = {n: p.wait(timeout=120) for n, p in agents.items()}
         assert codes == {"m0": 0, "m1": 0, "s": 0}, logs(tmp_path)
     finally:
         rounds_seen.stop()
-    assert last_epoch(tmp_path) == EPOCHS
+    assert_training_ended(tmp_path, stopped_at)
     final = read_run(cluster.client, namespace, RUN)
-    assert (final.status.phase, final.status.round) == ("Succeeded", 1), final.status
+    assert (final.status.phase, final.status.round) == ("Succeeded", 1), \
+        (final.status, logs(tmp_path))
     assert sorted(rounds_seen.rounds) == [1], "a round other than the members' ran"
     finished = [(m.name, m.reason) for m in final.status.lost_members]
     assert len(finished) == 1 and finished[0][1] == rounds.FINISHED, finished
@@ -138,11 +153,14 @@ def test_a_lost_member_is_replaced_by_the_spare_with_one_restart_of_the_survivor
         kill_tree(agents.pop(victim).pid, signal.SIGKILL)
         second = wait_for(lambda: rounds_seen.rounds.get(2), 120, "round 2")
         assert second[1] == {survivor, "s"}, second
-        codes = {n: p.wait(timeout=300) for n, p in agents.items()}
+        before = last_epoch(tmp_path)
+        wait_for(lambda: last_epoch(tmp_path) > before, 120, "round 2 to train an epoch", 0.2)
+        stopped_at = stop_training(tmp_path)
+        codes = {n: p.wait(timeout=120) for n, p in agents.items()}
         assert codes == {survivor: 0, "s": 0}, logs(tmp_path)
     finally:
         rounds_seen.stop()
-    assert last_epoch(tmp_path) == EPOCHS
+    assert_training_ended(tmp_path, stopped_at)
     final = read_run(cluster.client, namespace, RUN)
     assert (final.status.phase, final.status.round) == ("Succeeded", 2), final.status
     assert sorted(rounds_seen.rounds) == [1, 2]
