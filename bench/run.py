@@ -164,13 +164,20 @@ def floor_rounds(backend: backends.K8sBackend, n: int, plan: Plan, log_dir: Path
                                f"errors: {list(found.errors) or 'none'}")
 
 
-def commit() -> str:
-    """The commit measured (``BENCH_COMMIT`` when run from an exported tree)."""
+#: Changes that do not change what a benchmark measures: the pages the benchmarks
+#: write (a second benchmark after a first one finds them changed) and the prose.
+NOT_MEASURED = (":(exclude)docs", ":(exclude)*.md")
+
+
+def commit(root: Path = ROOT) -> str:
+    """The commit measured (``BENCH_COMMIT`` when run from an exported tree), marked
+    ``+ uncommitted changes`` when a tracked file that runs differs from it."""
     if os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
-    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+    found = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
                            capture_output=True, check=False)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                            *NOT_MEASURED], cwd=root,
                            text=True, capture_output=True, check=False).stdout.strip()
     return (found.stdout.strip() or "unknown") + (" + uncommitted changes" if dirty else "")
 

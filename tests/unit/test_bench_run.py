@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from bench import run
 
@@ -18,3 +21,28 @@ def test_a_whole_make_bench_keeps_the_sections_measured_alone(tmp_path: Path) ->
     assert run.measured_alone(path) == {"resize": resize}
     path.write_text(json.dumps({"commit": "old", "backends": {}}))
     assert run.measured_alone(path) == {}
+
+
+def test_the_commit_measured_is_marked_only_for_changes_that_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``make bench-scale`` after ``make bench`` finds the pages the first one wrote changed,
+    and the prose with them: neither runs, so the stamp is the commit alone.  A changed
+    source file is measured, so it is marked."""
+    monkeypatch.delenv("BENCH_COMMIT", raising=False)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, text=True,
+                              capture_output=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "docs").mkdir()
+    for name in ("docs/benchmarks.md", "README.md", "code.py"):
+        (tmp_path / name).write_text("before\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "docs" / "benchmarks.md").write_text("after\n")
+    (tmp_path / "README.md").write_text("after\n")
+    assert run.commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("after\n")
+    assert run.commit(tmp_path) == f"{head} + uncommitted changes"
