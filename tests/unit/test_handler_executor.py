@@ -150,6 +150,36 @@ def test_two_nodes_form_one_round_with_ranks_0_and_1(
     assert (nodes.gateway(b).calls["lease"], nodes.gateway(b).calls["listed_lease"]) == (0, 0)
 
 
+@pytest.mark.parametrize("first_out_done", [True, False])
+def test_a_member_leaving_a_run_that_already_succeeded_asks_no_store_for_its_proof(
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor,
+        monkeypatch: pytest.MonkeyPatch, first_out_done: bool) -> None:
+    """The member out first proves the exit barrier and marks the run ``Succeeded``, then
+    closes rank 0's store: the others read the run before they would ask that store.
+    Control (``first_out_done`` False): the first member out asks it, once."""
+    from elasticrun.handler import handler as handler_mod
+
+    server.seed_run(RUN_NAME, spec(2))
+    a, b = nodes("a"), nodes("b")
+    first = pool.submit(a.next_rendezvous)
+    nodes.listed(a)
+    infos([first, pool.submit(b.next_rendezvous)])
+    if first_out_done:
+        run = parse_run(server.run(RUN_NAME))
+        done = rounds.leave(run.status, "a", now(), finished=True)
+        assert done is not None
+        write_status(server, done)
+    asked: list[object] = []
+    monkeypatch.setattr(handler_mod.exitbarrier, "passed",
+                        lambda store: asked.append(store) or True)
+    b.shutdown()
+    status = parse_run(server.run(RUN_NAME)).status
+    assert (status.phase, status.round) == ("Succeeded", 1)
+    assert [m.name for m in status.lost_members if m.reason == rounds.FINISHED] == \
+        (["a"] if first_out_done else ["b"])
+    assert len(asked) == (0 if first_out_done else 1)
+
+
 def test_a_member_whose_pod_is_going_asks_for_no_next_round(
         server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
     # The operator removes a member on its Pod's deletion; the member's agent sees

@@ -121,6 +121,9 @@ def test_a_finished_member_ends_the_run_a_left_one_re_forms_it() -> None:
     # A spare (not a member) has nothing to prove: its leaving is a withdrawal.
     spare = rounds.leave(full, "c", at(50), finished=True)
     assert spare is not None and spare.phase == "Running" and not spare.waiting
+    # The proof counts, and so is asked for, exactly where the outcomes above differ.
+    assert [rounds.leave_needs_proof(full, n) for n in ("a", "b", "c")] == [True, True, False]
+    assert [rounds.leave_needs_proof(done, n) for n in ("a", "b", "c")] == [False] * 3
 
 
 def test_last_call_counts_from_the_min_nodes_th_arrival() -> None:

@@ -487,6 +487,12 @@ def leave(status: RunStatus, name: str, now: dt.datetime, *, finished: bool
     )
 
 
+def leave_needs_proof(status: RunStatus, name: str) -> bool:
+    """Whether :func:`leave` of ``name`` turns on its proof that its round passed the exit
+    barrier: only for a member of a run that has not ended."""
+    return status.phase not in FINISHED_PHASES and status.participant(name) is not None
+
+
 def remove_member(status: RunStatus, name: str, reason: str, now: dt.datetime,
                   message: str | None = None,
                   detection_seconds: float | None = None,

@@ -39,6 +39,7 @@ session and its Lease) and the way out (``set_closed``, ``shutdown``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -55,7 +56,7 @@ from elasticrun.api import rounds
 from elasticrun.api.change import ChangePolicy, change_status
 from elasticrun.api.gateway import RunAccess, RunGateway
 from elasticrun.api.kube import KubeClient
-from elasticrun.api.model import ElasticRun, now
+from elasticrun.api.model import ElasticRun, RunStatus, now
 from elasticrun.handler import exitbarrier, step
 from elasticrun.handler import settings as settings_mod
 from elasticrun.handler.calls import ElasticRunForbiddenError, connect_client, who
@@ -195,9 +196,10 @@ class K8sRendezvousHandler(RendezvousHandler):
                 lease.release(self.settings.close_timeout)
                 lease = None
             try:
-                self._leave_membership(self._round_finished())
+                self._leave_membership()
             except RendezvousError as exc:
                 log.warning("%s: leaving the membership failed: %s", self._who(), exc)
+            self._round_store = None
             if lease is not None:
                 lease.release(self.settings.close_timeout)
             self.stores.close()
@@ -264,17 +266,30 @@ class K8sRendezvousHandler(RendezvousHandler):
 
     def _round_finished(self) -> bool:
         """Whether this node's round passed torch's exit barrier (see :mod:`.exitbarrier`)."""
-        store, self._round_store = self._round_store, None
+        store = self._round_store
         return store is not None and exitbarrier.passed(store)
 
-    def _leave_membership(self, finished: bool) -> None:
+    def _leave_membership(self) -> None:
+        """Leave the run's membership, with the proof of the exit barrier where it counts.
+
+        The proof is read from rank 0's store once, and only for a run that does
+        not show its end yet (:func:`~elasticrun.api.rounds.leave_needs_proof`):
+        the member out first marks the run ``Succeeded`` and then closes its
+        store, so the others, reading the run first, find it finished and never
+        ask a store that is gone (torch would log the refused connection with
+        its stack on every one of them).
+        """
         session = self._session
         if session is None:
             return
         node = self.settings.node_name
-        change_status(session, lambda run: rounds.leave(run.status, node, now(),
-                                                        finished=finished),
-                      self._change_policy(), what="leave the membership")
+        proof = functools.cache(self._round_finished)
+
+        def leave(run: ElasticRun) -> RunStatus | None:
+            finished = rounds.leave_needs_proof(run.status, node) and proof()
+            return rounds.leave(run.status, node, now(), finished=finished)
+
+        change_status(session, leave, self._change_policy(), what="leave the membership")
 
     def _change_policy(self) -> ChangePolicy:
         """How long the node tries a change of the run on its way out: ``close_timeout``."""
