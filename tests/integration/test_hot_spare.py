@@ -9,11 +9,11 @@ spare.  What a user choosing a hot spare is promised:
 * when the members finish, their round has passed torch's exit barrier, the
   first member out marks the run ``Succeeded``, and the spare exits 0 without
   a worker ever starting (``RunSucceededError``);
+* when a member is lost, the spare takes its place in the next round and the
+  survivor restarts once.
 
 The workers train until the test writes a stop file (``held_train.py``), so no
 window depends on how fast the machine trains.
-* when a member is lost, the spare takes its place in the next round and the
-  survivor restarts once.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def stop_training(workdir: Path) -> int:
 
 
 def assert_training_ended(workdir: Path, stopped_at: int) -> None:
-    """Every rank logged the last epoch, after the stop, and the checkpoint kept it."""
+    """Rank 0 logged an epoch after the stop, its last, and the checkpoint holds that epoch."""
     import torch
 
     final = torch.load(workdir / "checkpoint.pt", weights_only=True)["epoch"]
