@@ -23,6 +23,7 @@ from fakegateway import FakeApiServer, FakeGateway
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousConnectionError,
+    RendezvousError,
     RendezvousInfo,
     RendezvousStateError,
     RendezvousTimeoutError,
@@ -148,6 +149,34 @@ def test_two_nodes_form_one_round_with_ranks_0_and_1(
     assert got[1].store.get("from-rank-0") == b"hello"
     # b listed a's request before it sealed: it checks a's store on that copy, reading none.
     assert (nodes.gateway(b).calls["lease"], nodes.gateway(b).calls["listed_lease"]) == (0, 0)
+
+
+def test_the_first_round_is_served_by_the_store_started_with_the_handler(
+        server: FakeApiServer, nodes: Nodes) -> None:
+    """The store of a node's first round is started when the handler is made, before any
+    request (as torch's c10d handler connects to its store then): its port is the one the
+    join announces and rank 0 serves. A later round gets a fresh server on another port."""
+    server.seed_run(RUN_NAME, spec(1))
+    a = nodes("a")
+    started = a.stores.port
+    assert started is not None and not nodes.gateway(a).calls  # no request yet
+    first = a.next_rendezvous()
+    assert (first.rank, first.bootstrap_store_info.master_port) == (0, started)
+    assert parse_run(server.run(RUN_NAME)).status.store == StoreAddress("127.0.0.1", started)
+    second = a.next_rendezvous()  # a restart: the node asks again, alone, round 2
+    status = parse_run(server.run(RUN_NAME)).status
+    assert (status.round, status.store) == (2, StoreAddress("127.0.0.1", a.stores.port))
+    assert second.bootstrap_store_info.master_port == a.stores.port != started
+
+
+def test_an_address_the_store_cannot_serve_on_fails_the_handler_when_it_is_made(
+        server: FakeApiServer) -> None:
+    given = dataclasses.replace(settings("a"), address="no-such-host.invalid")
+    gateway = FakeGateway(server, RUN_NAME)
+    with pytest.raises(RendezvousError,
+                       match=r"node 'a'.*'no-such-host.invalid' does not resolve"):
+        K8sRendezvousHandler(given, gateway=gateway)
+    assert not gateway.calls  # nothing asked of the API server
 
 
 @pytest.mark.parametrize("first_out_done", [True, False])

@@ -17,6 +17,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from elasticrun.api.kube import load_credentials
 from elasticrun.handler.calls import connect_client
+from elasticrun.handler.handler import K8sRendezvousHandler
 from elasticrun.handler.settings import from_parameters
 
 CA = b"-----BEGIN CERTIFICATE-----\nnot parsed by the loader\n-----END CERTIFICATE-----\n"
@@ -79,6 +80,30 @@ def test_a_certificate_the_client_cannot_use_is_a_connection_error_naming_it(
     good = _kubeconfig(tmp_path / "good", ca=_real_ca(tmp_path))
     client = connect_client(dataclasses.replace(settings, kubeconfig=str(good)))
     assert client.credentials.host == "https://127.0.0.1:6443"  # positive control
+
+
+def test_a_handler_loads_its_credentials_when_it_is_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As torch's c10d handler connects to its store when it is made, ours loads its
+    credentials then: unusable ones fail the construction, in torch's error for
+    credentials, and usable ones are not loaded again by the node's first round."""
+    monkeypatch.setattr(kube_config, "_temp_files", {})
+    settings = from_parameters(run_id="run", endpoint="", min_nodes=1, max_nodes=2,
+                               local_addr="127.0.0.1",
+                               conf={"namespace": "ns", "node_name": "a",
+                                     "kubeconfig": str(tmp_path / "missing")})
+    with pytest.raises(RendezvousConnectionError, match=r"node 'a'.*no Kubernetes credentials"):
+        K8sRendezvousHandler(settings)
+    loads: list[str | None] = []
+    monkeypatch.setattr("elasticrun.handler.calls.load_credentials",
+                        lambda path, context: loads.append(path) or load_credentials(path))
+    good = str(_kubeconfig(tmp_path / "good", ca=_real_ca(tmp_path)))
+    handler = K8sRendezvousHandler(dataclasses.replace(settings, kubeconfig=good))
+    try:
+        assert loads == [good]
+        assert handler.stores.port is not None  # the first round's store, started too
+    finally:
+        handler.shutdown()
 
 
 def _real_ca(tmp_path: Path) -> bytes:

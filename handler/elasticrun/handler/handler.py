@@ -83,17 +83,32 @@ class K8sRendezvousHandler(RendezvousHandler):
     Every request the node makes goes through one :class:`~elasticrun.api.gateway.RunAccess`:
     ``gateway`` replaces the one built from the settings' credentials (a test that
     wants to act between the node's calls, or the in-memory fake of the unit tests).
+
+    The credentials are loaded, the client is made and the first round's store
+    is started here, as torch's c10d handler connects to its store when it is
+    made: parsing a kubeconfig, loading its certificates and starting a TCPStore
+    cost a node milliseconds of CPU (and the store a reverse DNS query, see
+    :mod:`.store`), which belong to torchrun's start and not to the first round
+    every node waits on.  Missing or unusable credentials fail here with
+    ``RendezvousConnectionError``, an address the store cannot serve on with
+    ``RendezvousError``.
     """
 
     def __init__(self, settings: RendezvousSettings, client: KubeClient | None = None,
                  gateway: RunAccess | None = None) -> None:
         self.settings = settings
+        if gateway is None and client is None:
+            client = connect_client(settings)
         self._client = client
         self._gateway = gateway
         self._session: RunSession | None = None
         self._lease: LeaseKeeper | None = None
         self._executor: RoundExecutor | None = None
         self.stores = RoundStores()
+        try:
+            self.stores.fresh(settings.address, settings.store_port)
+        except StoreAddressError as exc:
+            raise RendezvousError(f"{who(settings)}: {exc}") from exc
         self._round = 0
         #: The store handed to torchrun by its last ``next_rendezvous()`` (where its
         #: agent keeps the exit barrier; in-place rounds of the follower do not move it).
@@ -130,7 +145,7 @@ class K8sRendezvousHandler(RendezvousHandler):
             run, woken = session.current()
             executor = self._round_executor(session, self._start_lease(session, run))
             try:
-                self.stores.fresh(self.settings.address, self.settings.store_port)
+                self.stores.for_round(self.settings.address, self.settings.store_port)
             except StoreAddressError as exc:
                 raise RendezvousError(f"{self._who()}: {exc}") from exc
             started = time.monotonic()
@@ -240,8 +255,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         if self._session is None:
             gateway = self._gateway
             if gateway is None:
-                if self._client is None:
-                    self._client = connect_client(self.settings)
+                assert self._client is not None  # made with the handler
                 gateway = RunGateway(self._client, self.settings.namespace,
                                      self.settings.run_name)
             self._session = RunSession(self.settings, gateway)

@@ -3,7 +3,11 @@
 The API server carries membership only.  Every node starts a TCPStore server
 before it joins a round and publishes the port in its waiting entry, so
 whichever node becomes rank 0 already serves the store when the round is
-sealed: nobody waits an extra round trip.  The server binds to the node's own address, not to every
+sealed: nobody waits an extra round trip.  The first round's server is started
+with the handler, as torch's c10d handler connects to its store when it is
+made: a TCPStore's own client resolves its peer's name (``getnameinfo()``, a
+reverse DNS query), and where a resolver drops a burst of them the first round
+of every node would wait out its timeout.  The server binds to the node's own address, not to every
 interface: TCPStore has no authentication.
 """
 
@@ -68,6 +72,8 @@ class RoundStores:
         self.host: StoreHost | None = None
         self._retired: StoreHost | None = None
         self._clients: dict[tuple[str, int], dist.Store] = {}
+        #: Whether a round has been given ``host`` (its port was published in a join).
+        self._used = False
 
     @property
     def port(self) -> int | None:
@@ -85,6 +91,14 @@ class RoundStores:
         self._retired = old
         self.host = StoreHost(address, pinned_port)
         self._clients.clear()
+        self._used = False
+
+    def for_round(self, address: str, pinned_port: int = 0) -> None:
+        """The server of the round a node is about to join: the one started ahead
+        while no round has used it, else a fresh one."""
+        if self.host is None or self._used:
+            self.fresh(address, pinned_port)
+        self._used = True
 
     def store_for(self, rank: int, host: str, port: int, timeout: float) -> dist.Store:
         """Our own server if we lead the round on it, else a client of the leader's.
