@@ -279,24 +279,24 @@ def _formation_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
                   f"{bound:.0f} s, so no further repetition (or larger N) was run. What the "
                   f"server saw in those {bound:.0f} s: {kinds}."]
     lines += ["", "**Note on the 5 s steps at N ≥ 64: reverse DNS in torch's TCPStore, not the "
-              "protocol.** The k8s times there move in steps of about 5 s while the API server "
-              "is idle (see the CPU table); in a traced repetition at N = 128 the nodes' joins "
+              "protocol.** The k8s times there move in steps of about 5 s while the API server is"
+              " idle (see the CPU table); in a traced repetition at N = 128 the nodes' joins "
               "reached the server in waves 5 s apart. The cause is in torch, and in this "
               "machine's resolver: every TCPStore connection formats its peer's address with "
               "`getnameinfo()` when the socket is made (c10d `socket.cpp`, "
               "pytorch/pytorch#159007), a reverse DNS query; this sandbox's DNS server drops "
-              "bursts of more than about 24 concurrent queries, and glibc retries a dropped "
-              "query after its 5 s default timeout. A k8s node starts its first round's "
-              "store when its handler is built, as torch's c10d backend connects to its "
-              "store then, before the clock starts; but only the seal names rank 0, so the "
-              "N - 1 connections to its store are made at once inside `next_rendezvous()`, "
-              "and that burst lands inside the measured window. Measured with torch alone on this machine (`python -m "
-              "bench.tcpstore_connect`): of 64 TCPStore clients connecting at once, 50 take "
-              "under 10 ms and 14 take 5.0 s; with `RES_OPTIONS='timeout:1 attempts:1'` those "
-              "14 take 1.0 s; of 16 at once, none is delayed. In a cluster the reverse "
-              "lookups go to CoreDNS, which normally answers them in milliseconds; where cluster "
-              "DNS drops UDP bursts (the conntrack race), every TCPStore user pays 5 s, "
-              "whichever rendezvous backend it uses: see the README's troubleshooting.",
+              "bursts of more than about 24 concurrent queries, and glibc retries a dropped query"
+              " after its 5 s default timeout. A k8s node starts its first round's store when its"
+              " handler is built, as torch's c10d backend connects to its store then, before the "
+              "clock starts; but only the seal names rank 0, so the N - 1 connections to its "
+              "store are made at once inside `next_rendezvous()`, and that burst lands inside the"
+              " measured window. Measured with torch alone on this machine (`python -m "
+              "bench.tcpstore_connect`): of 64 TCPStore clients connecting at once, 50 take under"
+              " 10 ms and 14 take 5.0 s; with `RES_OPTIONS='timeout:1 attempts:1'` those 14 take "
+              "1.0 s; of 16 at once, none is delayed. In a cluster the reverse lookups go to "
+              "CoreDNS, which normally answers them in milliseconds; where cluster DNS drops UDP "
+              "bursts (the conntrack race), every TCPStore user pays 5 s, whichever rendezvous "
+              "backend it uses: see the README's troubleshooting.",
               "", "![formation latency](bench-formation-latency.png)", ""]
 
     lines += ["## Requests per round", ""]

@@ -86,7 +86,7 @@ def test_a_handler_loads_its_credentials_when_it_is_made(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """As torch's c10d handler connects to its store when it is made, ours loads its
     credentials then: unusable ones fail the construction, in torch's error for
-    credentials, and usable ones are not loaded again by the node's first round."""
+    credentials; usable ones are loaded once, before any round."""
     monkeypatch.setattr(kube_config, "_temp_files", {})
     settings = from_parameters(run_id="run", endpoint="", min_nodes=1, max_nodes=2,
                                local_addr="127.0.0.1",

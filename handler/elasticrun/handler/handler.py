@@ -43,6 +43,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from torch.distributed import Store
 from torch.distributed.elastic.rendezvous import (
@@ -105,10 +106,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         self._lease: LeaseKeeper | None = None
         self._executor: RoundExecutor | None = None
         self.stores = RoundStores()
-        try:
-            self.stores.fresh(settings.address, settings.store_port)
-        except StoreAddressError as exc:
-            raise RendezvousError(f"{who(settings)}: {exc}") from exc
+        self._serve_store(self.stores.fresh)
         self._round = 0
         #: The store handed to torchrun by its last ``next_rendezvous()`` (where its
         #: agent keeps the exit barrier; in-place rounds of the follower do not move it).
@@ -144,10 +142,7 @@ class K8sRendezvousHandler(RendezvousHandler):
             session = self._connect()
             run, woken = session.current()
             executor = self._round_executor(session, self._start_lease(session, run))
-            try:
-                self.stores.for_round(self.settings.address, self.settings.store_port)
-            except StoreAddressError as exc:
-                raise RendezvousError(f"{self._who()}: {exc}") from exc
+            self._serve_store(self.stores.for_round)
             started = time.monotonic()
             defer_until = (started + rounds.defer_seal_wait(run.spec)
                            if rounds.nodes_defer_seal(run.spec) else None)
@@ -250,6 +245,14 @@ class K8sRendezvousHandler(RendezvousHandler):
 
     def _who(self) -> str:
         return who(self.settings)
+
+    def _serve_store(self, start: Callable[[str, int], None]) -> None:
+        """Start (or keep) this node's store on its address; one it cannot serve on is
+        torch's RendezvousError, naming the run and the node."""
+        try:
+            start(self.settings.address, self.settings.store_port)
+        except StoreAddressError as exc:
+            raise RendezvousError(f"{self._who()}: {exc}") from exc
 
     def _connect(self) -> RunSession:
         if self._session is None:

@@ -7,8 +7,8 @@ sealed: nobody waits an extra round trip.  The first round's server is started
 with the handler, as torch's c10d handler connects to its store when it is
 made: a TCPStore's own client resolves its peer's name (``getnameinfo()``, a
 reverse DNS query), and where a resolver drops a burst of them the first round
-of every node would wait out its timeout.  The server binds to the node's own address, not to every
-interface: TCPStore has no authentication.
+of every node would wait out its timeout.  The server binds to the node's own
+address, not to every interface: TCPStore has no authentication.
 """
 
 from __future__ import annotations
