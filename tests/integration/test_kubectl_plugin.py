@@ -178,9 +178,11 @@ def test_restart_gives_a_new_round(operator: OperatorProcess, make_handler: Any,
         "next round"]
     wait_for(lambda: all(h.num_nodes_waiting() >= 1 for h in nodes), 15,
              "members to be asked for a new round")
+    # The operator removes the annotation once the status that re-forms the round took.
+    wait_for(lambda: crd.RESTART_ANNOTATION not in read_run(
+        cluster.client, namespace, "again").annotations, 15, "the annotation to be consumed")
     run = read_run(cluster.client, namespace, "again")
     assert run.status.restart_round == 1
-    assert crd.RESTART_ANNOTATION not in run.annotations
     # Asked again while the round re-forms: nothing to do, and it says so.
     assert ok(plugin(cluster.kubeconfig, "restart", "again", "-n", namespace)) == (
         f"elasticrun {namespace}/again: round 1 is already being re-formed (phase Degraded); "

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import http.client
 import json
 import re
@@ -105,8 +104,7 @@ def _listeners(port: int) -> list[str]:
 def test_tcpstore_listens_on_the_node_address_only(make_handler: Any, cluster: Cluster,
                                                    namespace: str) -> None:
     # 127.0.0.2 is this machine too (all of 127/8 is loopback): a second "interface".
-    handler = make_handler("bind", "solo", min_nodes=1)
-    handler.settings = dataclasses.replace(handler.settings, address="127.0.0.2")
+    handler = make_handler("bind", "solo", min_nodes=1, address="127.0.0.2")
     info = handler.next_rendezvous()
     host = handler.stores.host
     assert host is not None
