@@ -21,6 +21,12 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
+#: How long a store operation waits for a key another node has not written yet.
+#: torch's agent has every non-zero rank ``get`` the worker ranks that rank 0
+#: writes only once *every* agent of the round has reached the store, so a
+#: client waits on the slowest agent, not on the server.
+OPERATION_TIMEOUT = 300.0
+
 
 class StoreAddressError(OSError):
     """The node's address names no interface of its own to serve the TCPStore on."""
@@ -33,7 +39,7 @@ class StoreHost:
     (``use_agent_store``); the handler replaces it when the next round starts.
     """
 
-    def __init__(self, address: str, port: int = 0, timeout: float = 300.0) -> None:
+    def __init__(self, address: str, port: int = 0, timeout: float = OPERATION_TIMEOUT) -> None:
         bind_host = bind_address(address)
         family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
@@ -103,7 +109,8 @@ class RoundStores:
     def store_for(self, rank: int, host: str, port: int, timeout: float) -> dist.Store:
         """Our own server if we lead the round on it, else a client of the leader's.
 
-        Raises RuntimeError or OSError when the leader's store cannot be reached.
+        ``timeout`` bounds the connection only (:func:`connect`).  Raises
+        RuntimeError or OSError when the leader's store cannot be reached.
         """
         assert self.host is not None
         if rank == 0 and port == self.host.port:
@@ -149,5 +156,14 @@ def bind_address(address: str) -> str:
 
 
 def connect(host: str, port: int, timeout: float) -> dist.Store:
-    return dist.TCPStore(host, port, is_master=False, use_libuv=True,
-                         timeout=dt.timedelta(seconds=timeout))
+    """A client of the store at ``host:port``, given ``timeout`` seconds to connect.
+
+    A TCPStore keeps the timeout it was made with for every later ``get`` and
+    ``wait``; the short one that bounds a connection attempt would fail the
+    agent that waits for a slower peer, so the client waits
+    :data:`OPERATION_TIMEOUT` once it is connected.
+    """
+    client = dist.TCPStore(host, port, is_master=False, use_libuv=True,
+                           timeout=dt.timedelta(seconds=timeout))
+    client.set_timeout(dt.timedelta(seconds=OPERATION_TIMEOUT))
+    return client
