@@ -249,10 +249,15 @@ def _formation_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
     sizes = sorted({n for b in present for n in lat[b]} | {n for _, n in unformed})
     floor = _floor(data, FLOOR_FORMATION)
     facts: dict[str, Any] = {"lat": lat, "sizes": sizes, "unformed": unformed, "floor": floor}
+    with_operator = bool((data["backends"].get("k8s") or {}).get("formation_operator"))
     lines += ["## Formation latency", "",
               "From the moment all N nodes are built (imports done, handler made) to the last "
               "`next_rendezvous()` returning; `minNodes = maxNodes = N`, so no backend waits "
-              "out a last call. Median (min–max) of the repetitions.", "",
+              "out a last call. Median (min–max) of the repetitions." + (
+                  " k8s runs with the operator running, as the Helm chart installs it: from "
+                  "`maxNodes` = 64 the nodes leave the seal to it." if with_operator else
+                  " k8s runs without the operator: from `maxNodes` = 64 its nodes wait out the "
+                  "operator's turn to seal (5.6 s at 64) before they seal themselves."), "",
               _floor_note(data, floor), "",
               "| N | " + " | ".join(present) + " | floor | k8s / floor | k8s / c10d | "
               "k8s / etcd-v2 | k8s: first node returns |",
@@ -278,25 +283,30 @@ def _formation_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
         lines += ["", f"{b} at N = {n}: the first repetition had not formed after "
                   f"{bound:.0f} s, so no further repetition (or larger N) was run. What the "
                   f"server saw in those {bound:.0f} s: {kinds}."]
-    lines += ["", "**Note on the 5 s steps at N ≥ 64: reverse DNS in torch's TCPStore, not the "
-              "protocol.** The k8s times there move in steps of about 5 s while the API server is"
-              " idle (see the CPU table); in a traced repetition at N = 128 the nodes' joins "
-              "reached the server in waves 5 s apart. The cause is in torch, and in this "
+    lines += ["", "**Note on the 5 s step at N ≥ 64: reverse DNS in torch's TCPStore, not the "
+              "protocol.** In a traced round of 64 with the operator, every node had joined "
+              "and the operator had sealed the round 0.4 s after the start; then nothing "
+              "reached the API server for 5 s, until the nodes whose connection to rank 0's "
+              "store had failed read rank 0's Lease. The cause is in torch, and in this "
               "machine's resolver: every TCPStore connection formats its peer's address with "
               "`getnameinfo()` when the socket is made (c10d `socket.cpp`, "
-              "pytorch/pytorch#159007), a reverse DNS query; this sandbox's DNS server drops "
-              "bursts of more than about 24 concurrent queries, and glibc retries a dropped query"
-              " after its 5 s default timeout. A k8s node starts its first round's store when its"
-              " handler is built, as torch's c10d backend connects to its store then, before the "
-              "clock starts; but only the seal names rank 0, so the N - 1 connections to its "
-              "store are made at once inside `next_rendezvous()`, and that burst lands inside the"
-              " measured window. Measured with torch alone on this machine (`python -m "
-              "bench.tcpstore_connect`): of 64 TCPStore clients connecting at once, 50 take under"
-              " 10 ms and 14 take 5.0 s; with `RES_OPTIONS='timeout:1 attempts:1'` those 14 take "
-              "1.0 s; of 16 at once, none is delayed. In a cluster the reverse lookups go to "
-              "CoreDNS, which normally answers them in milliseconds; where cluster DNS drops UDP "
-              "bursts (the conntrack race), every TCPStore user pays 5 s, whichever rendezvous "
-              "backend it uses: see the README's troubleshooting.",
+              "pytorch/pytorch#159007), a reverse DNS query (the client connects to the "
+              "IPv4-mapped IPv6 address, which `/etc/hosts` does not name, so even 127.0.0.1 "
+              "is asked of DNS); this sandbox's DNS server drops bursts of more than about 24 "
+              "concurrent queries, and glibc retries a dropped query after its 5 s default "
+              "timeout. A k8s node starts its first round's store when its handler is built, "
+              "as torch's c10d backend connects to its store then, before the clock starts; but "
+              "only the seal names rank 0, so the N - 1 connections to its store are made at "
+              "once inside `next_rendezvous()`, and that burst lands inside the measured "
+              "window. With a `getnameinfo()` that does not ask DNS (`bench/dnsshim.py`) the "
+              "same round of 64 formed in 0.65 s. Measured with torch alone on this machine "
+              "(`python -m bench.tcpstore_connect`): of 64 TCPStore clients connecting at once, "
+              "50 take under 10 ms and 14 take 5.0 s; with `RES_OPTIONS='timeout:1 attempts:1'` "
+              "those 14 take 1.0 s; of 16 at once, none is delayed. In a cluster the reverse "
+              "lookups go to CoreDNS, which normally answers them in milliseconds; where "
+              "cluster DNS drops UDP bursts (the conntrack race), every TCPStore user pays 5 s, "
+              "whichever rendezvous backend it uses: see the README's troubleshooting. "
+              "`make bench-scale` measures rounds of real handlers with and without it.",
               "", "![formation latency](bench-formation-latency.png)", ""]
 
     lines += ["## Requests per round", ""]
@@ -631,7 +641,7 @@ def _targets(facts: dict[str, Any], lines: list[str]) -> list[str]:
             headlines.append(f"At N = {top} elasticrun is {ratios[top]:.1f}× slower than c10d "
                              "to form a round" + (
                                  f" (first node back after {first['median']:.1f} s); the time "
-                                 "goes in steps of 5 s, torch's reverse DNS lookups meeting "
+                                 "goes in a step of 5 s, torch's reverse DNS lookups meeting "
                                  "this machine's resolver: see the note under the table"
                                  if first else "") + ".")
         for (b, n), bound in sorted(facts["unformed"].items()):

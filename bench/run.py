@@ -17,6 +17,7 @@ k8s's times by it.  Results: ``<out>/benchmarks.json`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -110,14 +111,17 @@ def run_backend(name: str, plan: Plan, work: Path, log_dir: Path) -> dict[str, A
     try:
         result["versions"] = backend.versions()
         formation: list[dict[str, Any]] = []
-        for n in plan.sizes:
-            formation.extend(step(f"formation N={n}", functools.partial(
-                scenarios.formation, backend, pool, n, plan.reps, plan.formation_bound)) or [])
-            if isinstance(backend, backends.K8sBackend):
-                step(f"floor N={n}", functools.partial(
-                    floor_rounds, backend, n, plan, log_dir, result.setdefault("floor", [])))
-            if formation and not formation[-1]["formed"]:
-                break  # larger N would not form either; the report says where it stopped
+        with operator_running(backend, log_dir) as operator:
+            result["formation_operator"] = operator
+            for n in plan.sizes:
+                formation.extend(step(f"formation N={n}", functools.partial(
+                    scenarios.formation, backend, pool, n, plan.reps,
+                    plan.formation_bound)) or [])
+                if isinstance(backend, backends.K8sBackend):
+                    step(f"floor N={n}", functools.partial(
+                        floor_rounds, backend, n, plan, log_dir, result.setdefault("floor", [])))
+                if formation and not formation[-1]["formed"]:
+                    break  # larger N would not form either; the report says where it stopped
         result["formation"] = formation
         recovery_timing = backends.Timing(plan.event_n - 1, plan.event_n,
                                           keep_alive=RECOVERY_KEEP_ALIVE)
@@ -144,6 +148,30 @@ def run_backend(name: str, plan: Plan, work: Path, log_dir: Path) -> dict[str, A
         backend.stop()
     result["seconds"] = time.monotonic() - started
     return result
+
+
+@contextlib.contextmanager
+def operator_running(backend: backends.Backend, log_dir: Path) -> Iterator[bool]:
+    """The operator watching every namespace while the k8s formations run, as the Helm
+    chart installs it; yields whether one runs (never for torch's backends).
+
+    Runs of ``maxNodes`` >= ``rounds.DEFER_SEAL_FROM`` leave their seal to it:
+    without one their nodes wait out ``rounds.defer_seal_wait`` before they list
+    and seal themselves, the fallback for an operator that is down, not the path
+    users take.
+    """
+    if not isinstance(backend, backends.K8sBackend) or not OPERATOR.exists():
+        yield False
+        return
+    from controlplane.operatorproc import OperatorProcess  # noqa: PLC0415 - k8s only
+
+    operator = OperatorProcess(Path(backend.control_plane.kubeconfig), [], log_dir,
+                               ["--workers", "4"])
+    operator.start()
+    try:
+        yield True
+    finally:
+        operator.stop()
 
 
 def floor_rounds(backend: backends.K8sBackend, n: int, plan: Plan, log_dir: Path,

@@ -185,3 +185,14 @@ def test_k8s_over_c10d_is_held_to_issue_36s_target_and_says_by_how_much_it_misse
         "| met at every N |")
     assert row(render(_data([_formed(2, 0.3), _formed(4, 0.45)]), [])).endswith(
         "| missed at N = 4 (0.45×, 1.5× over) |")
+
+
+def test_the_formation_section_says_whether_the_operator_ran() -> None:
+    """From ``maxNodes`` = 64 nodes leave the seal to the operator: a run measured without
+    it times the fallback for an operator that is down, and the page must say which."""
+    data = _data([_formed(2, 0.3)])
+    assert "k8s runs without the operator" in render(data, [])
+    data["backends"]["k8s"]["formation_operator"] = True
+    text = render(data, [])
+    assert "k8s runs with the operator running, as the Helm chart installs it" in text
+    assert "without the operator" not in text
