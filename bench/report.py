@@ -257,7 +257,8 @@ def _formation_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
                   " k8s runs with the operator running, as the Helm chart installs it: from "
                   "`maxNodes` = 64 the nodes leave the seal to it." if with_operator else
                   " k8s runs without the operator: from `maxNodes` = 64 its nodes wait out the "
-                  "operator's turn to seal (5.6 s at 64) before they seal themselves."), "",
+                  "operator's turn to seal (`rounds.defer_seal_wait`) before they seal "
+                  "themselves."), "",
               _floor_note(data, floor), "",
               "| N | " + " | ".join(present) + " | floor | k8s / floor | k8s / c10d | "
               "k8s / etcd-v2 | k8s: first node returns |",
