@@ -54,3 +54,32 @@ def test_a_state_without_the_run_or_pod_facts_is_idle() -> None:
     first, second = RunState(), RunState()
     first.told[1].add("a")
     assert second.told == (0, set())  # no shared default
+
+
+def test_the_response_of_a_status_write_never_hides_a_newer_watched_copy() -> None:
+    """The watch can deliver a user's change (resourceVersion 3) before the response
+    of the operator's status write (2) reaches the reconcile that made it: the run is
+    reconciled again from 3, not from the older written copy."""
+    async def scenario() -> None:
+        controller = Controller(idle_client(), Metrics())
+        key = ("ns", "r")
+
+        def copy(version: str, closed: bool) -> dict[str, Any]:
+            return {"metadata": {"name": "r", "namespace": "ns", "uid": "u1",
+                                 "resourceVersion": version},
+                    "spec": {"minNodes": 1, "closed": closed}}
+
+        controller.run_event("ADDED", copy("1", False))
+        controller.run_event("MODIFIED", copy("3", True))
+        controller.executor.accept(key, copy("2", False))  # the write's late response
+        held = controller.states[key].raw
+        assert held is not None and held["metadata"]["resourceVersion"] == "3"
+        assert held["spec"]["closed"] is True
+        # An older event is not kept either; a newer written copy is.
+        controller.run_event("MODIFIED", copy("2", False))
+        assert controller.states[key].raw == copy("3", True)
+        controller.executor.accept(key, copy("4", True))
+        assert controller.states[key].raw == copy("4", True)
+        await controller.stop()
+
+    asyncio.run(scenario())

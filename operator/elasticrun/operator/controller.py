@@ -238,12 +238,8 @@ class Controller:
             self.observer.in_background(
                 self.executor.delete_orphaned_leases(key, meta.get("uid")))
             return
-        raw = dict(body)
-        current = self.held(key)
-        if current is not None and current.raw is not None and older(raw, current.raw):
-            return  # our own write already gave us something newer
-        self._accept(key, raw)
-        self.enqueue(key)
+        if self._accept(key, dict(body)):
+            self.enqueue(key)
 
     def lease_event(self, body: Mapping[str, Any], event_type: str = "") -> None:
         """A Lease changed: note when the operator saw it (if its run exists), queue the run.
@@ -273,12 +269,23 @@ class Controller:
         else:
             self.queue.enqueue_within(key, window)
 
-    def _accept(self, key: Key, raw: dict[str, Any]) -> None:
-        """Keep ``raw`` as the newest copy of the run, and report what changed."""
+    def _accept(self, key: Key, raw: dict[str, Any]) -> bool:
+        """Keep ``raw`` as the newest copy of the run, and report what changed; False
+        (and nothing kept) when the copy held is newer.
+
+        The watch and the operator's own writes deliver copies in either order: the
+        event of a user's change made just after a status write can come in before
+        the write's response, and that response must not hide the change (the run
+        would be reconciled from a spec the user has already replaced, until some
+        later event).
+        """
         state = self.states.setdefault(key, RunState())
+        if state.raw is not None and older(raw, state.raw):
+            return False
         state.raw = raw
         state.lease_window = lease_event_window(raw)
         self.observer.observe(key, raw)
+        return True
 
     def _accept_written(self, key: Key, raw: dict[str, Any]) -> None:
         """A copy the operator wrote; dropped if the run was deleted meanwhile, so that
