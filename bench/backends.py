@@ -12,9 +12,11 @@ and how much CPU its server used.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from bench.pool import Pool
 from bench.proc import cpu_seconds, free_port
 from bench.servers import CRD_FILE, ControlPlane, EtcdV2Server
 from controlplane import apiserver
+from controlplane.operatorproc import OperatorProcess
 
 BACKENDS = ("k8s", "c10d", "etcd-v2")
 #: torch's opt-out of sharing rank 0's TCPStore with the workers ("1" = off).
@@ -228,6 +231,20 @@ class K8sBackend(Backend):
     def control_plane(self) -> ControlPlane:
         assert self.cp is not None
         return self.cp
+
+    @contextlib.contextmanager
+    def operator(self, log_dir: Path, namespaces: Sequence[str] = ()
+                 ) -> Iterator[OperatorProcess]:
+        """The operator on this control plane for the block, as the Helm chart runs it
+        (every namespace unless ``namespaces`` are named), with four workers; stopped
+        by its PID however the block ends, a start that failed half-way included."""
+        operator = OperatorProcess(Path(self.control_plane.kubeconfig), namespaces, log_dir,
+                                   ["--workers", "4"])
+        try:
+            operator.start()
+            yield operator
+        finally:
+            operator.stop()
 
     def new_run(self, timing: Timing, nodes: list[str]) -> Run:
         cp = self.control_plane

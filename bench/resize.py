@@ -20,6 +20,7 @@ has neither: its last call is all it has to wait for newcomers with.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -369,19 +370,14 @@ def run_backend(backend: Backend, plan: ResizePlan, log_dir: Any,
     """Every case and variant of ``plan`` on one backend (started and stopped by the caller)."""
     import sys  # noqa: PLC0415
 
-    pool = Pool(plan.workers, log_dir, f"{backend.name}-resize")
-    extra = Extra(log_dir, f"{backend.name}-resize")
-    operator = None
-    if isinstance(backend, K8sBackend):
-        from pathlib import Path  # noqa: PLC0415
-
-        from controlplane.operatorproc import OperatorProcess  # noqa: PLC0415
-
-        operator = OperatorProcess(Path(backend.control_plane.kubeconfig), [], log_dir,
-                                   ["--workers", "4"])
-        operator.start()
     rows: list[dict[str, Any]] = []
-    try:
+    with contextlib.ExitStack() as stack:
+        pool = Pool(plan.workers, log_dir, f"{backend.name}-resize")
+        stack.callback(pool.stop)
+        extra = Extra(log_dir, f"{backend.name}-resize")
+        stack.callback(extra.stop)
+        if isinstance(backend, K8sBackend):
+            stack.enter_context(backend.operator(log_dir))
         for case in plan.cases:
             for variant in VARIANTS[backend.name]:
                 for rep in range(plan.reps):
@@ -401,11 +397,6 @@ def run_backend(backend: Backend, plan: ResizePlan, log_dir: Any,
                           f"{time.monotonic() - began:.1f}s, round after "
                           f"{row.get('round_s', float('nan')):.2f}s, restarts "
                           f"{row.get('restarts')}", file=sys.stderr, flush=True)
-    finally:
-        extra.stop()
-        pool.stop()
-        if operator is not None:
-            operator.stop()
     return rows
 
 

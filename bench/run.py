@@ -163,15 +163,8 @@ def operator_running(backend: backends.Backend, log_dir: Path) -> Iterator[bool]
     if not isinstance(backend, backends.K8sBackend) or not OPERATOR.exists():
         yield False
         return
-    from controlplane.operatorproc import OperatorProcess  # noqa: PLC0415 - k8s only
-
-    operator = OperatorProcess(Path(backend.control_plane.kubeconfig), [], log_dir,
-                               ["--workers", "4"])
-    operator.start()
-    try:
+    with backend.operator(log_dir):
         yield True
-    finally:
-        operator.stop()
 
 
 def floor_rounds(backend: backends.K8sBackend, n: int, plan: Plan, log_dir: Path,

@@ -629,16 +629,10 @@ def baseline(plan: Plan, rev: str, work: Path, log_dir: Path) -> list[dict[str, 
     paths = os.pathsep.join(map(str, [ROOT, tree / "handler", tree / "operator", ROOT / "tests"]))
     backend = K8sBackend(work / "controlplane-baseline",
                          tree / "deploy" / "crds" / "elasticrun.dev_elasticruns.yaml")
-    from controlplane.operatorproc import OperatorProcess  # noqa: PLC0415
-
     rows: list[dict[str, Any]] = []
     try:
         backend.start(log_dir)
-        with _python_path(paths):
-            operator = OperatorProcess(Path(backend.control_plane.kubeconfig), [], log_dir,
-                                       ["--workers", "4"])
-            operator.start()
-        try:
+        with _python_path(paths), backend.operator(log_dir):  # ``rev``'s operator
             pool = Pool(plan.workers, log_dir, f"baseline-{rev}",
                         {**dnsshim.environment(), "PYTHONPATH": paths})
             try:
@@ -650,8 +644,6 @@ def baseline(plan: Plan, rev: str, work: Path, log_dir: Path) -> list[dict[str, 
                           file=sys.stderr, flush=True)
             finally:
                 pool.stop()
-        finally:
-            operator.stop()
     finally:
         backend.stop()
     return rows
@@ -682,23 +674,16 @@ def main(argv: list[str] | None = None) -> int:
             data["load"][key] = round(os.getloadavg()[0], 2)
 
     k8s = K8sBackend(work / "controlplane")
-    from controlplane.operatorproc import OperatorProcess  # noqa: PLC0415
-
     try:
         k8s.start(log_dir)
         data["versions"].update(k8s.versions())
-        operator = OperatorProcess(Path(k8s.control_plane.kubeconfig), [], log_dir,
-                                   ["--workers", "4"])
-        operator.start()
-        try:
+        with k8s.operator(log_dir) as operator:
             data["mixed"] = step("mixed", lambda: mixed(plan, k8s, log_dir, operator.pid))
             data["frozen"] = step("frozen", lambda: frozen(plan, k8s, log_dir))
             data["real"] = step("k8s as-is", lambda: real_rounds(
                 plan, k8s, plan.real_sizes, log_dir, "as-is"))
             data["real"] += step("k8s DNS-neutral", lambda: real_rounds(
                 plan, k8s, plan.real_sizes, log_dir, "neutral"))
-        finally:
-            operator.stop()
     finally:
         k8s.stop()
     if args.baseline:

@@ -334,14 +334,11 @@ def recovery_pod_deleted(backend: K8sBackend, pool: Pool, extra: Extra, n: int, 
     Pods are real Pod objects whose status the benchmark sets, as a kubelet would.
     """
     from controlplane.kubelet import Kubelet  # noqa: PLC0415 - only this scenario needs it
-    from controlplane.operatorproc import OperatorProcess  # noqa: PLC0415
 
     cp = backend.control_plane
-    operator = OperatorProcess(Path(cp.kubeconfig), [], log_dir, ["--workers", "4"])
-    operator.start()
-    op_pid = operator.pid
     out = []
-    try:
+    with backend.operator(log_dir) as operator:
+        op_pid = operator.pid
         for rep in range(reps):
             nodes = node_names(n)
             run = backend.new_run(timing, nodes)
@@ -376,15 +373,13 @@ def recovery_pod_deleted(backend: K8sBackend, pool: Pool, extra: Extra, n: int, 
             finally:
                 teardown(backend, run, [*pool.workers, victim])
                 extra.stop()
-    finally:
-        operator.stop()
     return out
 
 
 # --------------------------------------------------------------------------- operator at load
 
 
-def operator_load(  # noqa: PLR0915 - one scenario read top to bottom: set up, measure, report
+def operator_load(
         backend: K8sBackend, runs: int, members: int, window_s: float, losses: int,
         log_dir: Path) -> dict[str, Any]:
     """The operator watching ``runs`` running rounds of ``members`` each, then losing pods.
@@ -410,7 +405,6 @@ def operator_load(  # noqa: PLR0915 - one scenario read top to bottom: set up, m
     from elasticrun.handler.lease import LeaseKeeper  # noqa: PLC0415
 
     from controlplane.kubelet import Kubelet  # noqa: PLC0415
-    from controlplane.operatorproc import OperatorProcess  # noqa: PLC0415
 
     cp = backend.control_plane
     namespace = f"bench-load-{int(time.time()) % 100000}"
@@ -446,11 +440,9 @@ def operator_load(  # noqa: PLR0915 - one scenario read top to bottom: set up, m
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(populate, names))
     populated_s = time.monotonic() - began
-    operator = OperatorProcess(Path(cp.kubeconfig), [namespace], log_dir, ["--workers", "4"])
     started = time.monotonic()
-    operator.start()
-    pid = operator.pid
-    try:
+    with backend.operator(log_dir, [namespace]) as operator:
+        pid = operator.pid
         _quiet(pid, bound=180.0)
         startup_s = time.monotonic() - started
         startup_cpu = cpu_seconds(pid)
@@ -472,8 +464,6 @@ def operator_load(  # noqa: PLR0915 - one scenario read top to bottom: set up, m
                     break
                 time.sleep(0.02)
             time.sleep(1.0)
-    finally:
-        operator.stop()
     return {"runs": runs, "members": members, "objects": runs * (1 + 2 * members),
             "populate_s": populated_s, "startup_s": startup_s, "startup_cpu_s": startup_cpu,
             "idle_cpu_fraction": idle_cpu, "idle_window_s": window_s,
