@@ -137,10 +137,12 @@ def test_the_lease_a_node_creates_is_its_runs_genuine_lease(run: str, node: str)
     body = node_lease(run, node, "agent@1", 15, "uid-r", T0, join)
     assert body["metadata"]["name"] == lease_name(run, node)
     assert lease_run(body) == run
-    stored = {**body, "metadata": {**body["metadata"], "uid": "lease-uid"}}  # the server's
+    stored = {**body, "metadata": {**body["metadata"], "uid": "lease-uid",  # the server's
+                                   "resourceVersion": "4711"}}
     state = lease_state(stored, seen=T0)
     assert owned_by(state, run, "uid-r") and state.node == node and state.holder == "agent@1"
     assert state.join == join and state.duration == 15 and state.renewed == T0
+    assert state.join is not None and state.join.written == 4711 == state.version
     plain = node_lease(run, node, "agent@1", 15, None, T0)
     plain["metadata"]["uid"] = "lease-uid"
     assert lease_run(plain) == run and lease_state(plain).join is None

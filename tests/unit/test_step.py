@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -96,8 +97,9 @@ def test_a_late_deferring_node_gives_the_operator_its_wait_again_once_all_joined
     assert isinstance(next_action(listed, at(40 + wait), CLOCK + 40.0 + wait), step.Seal)
     # A node that asked first takes its seal's turn after that wait, not within it.
     first = listed.replace(pending=waiting("a", "b", "c", "d"))
-    assert next_action(first, at(41), CLOCK + 41.0) == step.Wait(
-        until=CLOCK + 40.0 + wait + 3 * step.LAST_CALL_STAGGER)
+    turn = next_action(first, at(41), CLOCK + 41.0)
+    assert isinstance(turn, step.Wait)
+    assert turn.until == pytest.approx(CLOCK + 40.0 + wait + 3 * step.SEAL_TURN_STEP)
     late = listed.replace(join_deadline=CLOCK + 42.0)
     assert next_action(late, at(41), CLOCK + 41.0) == step.Wait(until=CLOCK + 42.0)
     assert isinstance(next_action(late, at(42), CLOCK + 42.0), step.Seal)
@@ -239,15 +241,31 @@ def test_a_seal_due_at_once_is_tried_first_by_the_node_that_asked_last() -> None
     turns = {me: next_action(knows(RunStatus(), node=me, pending=pending).replace(
         listed_at=at(0)), at(0), CLOCK) for me in "abcd"}
     assert isinstance(turns["d"], step.Seal) and "maxNodes (4) reached" in turns["d"].reason
-    assert turns["c"] == step.Wait(until=CLOCK + step.LAST_CALL_STAGGER)
-    assert turns["b"] == step.Wait(until=CLOCK + 2 * step.LAST_CALL_STAGGER)
-    assert turns["a"] == step.Wait(until=CLOCK + 3 * step.LAST_CALL_STAGGER)
+    assert turns["c"] == step.Wait(until=CLOCK + step.SEAL_TURN_STEP)
+    assert turns["b"] == step.Wait(until=CLOCK + 2 * step.SEAL_TURN_STEP)
+    assert turns["a"] == step.Wait(until=CLOCK + 3 * step.SEAL_TURN_STEP)
+
+
+def test_seal_turns_follow_the_order_the_api_server_wrote_the_requests_in() -> None:
+    # d's clock says it asked last, but the server wrote c's Lease last: c's listing is
+    # the one surely complete, so c seals at once and d takes the next turn.
+    written = {"a": 11, "b": 12, "c": 15, "d": 14}
+    pending = tuple(dataclasses.replace(w, written=written[w.name])
+                    for w in waiting("a", "b", "c", "d"))
+    turns = {me: next_action(knows(RunStatus(), node=me, pending=pending).replace(
+        listed_at=at(0)), at(0), CLOCK) for me in "abcd"}
+    assert isinstance(turns["c"], step.Seal)
+    assert turns["d"] == step.Wait(until=CLOCK + step.SEAL_TURN_STEP)
+    assert turns["b"] == step.Wait(until=CLOCK + 2 * step.SEAL_TURN_STEP)
+    # Read without revisions (the status summary), the claimed times order them.
+    assert rounds.seal_turn(knows(RunStatus(), pending=waiting("a", "b", "c", "d")).run,
+                            "d", waiting("a", "b", "c", "d")) == 0
 
 
 def test_a_node_whose_turn_passed_on_an_unchanged_run_seals_from_its_listing() -> None:
     known = knows(RunStatus(), node="b", pending=waiting("a", "b", "c", "d")).replace(
         listed_at=at(0))
-    later = 2 * step.LAST_CALL_STAGGER
+    later = 2 * step.SEAL_TURN_STEP
     assert isinstance(next_action(known, at(later), CLOCK + later), step.Seal)
 
 
@@ -266,7 +284,7 @@ def test_survivors_back_after_a_loss_take_turns_too() -> None:
     second = next_action(knows(sealed("a", "b"), node="a", pending=back, previous_round=1
                                ).replace(listed_at=at(0)), at(0), CLOCK)
     assert isinstance(first, step.Seal) and "remaining members" in first.reason
-    assert second == step.Wait(until=CLOCK + step.LAST_CALL_STAGGER)
+    assert second == step.Wait(until=CLOCK + step.SEAL_TURN_STEP)
 
 
 def test_a_passed_last_call_is_not_held_by_seal_turns() -> None:
@@ -299,7 +317,7 @@ def test_every_state_gets_one_consistent_action(names: list[str], me: str, elaps
         if len(names) >= min_nodes + extra:
             # At maxNodes only a turn of the seal holds a node back, never for long.
             assert rounds.seal_turn(known.run, me, known.pending) > 0
-            assert action.until <= clock + step.LAST_CALL_STAGGER * rounds.SEAL_TURNS
+            assert action.until <= clock + step.SEAL_TURN_STEP * rounds.SEAL_TURNS
     else:
         assert isinstance(action, step.Seal | step.TimedOut)
 

@@ -377,8 +377,9 @@ def lease_state(lease: Mapping[str, Any], seen: dt.datetime | None = None) -> Le
     name = untrusted.text(meta.get("name")) or "?"
     join, problem = read_join(node, annotations.get(JOIN_ANNOTATION), f"lease {name}")
     created = untrusted.read_time(meta.get("creationTimestamp"))
+    version = _revision(meta.get("resourceVersion"))
     if join is not None:
-        join = dataclasses.replace(join, arrived=created)
+        join = dataclasses.replace(join, arrived=created, written=version)
     refs = meta.get("ownerReferences")
     owners = [untrusted.text(ref.get("uid")) for ref in refs if isinstance(ref, Mapping)
               and ref.get("kind") == crd.KIND] if isinstance(refs, list) else []
@@ -391,7 +392,7 @@ def lease_state(lease: Mapping[str, Any], seen: dt.datetime | None = None) -> Le
                       assignment=read_assignment(annotations.get(ASSIGNMENT_ANNOTATION)),
                       name=untrusted.text(meta.get("name")),
                       uid=untrusted.text(meta.get("uid")),
-                      version=_revision(meta.get("resourceVersion")), seen=seen)
+                      version=version, seen=seen)
 
 
 def describe_object(obj: Mapping[str, Any]) -> str:

@@ -367,6 +367,11 @@ class WaitingNode:
     #: (:class:`elasticrun.api.leases.RenewalClock`): how old the request is,
     #: because ``since`` is the node's clock.  Never stored, not part of equality.
     noticed: dt.datetime | None = field(default=None, compare=False)
+    #: The resourceVersion (an etcd revision) of the Lease that carries the request, as
+    #: listed: its last write, in a formation the request itself, in the API server's
+    #: order of writes (:func:`elasticrun.api.rounds.seal_turn`).  Never stored, not
+    #: part of equality.
+    written: int | None = field(default=None, compare=False)
     #: The Pod's index in its workload (an Indexed Job's completion index, a
     #: StatefulSet's ordinal), as the node says in its join request: orders
     #: newcomers, and is the rank an indexed newcomer takes where it is free

@@ -614,16 +614,24 @@ def seal_turn(run: ElasticRun, node: str, waiting: Waiting = None) -> int:
     is the one whose listing is surely complete, so it goes first, and the
     others take turns after it by how recently they asked, each a moment
     later, and usually find the round already sealed.  Turns are counted on
-    ``since``, the time each node claims: every reader computes the same order
-    from it, and a node whose clock runs ahead only moves itself to the front.
+    the revision of the Lease that carries each request (``written``): the
+    API server's order of the writes, the same for every reader of one
+    listing, so the first turn is the node whose request was written last
+    and whose own listing, made after it, holds every other.  ``since``, the
+    time each node claims, orders only entries read without a revision (the
+    status summary): two nodes' clocks can put their requests the other way
+    round, and then the node the server wrote last waited out a turn.
     Capped, so that nodes beyond the first few share the last turn: a node
     that asked and then died delays the round by a few turns at most.
     """
-    entries = sorted(eligible_waiting(run, waiting),
-                     key=lambda w: (w.since or w.arrived or untrusted.EARLIEST, w.name),
-                     reverse=True)
+    entries = sorted(eligible_waiting(run, waiting), key=_turn_key, reverse=True)
     names = [w.name for w in entries]
     return min(names.index(node), SEAL_TURNS) if node in names else SEAL_TURNS
+
+
+def _turn_key(node: WaitingNode) -> tuple[int, dt.datetime, str]:
+    return (-1 if node.written is None else node.written,
+            node.since or node.arrived or untrusted.EARLIEST, node.name)
 
 
 def announce_needed(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> bool:
