@@ -22,7 +22,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStateError,
 )
 
-from elasticrun.api import crd
+from elasticrun.api import crd, rounds
 from elasticrun.api.kube import ApiError, lease_path, run_path, runs_path
 from elasticrun.api.model import InvalidRunError
 from elasticrun.api.naming import lease_name
@@ -136,7 +136,12 @@ def test_well_typed_nonsense_raises_state_error_and_the_operator_repairs(
     nodes = _form(make_handler, "nonsense", ["a", "b", "c"])
     # The operator repairs within milliseconds; stopped, it lets the handler meet the edit.
     operator.stop()
-    round_before = _edit_status(cluster, namespace, "nonsense", edit)["round"]  # accepted
+    before = _edit_status(cluster, namespace, "nonsense", edit)  # accepted
+    round_before = before["round"]
+    edited_out = sorted({p["name"] for p in before["participants"]}
+                        - {p["name"] for p in raw_run(cluster, namespace, "nonsense")["status"]
+                           ["participants"]})
+    assert edited_out or case == "duplicate ranks"
     late = make_handler("nonsense", "late", min_nodes=3)
     with pytest.raises(RendezvousStateError, match=message) as info:
         late.next_rendezvous()
@@ -164,11 +169,12 @@ def test_well_typed_nonsense_raises_state_error_and_the_operator_repairs(
     assert_all_ok(again)
     assert sorted(o.rank for o in again.values()) == [0, 1, 2]
     final = read_run(cluster.client, namespace, "nonsense")
-    # The repair keeps the readable members and the requests they answered.  Where the
-    # roster itself was unreadable (the participants case) those requests look pending
-    # again and may be sealed before the members are back; such a round names a store
-    # rank 0 no longer serves, and its members join the next one.
-    assert round_before < final.status.round <= round_before + 2
+    # The repair keeps the readable members and the requests they answered, and records
+    # the requests it cannot place (the member the edit removed) as spent: no seal takes
+    # one before its node asks again, so one round re-forms all three.
+    assert final.status.round == round_before + 1
+    assert [(m.name, m.reason) for m in final.status.lost_members] == [
+        (name, rounds.STATUS_UNREADABLE) for name in edited_out]
     record(f"hand-edited status: {case}", group="bad input",
            fault=f"kubectl edit --subresource=status: {case} (well typed, schema accepts it)",
            expected="RendezvousStateError naming the field; the operator marks the run Degraded "

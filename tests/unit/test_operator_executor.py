@@ -202,8 +202,7 @@ def test_a_lost_repair_reads_the_run_again_and_requeues_it_then_the_repair_lands
     with pytest.raises(InvalidRunError) as info:
         parse_run(raw)
     error = info.value
-    fix = plan_repair(raw, error, T0, 0, None)
-    assert fix is not None
+    fix = plan_repair(raw, error, T0, 0)
     # Someone else writes the run meanwhile (still unreadable: no event would re-queue it).
     b.server.update((RUN, "r"), lambda run: {**run, "status": {"round": "y"}})
     asyncio.run(b.executor.repair(KEY, raw, fix, str(error)))
@@ -211,8 +210,7 @@ def test_a_lost_repair_reads_the_run_again_and_requeues_it_then_the_repair_lands
     assert fresh["status"] == {"round": "y"}
     assert b.enqueued == [KEY] and b.accepted == [fresh]
     assert b.executor.state(KEY).invalid_reported is None and b.reasons() == []
-    again = plan_repair(fresh, error, T0, 0, None)
-    assert again is not None
+    again = plan_repair(fresh, error, T0, 0)
     asyncio.run(b.executor.repair(KEY, fresh, again, str(error)))
     repaired = b.server.run("r")
     assert repaired["status"] == again.status and parse_run(repaired).status.round == 0

@@ -19,7 +19,7 @@ from elasticrun.api.model import ElasticRun, InvalidRunError, RunSpec, RunStatus
 from elasticrun.api.naming import lease_name
 from elasticrun.operator import netpol, runobjects, runrbac
 from elasticrun.operator.executor import PlanExecutor
-from elasticrun.operator.reconcile import Members, plan_repair, reconcile
+from elasticrun.operator.reconcile import Members, plan_repair, reconcile, repair_due
 from elasticrun.operator.runobjects import (
     PROBLEM_EVENTS_PER_RUN,
     UNREADABLE_JOIN,
@@ -122,12 +122,12 @@ def test_the_same_invalid_status_is_repaired_once() -> None:
     raw = {"metadata": {"name": "r", "namespace": "ns", "generation": 4},
            "status": {"round": "x"}}
     error = InvalidRunError("status.round", "not a number")
-    fix = plan_repair(raw, error, T0, 2, None)
-    assert fix is not None and fix.status["round"] == 2 and fix.status["observedGeneration"] == 4
+    fix = plan_repair(raw, error, T0, 2)
+    assert fix.status["round"] == 2 and fix.status["observedGeneration"] == 4
     assert fix.event[:2] == ("Warning", "InvalidStatus")
-    assert plan_repair(raw, error, T0, 2, str(error)) is None
-    other = InvalidRunError("status.signal", "other")
-    assert plan_repair(raw, other, T0, 2, str(error)) is not None
+    assert repair_due(error, None)
+    assert not repair_due(error, str(error))
+    assert repair_due(InvalidRunError("status.signal", "other"), str(error))
 
 
 class _Client:

@@ -12,6 +12,7 @@ from elasticrun.api import rounds
 from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.leases import LeaseState, Unreachable, pending_joins
 from elasticrun.api.model import (
+    LOST_MEMBERS_KEPT,
     ElasticRun,
     InvalidRunError,
     RunSpec,
@@ -241,6 +242,52 @@ def test_a_repair_keeps_the_requests_the_members_answered() -> None:
     stale = [lease(name, answered) for name in ("a", "b")]
     assert pending_joins(stale, repaired, T0, "uid", 30) == ()
     assert [w.name for w in pending_joins([lease("a", T0)], repaired, T0, "uid", 30)] == ["a"]
+
+
+def test_a_repair_records_the_requests_it_cannot_place_as_spent() -> None:
+    """A member whose entry the edit removed keeps its answered request on its Lease:
+    the repair records it as spent, so no seal takes it before the member asks again.
+    A request the status answers or keeps waiting stays as it is."""
+    answered, asked = T0 - dt.timedelta(minutes=5), T0 - dt.timedelta(seconds=1)
+    earlier = {"name": "d", "round": 1, "reason": rounds.LEFT, "since": format_time(answered)}
+    broken = {"phase": "Running", "round": 2, "signal": 3, "store": {"host": "h", "port": 1},
+              "participants": [
+                  {"name": "a", "rank": 0, "joinedRound": 1, "since": format_time(answered)},
+                  {"name": "c", "rank": 2, "joinedRound": 1, "since": format_time(answered)}],
+              "waiting": [{"name": "w", "since": format_time(asked)}],
+              "lostMembers": [earlier, {"name": 7}]}
+    with pytest.raises(InvalidRunError, match="status.lostMembers") as error:
+        RunStatus.from_dict(broken)
+
+    def lease(name: str, since: dt.datetime) -> LeaseState:  # live, renewed at T0
+        join = WaitingNode(name=name, address="10.0.0.1", store_port=29400, since=since)
+        return LeaseState(node=name, holder=name, renewed=T0, duration=10, join=join,
+                          owner_uid="uid", seen=T0)
+
+    leases = [lease("a", answered), lease("b", answered), lease("c", answered),
+              lease("d", answered), lease("w", asked)]
+    requests = [state.join for state in leases if state.join is not None]
+    repaired = RunStatus.from_dict(repair(broken, error.value, T0, 1, requests=requests))
+    assert [(m.name, m.reason, m.since) for m in repaired.lost_members] == [
+        ("d", rounds.LEFT, answered), ("b", rounds.STATUS_UNREADABLE, answered)]
+    assert repaired.lost_members[1].round == 2 and repaired.lost_members[1].time == T0
+    assert [w.name for w in pending_joins(leases, repaired, T0, "uid", 30)] == ["w"]
+    # Positive control: without the Leases' requests, b's answered request waits again.
+    unrecorded = RunStatus.from_dict(repair(broken, error.value, T0, 1))
+    assert [w.name for w in pending_joins(leases, unrecorded, T0, "uid", 30)] == ["b", "w"]
+    # b's next request is its own, and waits.
+    again = [*leases[:1], lease("b", T0), *leases[2:]]
+    assert sorted(w.name for w in pending_joins(again, repaired, T0, "uid", 30)) == ["b", "w"]
+
+
+def test_a_repair_keeps_the_newest_spent_requests_the_status_holds() -> None:
+    requests = [WaitingNode(name=f"n{i:02}", since=T0 - dt.timedelta(seconds=i))
+                for i in range(LOST_MEMBERS_KEPT + 4)]
+    repaired = RunStatus.from_dict(repair({"round": 3}, ValueError("x"), T0, 1,
+                                          requests=requests))
+    assert len(repaired.lost_members) == LOST_MEMBERS_KEPT
+    assert {m.name for m in repaired.lost_members} == {f"n{i:02}" for i in
+                                                      range(LOST_MEMBERS_KEPT)}
 
 
 class _Answers:

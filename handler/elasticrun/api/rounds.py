@@ -407,6 +407,9 @@ LEASE_MISSING = "LeaseMissing"
 #: A member named in the run's drain annotation, or on a Node whose signal drains.
 DRAINED = "Drained"
 NODE_DRAINING = "NodeDraining"
+#: A node whose join request the repair of an unreadable status recorded as spent
+#: (``elasticrun.operator.reconcile.repair``): it asks again.
+STATUS_UNREADABLE = "StatusUnreadable"
 #: Reasons of a member that went away on its own, not lost to a failure.
 DEPARTURES = (LEFT, FINISHED, POD_SUCCEEDED)
 #: Pod losses after which that Pod (that uid) never runs a container again: it is
@@ -421,7 +424,7 @@ LEADER_LOST = "StoreUnreachable"
 LOSS_REASONS = frozenset({
     POD_DELETED, POD_DISRUPTED, POD_FAILED, POD_SUCCEEDED, CONTAINER_TERMINATED,
     CONTAINER_RESTARTED, LEASE_EXPIRED, LEASE_MISSING, LEADER_LOST, LEFT, FINISHED,
-    DRAINED, NODE_DRAINING})
+    DRAINED, NODE_DRAINING, STATUS_UNREADABLE})
 
 #: The phase of a run closed by ``spec.closed`` (torch's ``set_closed``).
 CLOSED = "Closed"

@@ -27,7 +27,14 @@ from elasticrun.api import rounds
 from elasticrun.api.gateway import OperatorGateway
 from elasticrun.api.kube import KubeClient
 from elasticrun.api.leases import LeaseState, lease_run, lease_state, owned_by
-from elasticrun.api.model import ElasticRun, InvalidRunError, RunSpec, now, parse_run
+from elasticrun.api.model import (
+    ElasticRun,
+    InvalidRunError,
+    RunSpec,
+    WaitingNode,
+    now,
+    parse_run,
+)
 from elasticrun.api.ordering import older
 from elasticrun.operator.apihealth import ApiAvailability
 from elasticrun.operator.executor import PlanExecutor
@@ -45,7 +52,13 @@ from elasticrun.operator.owners import (
     PodView,
 )
 from elasticrun.operator.podintake import PodIntake
-from elasticrun.operator.reconcile import Members, missing_leases, plan_repair, reconcile
+from elasticrun.operator.reconcile import (
+    Members,
+    missing_leases,
+    plan_repair,
+    reconcile,
+    repair_due,
+)
 from elasticrun.operator.runobjects import Settings
 from elasticrun.operator.runstate import RunState
 from elasticrun.operator.workqueue import Key, WorkQueue
@@ -308,13 +321,21 @@ class Controller:
                     leases[node] = state
         return leases
 
-    async def _listed_leases(self, key: Key, run: ElasticRun) -> dict[str, LeaseState]:
+    async def _listed_leases(self, key: Key, uid: str | None) -> dict[str, LeaseState]:
+        """The Leases of the run ``key`` with ``uid`` (``owned_by``) from one consistent LIST,
+        at least as new as the copy of the run it is read for."""
         leases = {}
         for item in await asyncio.to_thread(self.executor.gateway(key).leases):
             state = lease_state(item)
-            if state.node and owned_by(state, run.name, run.uid):
+            if state.node and owned_by(state, key[1], uid):
                 leases[state.node] = state
         return leases
+
+    async def _requests(self, key: Key, uid: str | None) -> list[WaitingNode]:
+        """The join requests on the Leases of a run whose status is unreadable: its repair
+        records those it cannot place as spent (:func:`.reconcile.repair`)."""
+        leases = await self._listed_leases(key, uid)
+        return [state.join for state in leases.values() if state.join is not None]
 
     def _members(self, key: Key, run: ElasticRun, leases: dict[str, LeaseState],
                  owned: Ownership = NO_OWNER,
@@ -355,9 +376,10 @@ class Controller:
             run = parse_run(raw)
             held.mark = mark.advance(run)
         except InvalidRunError as exc:
-            uid = (raw.get("metadata") or {}).get("uid")
-            fix = plan_repair(raw, exc, now(), mark.floor(uid), held.invalid_reported)
-            if fix is not None:
+            if repair_due(exc, held.invalid_reported):
+                uid = (raw.get("metadata") or {}).get("uid")
+                uid = uid if isinstance(uid, str) else None
+                fix = plan_repair(raw, exc, now(), mark.floor(uid), await self._requests(key, uid))
                 await self.executor.repair(key, raw, fix, str(exc))
             return
         held.invalid_reported = None  # readable again: a later invalid status is repaired
@@ -375,7 +397,7 @@ class Controller:
             # removing a member acts on Lease data, so the plan carried out is
             # decided from a consistent LIST instead, which is at least as new as
             # the run we hold; the first plan only said that one is needed.
-            listed = await self._listed_leases(key, run)
+            listed = await self._listed_leases(key, run.uid)
             members = self._members(key, run, listed, owned, found, placed)
             plan = reconcile(run, members, now(), self.settings, held.done)
             indexed.update(listed)

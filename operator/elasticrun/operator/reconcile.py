@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from elasticrun.api import crd, rounds
 from elasticrun.api.leases import LeaseState, pending_joins, suspicion_window
 from elasticrun.api.model import (
+    LOST_MEMBERS_KEPT,
     Assignment,
     Condition,
     Desired,
@@ -34,6 +36,8 @@ from elasticrun.api.model import (
 from elasticrun.operator import nodesignals, runobjects, topology
 from elasticrun.operator.liveness import Loss, member_pod_loss
 from elasticrun.operator.owners import NO_OWNER, Ownership, coming
+
+_T = TypeVar("_T")
 
 #: The handlers seal within milliseconds of the write that made a round
 #: sealable; the operator waits this long before doing it itself, so it is a
@@ -708,32 +712,39 @@ class Repair:
     event: tuple[str, str, str]
 
 
+def repair_due(error: Exception, repaired: str | None) -> bool:
+    """Whether an unreadable status is repaired: not when this very error was repaired
+    already (``repaired``: the last one), so a status nobody can fix costs one write,
+    not one per reconcile."""
+    return repaired != str(error)
+
+
 def plan_repair(raw: Mapping[str, object], error: Exception, now: dt.datetime,
-                min_round: int, repaired: str | None) -> Repair | None:
-    """The repair of a run whose status the model cannot read; None when this very error
-    was repaired already (``repaired``: the last one), so a status nobody can fix costs
-    one write, not one per reconcile."""
-    if repaired == str(error):
-        return None
+                min_round: int, requests: Iterable[WaitingNode] = ()) -> Repair:
+    """The repair of a run whose status the model cannot read (:func:`repair`), and its
+    Event; ``requests`` are the join requests on the run's own Leases."""
     meta = raw.get("metadata")
     meta = meta if isinstance(meta, Mapping) else {}
     generation = meta.get("generation")
     status = repair(raw.get("status"), error, now,
-                    generation if isinstance(generation, int) else 0, min_round=min_round)
+                    generation if isinstance(generation, int) else 0, min_round=min_round,
+                    requests=requests)
     return Repair(status, ("Warning", "InvalidStatus",
                            f"status could not be read ({error}); the round is re-formed"))
 
 
 def repair(raw_status: object, error: Exception, now: dt.datetime, generation: int,
-           min_round: int = 0) -> dict[str, object]:
+           min_round: int = 0, requests: Iterable[WaitingNode] = ()) -> dict[str, object]:
     """A readable status to replace one the model rejects, losing nothing that is safe.
 
     The round number (at least ``min_round``, the highest the operator saw and
     still defends, :meth:`~elasticrun.api.ordering.RoundMark.floor`) and the
-    signal move forward (never back), waiting entries and members that are
-    readable are kept (:func:`_readable_roster`), and the current round is
-    marked for restart, so every member re-joins and a consistent round is
-    sealed again.  A round no round can follow (at
+    signal move forward (never back), waiting entries, members and lost
+    members that are readable are kept (:func:`_readable_roster`), and the
+    current round is marked for restart, so every member re-joins and a
+    consistent round is sealed again.  The join requests on the run's Leases
+    (``requests``) that the repaired status neither holds nor keeps waiting are
+    recorded as spent (:func:`_spent_requests`).  A round no round can follow (at
     the counters' maximum, or beyond it in a CRD without one) is not kept: the
     run starts again from ``min_round``.  The error goes into the ``Degraded``
     condition for ``kubectl describe``.
@@ -748,14 +759,12 @@ def repair(raw_status: object, error: Exception, now: dt.datetime, generation: i
     raw_round = count("round")
     round_ = max(raw_round if raw_round < crd.counter_maximum() else 0, min_round)
     generation = capped(generation)
-    waiting: dict[str, dict[str, object]] = {}
-    for item in status.get("waiting") or [] if isinstance(status.get("waiting"), list) else []:
-        try:
-            node = WaitingNode.from_dict(item, "status.waiting[]")
-        except ValueError:
-            continue
-        waiting.setdefault(node.name, node.to_dict())
+    waiting: dict[str, WaitingNode] = {}
+    for node in _readable(status.get("waiting"), WaitingNode.from_dict, "status.waiting[]"):
+        waiting.setdefault(node.name, node)
     roster = _readable_roster(status.get("participants"), round_) if round_ else []
+    lost = _readable(status.get("lostMembers"), LostMember.from_dict, "status.lostMembers[]")
+    lost += _spent_requests(requests, [*roster, *waiting.values(), *lost], round_, now)
     condition = Condition(type="Degraded", status="True", reason="InvalidStatus",
                           message=f"status could not be read ({error}); round {round_} is "
                                   "re-formed", last_transition_time=now,
@@ -768,9 +777,9 @@ def repair(raw_status: object, error: Exception, now: dt.datetime, generation: i
         "restartRound": round_,
         "memberCount": len(roster),
         "waitingCount": len(waiting),
-        "participants": roster,
-        "waiting": list(waiting.values()),
-        "lostMembers": [],
+        "participants": [p.to_dict() for p in roster],
+        "waiting": [w.to_dict() for w in waiting.values()],
+        "lostMembers": [m.to_dict() for m in lost[-LOST_MEMBERS_KEPT:]],
         "conditions": [condition.to_dict()],
         "observedGeneration": generation,
     }
@@ -778,7 +787,53 @@ def repair(raw_status: object, error: Exception, now: dt.datetime, generation: i
     return repaired
 
 
-def _readable_roster(raw: object, round_: int) -> list[dict[str, object]]:
+def _readable(raw: object, read: Callable[[object, str], _T], path: str) -> list[_T]:
+    """The entries of a status list the model can read; anything else is dropped."""
+    entries: list[_T] = []
+    for item in raw if isinstance(raw, list) else []:
+        try:
+            entries.append(read(item, path))
+        except ValueError:
+            continue
+    return entries
+
+
+def _spent_requests(requests: Iterable[WaitingNode],
+                    kept: Sequence[Participant | WaitingNode | LostMember], round_: int,
+                    now: dt.datetime) -> list[LostMember]:
+    """The join requests a repaired status must record as answered, as lost memberships.
+
+    A request on a Lease is pending unless the status answers it
+    (:func:`~elasticrun.api.leases.pending_joins`), and a repair cannot tell
+    a member whose entry was unreadable from a node that asked after the last
+    status write.  Taken for pending, the member's request could be sealed
+    into the repaired round's successor before the member asks again; the
+    member would refuse that round (:func:`elasticrun.handler.step.answers`)
+    and its peers would start without it.  Taken for spent, a node that was
+    really waiting finds its request unanswered and absent from the pending
+    ones, and makes it again (:func:`elasticrun.handler.step.next_action`): a
+    write instead of a broken round.  The status holds the newest
+    :data:`LOST_MEMBERS_KEPT` records; beyond that many unreadable members, the
+    rest may take one more round to re-form.
+    """
+    answered: dict[str, dt.datetime] = {}
+    for entry in kept:
+        if entry.since is not None:
+            answered[entry.name] = max(entry.since, answered.get(entry.name, entry.since))
+    spent: list[LostMember] = []
+    for request in sorted(requests, key=rounds.arrival_key):
+        latest = answered.get(request.name)
+        if request.since is None or (latest is not None and request.since <= latest):
+            continue
+        answered[request.name] = request.since
+        spent.append(LostMember(
+            name=request.name, round=round_, reason=rounds.STATUS_UNREADABLE, time=now,
+            since=request.since,
+            message="its request predates the repair of an unreadable status; it asks again"))
+    return spent
+
+
+def _readable_roster(raw: object, round_: int) -> list[Participant]:
     """The readable members of a repaired round, each name once, ranked 0..k-1 in their order.
 
     The round is marked for restart, so they re-join and the seal prefers their
@@ -788,12 +843,8 @@ def _readable_roster(raw: object, round_: int) -> list[dict[str, object]]:
     and be sealed into a round of their own before the members are back.
     """
     members: dict[str, Participant] = {}
-    for item in raw if isinstance(raw, list) else []:
-        try:
-            member = Participant.from_dict(item, "status.participants[]")
-        except ValueError:
-            continue
+    for member in _readable(raw, Participant.from_dict, "status.participants[]"):
         members.setdefault(member.name, member)
     ordered = sorted(members.values(), key=lambda p: (p.rank, p.name))
-    return [dataclasses.replace(p, rank=rank, joined_round=min(p.joined_round, round_)).to_dict()
+    return [dataclasses.replace(p, rank=rank, joined_round=min(p.joined_round, round_))
             for rank, p in enumerate(ordered)]
