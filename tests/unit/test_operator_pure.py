@@ -256,7 +256,7 @@ def test_a_repair_records_the_requests_it_cannot_place_as_spent() -> None:
                   {"name": "c", "rank": 2, "joinedRound": 1, "since": format_time(answered)}],
               "waiting": [{"name": "w", "since": format_time(asked)}],
               "lostMembers": [earlier, {"name": 7}]}
-    with pytest.raises(InvalidRunError, match="status.lostMembers") as error:
+    with pytest.raises(InvalidRunError, match=r"status\.lostMembers") as error:
         RunStatus.from_dict(broken)
 
     def lease(name: str, since: dt.datetime) -> LeaseState:  # live, renewed at T0
