@@ -187,6 +187,13 @@ def test_set_condition_keeps_the_transition_time_unless_the_status_flips() -> No
 # --------------------------------------------------------------------------- repair
 
 
+def _live_lease(name: str, since: dt.datetime) -> LeaseState:
+    """The Lease of a live node (renewed at T0) whose join request was made at ``since``."""
+    join = WaitingNode(name=name, address="10.0.0.1", store_port=29400, since=since)
+    return LeaseState(node=name, holder=name, renewed=T0, duration=10, join=join,
+                      owner_uid="uid", seen=T0)
+
+
 def test_repair_of_duplicate_ranks_keeps_round_and_readable_waiting_and_reforms() -> None:
     broken = {"phase": "Running", "round": 4, "signal": 9,
               "participants": [{"name": "a", "rank": 0}, {"name": "b", "rank": 0}],
@@ -234,14 +241,9 @@ def test_a_repair_keeps_the_requests_the_members_answered() -> None:
     assert [(p.name, p.rank, p.joined_round) for p in repaired.participants] == [
         ("a", 0, 1), ("b", 1, 2)]
 
-    def lease(name: str, since: dt.datetime) -> LeaseState:  # live, renewed at T0
-        join = WaitingNode(name=name, address="10.0.0.1", store_port=29400, since=since)
-        return LeaseState(node=name, holder=name, renewed=T0, duration=10, join=join,
-                          owner_uid="uid", seen=T0)
-
-    stale = [lease(name, answered) for name in ("a", "b")]
+    stale = [_live_lease(name, answered) for name in ("a", "b")]
     assert pending_joins(stale, repaired, T0, "uid", 30) == ()
-    assert [w.name for w in pending_joins([lease("a", T0)], repaired, T0, "uid", 30)] == ["a"]
+    assert [w.name for w in pending_joins([_live_lease("a", T0)], repaired, T0, "uid", 30)] == ["a"]
 
 
 def test_a_repair_records_the_requests_it_cannot_place_as_spent() -> None:
@@ -259,13 +261,8 @@ def test_a_repair_records_the_requests_it_cannot_place_as_spent() -> None:
     with pytest.raises(InvalidRunError, match=r"status\.lostMembers") as error:
         RunStatus.from_dict(broken)
 
-    def lease(name: str, since: dt.datetime) -> LeaseState:  # live, renewed at T0
-        join = WaitingNode(name=name, address="10.0.0.1", store_port=29400, since=since)
-        return LeaseState(node=name, holder=name, renewed=T0, duration=10, join=join,
-                          owner_uid="uid", seen=T0)
-
-    leases = [lease("a", answered), lease("b", answered), lease("c", answered),
-              lease("d", answered), lease("w", asked)]
+    leases = [_live_lease("a", answered), _live_lease("b", answered), _live_lease("c", answered),
+              _live_lease("d", answered), _live_lease("w", asked)]
     requests = [state.join for state in leases if state.join is not None]
     repaired = RunStatus.from_dict(repair(broken, error.value, T0, 1, requests=requests))
     assert [(m.name, m.reason, m.since) for m in repaired.lost_members] == [
@@ -276,7 +273,7 @@ def test_a_repair_records_the_requests_it_cannot_place_as_spent() -> None:
     unrecorded = RunStatus.from_dict(repair(broken, error.value, T0, 1))
     assert [w.name for w in pending_joins(leases, unrecorded, T0, "uid", 30)] == ["b", "w"]
     # b's next request is its own, and waits.
-    again = [*leases[:1], lease("b", T0), *leases[2:]]
+    again = [*leases[:1], _live_lease("b", T0), *leases[2:]]
     assert sorted(w.name for w in pending_joins(again, repaired, T0, "uid", 30)) == ["b", "w"]
 
 
