@@ -1,8 +1,8 @@
 # elasticrun — the targets users know from kubebuilder projects.
 #
 #   make demo     set up, start a local control plane + operator, run the elastic demo job
-#   make test     set up (venv, torch, local cluster) and run the whole test suite: the three
-#                 tiers below in one session; its JUnit report goes to .reports/junit.xml
+#   make test     set up (venv, torch, local cluster), lint, and run the whole test suite: the
+#                 three tiers below in one session; its JUnit report goes to .reports/junit.xml
 #   make test-unit        tier 1: tests/unit, pure, no server
 #   make test-integration tier 2: tests/integration against the suite's own API server
 #                 (not torchrun, slow, node or addons)
@@ -87,7 +87,8 @@ monitoring:
 # Tiers in the Kubernetes style: conftest marks every torchrun, slow, node and addons test
 # `e2e` (tests/conftest.py, tier); the rest of tests/integration is the integration tier.
 # One session, no parallel workers: the report measures the suite as CI runs it.
-test: setup node helm addons monitoring actionlint
+# lint first: CI runs make test only, and a lint error fails it before the builds.
+test: setup lint node helm addons monitoring actionlint
 	@mkdir -p $(dir $(JUNIT))
 	CONTROLPLANE_BIN="$(CONTROLPLANE_BIN)" RUNTIME_BIN="$(RUNTIME_BIN)" $(PY) -m pytest \
 	  --junitxml=$(JUNIT) $(PYTEST_ARGS)
