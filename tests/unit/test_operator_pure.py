@@ -32,7 +32,7 @@ from elasticrun.operator.reconcile import (
     set_condition,
 )
 
-from builders import T0, joined_leases, running_run
+from builders import T0, at, joined_leases, running_run
 
 
 def pod(status: dict[str, Any] | None = None, **meta: Any) -> dict[str, Any]:
@@ -182,6 +182,30 @@ def test_set_condition_keeps_the_transition_time_unless_the_status_flips() -> No
     assert later[0].last_transition_time == T0 and later[0].reason == "B"
     flipped = set_condition(later, "Ready", False, "C", "m3", T0 + dt.timedelta(seconds=20), 2)
     assert flipped[0].last_transition_time == T0 + dt.timedelta(seconds=20)
+
+
+def test_a_round_a_node_sealed_reports_itself_and_leaves_the_operator_nothing_to_write() -> None:
+    """The seal writes the round's conditions with the round (rounds.round_conditions),
+    so no second status write follows each seal only to report it, while the
+    members read the sealed run and reach the store."""
+    leases = joined_leases(["a", "b"], T0)
+    before = ElasticRun("r", "ns", RunSpec(min_nodes=2, max_nodes=2),
+                        RunStatus(phase="Pending", observed_generation=3), "5", generation=3,
+                        uid="uid")
+    sealed = rounds.seal_round(before, at(1), tuple(
+        lease.join for lease in leases.values() if lease.join is not None))
+    reported = [("RoundComplete", "True", "Sealed", "round 1: 2 members, rank 0 = a"),
+                ("Degraded", "False", "AllMembersAlive", "all members of round 1 are alive")]
+    assert [(c.type, c.status, c.reason, c.message) for c in sealed.conditions] == reported
+    assert {(c.last_transition_time, c.observed_generation) for c in sealed.conditions} == {
+        (at(1), 3)}
+    stored = RunStatus.from_dict(sealed.to_dict())  # as the operator reads it back
+    assert reconcile(before.replace_status(stored), Members(leases=leases), at(2)).status is None
+    # The same round sealed without them: the operator writes them.
+    bare = before.replace_status(stored.replace(conditions=()))
+    written = reconcile(bare, Members(leases=leases), at(2)).status
+    assert written is not None
+    assert [(c.type, c.status, c.reason, c.message) for c in written.conditions] == reported
 
 
 # --------------------------------------------------------------------------- repair

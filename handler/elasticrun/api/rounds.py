@@ -16,6 +16,7 @@ from elasticrun.api import untrusted
 from elasticrun.api.model import (
     FINISHED_PHASES,
     LOST_MEMBERS_KEPT,
+    Condition,
     ElasticRun,
     LostMember,
     Participant,
@@ -377,7 +378,7 @@ def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None,
     leader = admitted[0]
     store = (StoreAddress(leader.address, leader.store_port)
              if leader.address and leader.store_port else None)
-    return status.replace(
+    sealed = status.replace(
         phase="Running",
         round=new_round,
         signal=status.signal if by_lease else next_signal(status.signal),
@@ -386,6 +387,7 @@ def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None,
         store=store,
         sealed_at=now,
     )
+    return sealed.replace(conditions=round_conditions(sealed, now, run.generation))
 
 
 #: A member's agent shut down without proof that its round finished training
@@ -434,6 +436,46 @@ CLOSED_BY_SPEC = "ClosedBySpec"
 #: The condition that says whether the round is complete, and its reason in a closed run.
 ROUND_COMPLETE = "RoundComplete"
 ROUND_CLOSED = "Closed"
+#: Its reasons while the run is not closed: the round is sealed, or being re-formed.
+ROUND_SEALED = "Sealed"
+ROUND_REFORMING = "Reforming"
+#: The condition that says whether a member of the round is lost, and its reasons.
+DEGRADED = "Degraded"
+ALL_MEMBERS_ALIVE = "AllMembersAlive"
+MEMBER_LOST = "MemberLost"
+RESTART_REQUESTED = "RestartRequested"
+
+
+def round_conditions(status: RunStatus, now: dt.datetime, generation: int
+                     ) -> tuple[Condition, ...]:
+    """``status``'s conditions with what they say of its round, for ``kubectl describe``.
+
+    ``RoundComplete`` and ``Degraded``, while the run is ``Running`` or
+    ``Degraded``, observed at the run's ``generation``; other conditions, and
+    those of other phases, as they are.  A seal writes them with its round, so
+    that no second write follows each seal only to report it; the operator
+    keeps them true after every other change.
+    """
+    conditions = status.conditions
+    if status.phase == "Running":
+        conditions = set_condition(conditions, ROUND_COMPLETE, True, ROUND_SEALED,
+                                   f"round {status.round}: {len(status.participants)} members, "
+                                   f"rank 0 = {status.leader or '-'}", now, generation)
+        conditions = set_condition(conditions, DEGRADED, False, ALL_MEMBERS_ALIVE,
+                                   f"all members of round {status.round} are alive", now,
+                                   generation)
+    elif status.phase == "Degraded":
+        last = status.lost_members[-1] if status.lost_members else None
+        lost_now = last is not None and last.round == status.round
+        why = f"{last.name}: {last.reason}" if last is not None and lost_now \
+            else "restart requested"
+        conditions = set_condition(conditions, ROUND_COMPLETE, False, ROUND_REFORMING,
+                                   f"round {status.round} is being re-formed ({why})", now,
+                                   generation)
+        conditions = set_condition(conditions, DEGRADED, True,
+                                   MEMBER_LOST if lost_now else RESTART_REQUESTED,
+                                   f"round {status.round}: {why}", now, generation)
+    return conditions
 
 
 def close(run: ElasticRun, now: dt.datetime) -> RunStatus | None:

@@ -462,7 +462,7 @@ def _succeeded(run: ElasticRun, new: RunStatus, reason: str, message: str,
     generation = run.generation
     conditions = set_condition(new.conditions, "Succeeded", True, reason, message, now,
                                generation)
-    conditions = set_condition(conditions, "RoundComplete", False, "Finished",
+    conditions = set_condition(conditions, rounds.ROUND_COMPLETE, False, "Finished",
                                "the run finished", now, generation)
     plan.status = _finish(new.replace(conditions=conditions), generation)
     plan.events.append(("Normal", "Succeeded", message))
@@ -642,26 +642,10 @@ def desired_events(old: RunStatus, written: RunStatus | None) -> list[tuple[str,
 
 
 def _conditions(run: ElasticRun, new: RunStatus, now: dt.datetime) -> RunStatus:
-    """RoundComplete, Degraded and Stalled, for ``kubectl describe``."""
+    """The round's conditions (:func:`~elasticrun.api.rounds.round_conditions`) and
+    Stalled, for ``kubectl describe``."""
     spec, generation = run.spec, run.generation
-    conditions = new.conditions
-    if new.phase == "Running":
-        leader = new.leader or "-"
-        conditions = set_condition(conditions, "RoundComplete", True, "Sealed",
-                                   f"round {new.round}: {len(new.participants)} members, "
-                                   f"rank 0 = {leader}", now, generation)
-        conditions = set_condition(conditions, "Degraded", False, "AllMembersAlive",
-                                   f"all members of round {new.round} are alive", now, generation)
-    elif new.phase == "Degraded":
-        last = new.lost_members[-1] if new.lost_members else None
-        why = f"{last.name}: {last.reason}" if last and last.round == new.round \
-            else "restart requested"
-        conditions = set_condition(conditions, "RoundComplete", False, "Reforming",
-                                   f"round {new.round} is being re-formed ({why})", now,
-                                   generation)
-        conditions = set_condition(conditions, "Degraded", True, "MemberLost"
-                                   if last and last.round == new.round else "RestartRequested",
-                                   f"round {new.round}: {why}", now, generation)
+    conditions = rounds.round_conditions(new, now, generation)
     stalled = [w for w in new.waiting
                if w.asked_at and (now - w.asked_at).total_seconds() > spec.join_timeout]
     if stalled or new.condition("Stalled"):
