@@ -151,6 +151,29 @@ def test_two_nodes_form_one_round_with_ranks_0_and_1(
     assert (nodes.gateway(b).calls["lease"], nodes.gateway(b).calls["listed_lease"]) == (0, 0)
 
 
+def test_the_listing_that_may_complete_a_round_goes_before_the_run_watch_starts(
+        server: FakeApiServer, nodes: Nodes) -> None:
+    """The run's watch takes a connection (a TLS handshake) and a thread of its own, so
+    it starts after the node's listing: the node whose join completes the round
+    lists and seals without waiting behind it. Here the listing gives a watch
+    started before it half a second to open, far longer than a thread takes."""
+    server.seed_run(RUN_NAME, spec(1))
+    a = nodes("a")
+    gateway = nodes.gateway(a)
+    watches_at_listing: list[int] = []
+
+    def listing() -> None:
+        deadline = time.monotonic() + 0.5
+        while gateway.calls["watch_run"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        watches_at_listing.append(gateway.calls["watch_run"])
+
+    gateway.on_next("leases", listing)
+    assert a.next_rendezvous().rank == 0
+    assert watches_at_listing == [0]
+    wait_for(lambda: gateway.calls["watch_run"], BOUND, "the run's watch, after the listing")
+
+
 def test_the_first_round_is_served_by_the_store_started_with_the_handler(
         server: FakeApiServer, nodes: Nodes) -> None:
     """The store of a node's first round is started when the handler is made, before any

@@ -123,6 +123,7 @@ class RoundExecutor:
                     # losing, a request that keeps vanishing) once shutdown() has begun.
                     raise RendezvousClosedError(f"{self._who()}: the agent is shutting down")
                 if isinstance(action, step.Complete):
+                    self._watch()
                     round_number = action.assignment.round
                     if known.stale:
                         # What ends the new round comes from its quiet watch while the
@@ -168,13 +169,14 @@ class RoundExecutor:
         if isinstance(action, step.Join):
             own = self._join()
             session.check_watch()  # the join found our Lease deleted with the run
-            session.watcher.start()  # once; what num_nodes_waiting() reads from
             if rounds.members_told_by_lease(run.spec):
                 self._watch_assignments()
             return known.replace(joined=True, own=own, listed=False)
         if isinstance(action, step.List):
             listed_at = now()
-            return known.replace(pending=session.pending(run), listed=True, listed_at=listed_at)
+            pending = session.pending(run)
+            self._watch()
+            return known.replace(pending=pending, listed=True, listed_at=listed_at)
         if isinstance(action, step.Seal):
             run = self._seal(known, action.reason) or session.read_or_raise()
             return known.replace(run=run, listed=False)
@@ -199,6 +201,7 @@ class RoundExecutor:
     def _wait(self, known: step.Knowledge, until: float) -> step.Knowledge:
         """Wait for a newer run or a new assignment on our Lease, or until ``until``."""
         session = self.session
+        self._watch()
         seen = session.watcher.version  # before reading the Lease's news: none is missed
         offered = self.mailbox.latest if self.mailbox is not None else None
         if offered != known.offered:
@@ -211,6 +214,18 @@ class RoundExecutor:
         if known.stale:
             session.follow(changed.spec, stale=updated.stale)
         return updated
+
+    def _watch(self) -> None:
+        """Start the run's watch (once), which ``num_nodes_waiting()`` reads from.
+
+        Not at the join but after the listing that follows it, or before the
+        first wait: the watch takes a connection of its own (a TLS handshake)
+        and this process's CPU, and the listing that may complete the round,
+        whose seal every node waits for, goes first on the connection the call
+        already holds.  The watch starts from the copy the node holds, so it
+        misses no change made in between.
+        """
+        self.session.watcher.start()
 
     def _watch_assignments(self) -> None:
         """Watch our Lease for the operator's assignments (large runs), until the call ends."""
