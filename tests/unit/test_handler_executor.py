@@ -625,39 +625,6 @@ def test_a_member_reaching_a_round_told_on_its_lease_reads_the_run_once_it_is_di
         session.watcher.stop()
 
 
-def test_the_full_watch_stays_open_while_each_change_moves_the_signal(
-        server: FakeApiServer) -> None:
-    """Opened again after every event, each member's watch cost a request and a TLS
-    handshake at every seal. It stays open across changes that move the signal, and
-    is opened again, with the newest signal, after one that leaves it where it was."""
-    server.seed_run(RUN_NAME, spec(2))
-    gateway = FakeGateway(server, RUN_NAME)
-    session = RunSession(settings("a"), gateway)
-    session.read_or_raise()
-    store = StoreAddress("10.0.0.1", 29400)
-
-    def holds(round_number: int) -> bool:
-        latest = session.watcher.latest
-        return latest is not None and latest.status.round == round_number
-
-    session.watcher.start()
-    try:
-        wait_for(lambda: gateway.reached["watch_run"], BOUND, "the full watch", interval=0.01)
-        write_status(server, sealed("a", "b", round_=1).replace(store=store))
-        wait_for(lambda: holds(1), BOUND, "round 1 from the watch", interval=0.01)
-        write_status(server, sealed("b", "a", round_=2).replace(store=store))
-        wait_for(lambda: holds(2), BOUND, "round 2 from the watch", interval=0.01)
-        assert gateway.calls["watch_run"] == 1  # two seals, one watch
-        unmoved = parse_run(server.run(RUN_NAME)).status.replace(observed_generation=5)
-        write_status(server, unmoved)
-        wait_for(lambda: gateway.calls["watch_run"] == 2, BOUND, "the narrowed watch",
-                 interval=0.01)
-        latest = session.watcher.latest
-        assert latest is not None and latest.status.observed_generation == 5
-    finally:
-        session.watcher.stop()
-
-
 def test_the_run_watch_fits_what_the_node_holds(server: FakeApiServer) -> None:
     """RunSession.follow, the one rule: quiet while it holds a round of a large run outside
     in-place mode, the run's end only while its copy is stale, else the full watch."""

@@ -402,17 +402,8 @@ class RunWatcher:
             watch.close()
 
     def _watch_once(self, run: ElasticRun, mode: int) -> None:
-        """One full watch from ``run``: the changes that move the signal past ``run``'s.
-
-        It stays open across them, and is narrowed (opened again from the newest
-        copy, with its signal) only once it delivers a change that leaves the
-        signal where the last one put it, which the narrower selector keeps
-        back.  Opened again after every event, each member's watch cost a
-        request and a TLS handshake at every seal, in the moment the members
-        reach the round's store.
-        """
-        signal = run.status.signal
-        watch = self.access.watch_run(signal, run.resource_version, self.watch_timeout)
+        watch = self.access.watch_run(run.status.signal, run.resource_version,
+                                      self.watch_timeout)
         if not self._opened(watch, mode):
             return
         try:
@@ -421,10 +412,8 @@ class RunWatcher:
                     # Deleted, or left the selection (signal back to what we saw).
                     self._relist()
                     return
-                held = self.offer(obj).status.signal
-                if held == signal:
-                    return  # opened again with the newest signal
-                signal = held
+                self.offer(obj)
+                return  # re-open with the new signal value
         finally:
             self._current_watch = None
             watch.close()
