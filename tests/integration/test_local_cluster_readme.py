@@ -41,15 +41,24 @@ def walkthrough() -> list[str]:
 
 
 def bounded(line: str) -> str:
-    """A watching command, stopped at the first Succeeded line it prints."""
+    """A watching command, stopped at the first Succeeded line it prints.
+
+    A watch that ends before it (kubectl's ``get -w`` exits on a 410 when its
+    list predates the server's watch cache) is started again, as its user
+    would type it again, until ``WATCH_TIMEOUT``.
+    """
     if not re.search(r"\s-w(\s|$)", line.split("#", 1)[0]):
         return line
     command = line.split("#", 1)[0].strip()
-    # The watch never ends by itself: read it until Succeeded, then stop it.
-    return (f"coproc WATCH {{ exec timeout {WATCH_TIMEOUT} {command} 2>&1; }}\n"
-            'found=0; while IFS= read -r row <&"${WATCH[0]}"; do echo "$row"; '
+    # The watch never ends by itself: read it until Succeeded, then stop it by its PID.
+    return (f"found=0; end=$((SECONDS + {WATCH_TIMEOUT}))\n"
+            'while [ $found = 0 ] && [ $SECONDS -lt $end ]; do\n'
+            f'  exec {{fd}}< <(exec timeout $((end - SECONDS)) {command} 2>&1); pid=$!\n'
+            '  while IFS= read -r row <&"$fd"; do echo "$row"; '
             'case $row in *Succeeded*) found=1; break;; esac; done\n'
-            'kill "$WATCH_PID" 2>/dev/null || true; wait "$WATCH_PID" 2>/dev/null || true\n'
+            '  exec {fd}<&-; kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true\n'
+            '  [ $found = 1 ] || sleep 1\n'
+            'done\n'
             f"[ $found = 1 ] || {{ echo 'no Succeeded within {WATCH_TIMEOUT}s'; false; }}")
 
 
