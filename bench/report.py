@@ -388,8 +388,10 @@ def _events_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
     n = data["plan"]["event_n"]
     lines += ["## Recovery: a member is lost", "",
               f"N = {n} nodes formed (`minNodes` = {n - 1}, `maxNodes` = {n}, last call 1 s, "
-              "heartbeat/keep-alive every 1 s, dead after 3). Survivors poll "
-              "`num_nodes_waiting()` every 20 ms, as torch's agent does every 100 ms.", "",
+              "heartbeat/keep-alive every 1 s, dead after 3). Survivors ask "
+              "`num_nodes_waiting()` every 20 ms (torch's agent: every 100 ms) and, for "
+              "the k8s handler, whenever its cache changes: a survivor knows when its "
+              "handler does, as the floor's clients do when their event comes.", "",
               "* **k8s (handler-only trigger)**: the lost member's handler calls `shutdown()`, "
               "which removes it with one compare-and-set and bumps the signal; survivors "
               "re-rendezvous as soon as they see `num_nodes_waiting() > 0`.",

@@ -329,7 +329,7 @@ def loss_round(backend: K8sBackend, pools: list[Pool], sims: SimNodes, run: Run,
 
     A survivor knows when its ``num_nodes_waiting()`` becomes positive: the
     simulated ones from their run watch, the real handlers (``real``, in
-    ``pools``) by polling it as torch's agent does (every :data:`scenarios.DETECT_POLL`).
+    ``pools``) as the worker's ``watch`` asks it: whenever their cache changes.
     """
     ranks = {r["node"]: r.get("rank") for r in results}
     held = max(int(r["round"]) for r in results if "round" in r)

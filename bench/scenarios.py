@@ -22,7 +22,8 @@ from bench.proc import cpu_seconds, rss_bytes
 START_DELAY = 0.3
 #: After the last node returns, watches re-open and the server logs them.
 SETTLE = 0.7
-#: Poll interval of num_nodes_waiting() while timing detection (torch's agent polls at 0.1 s).
+#: Poll interval of num_nodes_waiting() while timing detection (torch's agent polls at 0.1 s);
+#: the k8s handler's is asked at every change of its cache as well (``bench.worker``).
 DETECT_POLL = 0.02
 #: Bound on one rendezvous of the benchmark.
 ROUND_BOUND = 240.0

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,7 +150,14 @@ class Worker:
         self._record(result)
 
     def watch(self, msg: dict[str, Any]) -> dict[str, Any]:
-        """Poll ``num_nodes_waiting()`` like torch's agent; optionally re-rendezvous when > 0."""
+        """Ask ``num_nodes_waiting()`` like torch's agent; optionally re-rendezvous when > 0.
+
+        It asks every ``interval`` and, for a handler with a cache
+        (:func:`_news`), at once when the cache changes: ``t_seen`` is when the
+        node knew, as the floor's clients record the event that tells them,
+        not when a poll next looked (which would add up to ``interval`` that
+        is torch's agent's, the same for every backend).
+        """
         nodes = self._selected(msg)
         for node in nodes:
             self._spawn(self._watch_one, node, float(msg["until"]), float(msg["interval"]),
@@ -162,10 +170,11 @@ class Worker:
         try:
             while time.monotonic() < until:
                 result["polls"] += 1
+                wait = _news(node)
                 if node.handler.num_nodes_waiting() > 0:
                     result["t_seen"] = time.monotonic()
                     break
-                time.sleep(interval)
+                wait(interval)
         except Exception as exc:  # reported to the coordinator
             result["watch_error"] = f"{type(exc).__name__}: {exc}"
         if rejoin and (result["t_seen"] is not None or "watch_error" in result):
@@ -358,6 +367,20 @@ def _parallel(nodes: list[Node], action: Any) -> dict[str, float]:
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     return times
+
+
+def _news(node: Node) -> Callable[[float], None]:
+    """A wait of at most its argument's seconds that ends early when the k8s handler's
+    cache changes after now (the cache ``num_nodes_waiting()`` reads); a plain
+    sleep for a handler without one (torch's)."""
+    watcher = getattr(node.handler, "watcher", None)
+    if watcher is None:
+        return time.sleep
+    seen = watcher.version
+
+    def wait(seconds: float) -> None:
+        watcher.wait(seen, seconds)
+    return wait
 
 
 def _sleep_until(moment: float) -> None:
