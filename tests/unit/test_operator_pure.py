@@ -121,6 +121,8 @@ def test_a_member_whose_pod_failed_is_removed_and_the_round_marked() -> None:
     assert [(m.name, m.reason, m.detection_seconds) for m in lost] == [("b", "PodFailed", 2.0)]
     degraded = plan.status.condition("Degraded")
     assert degraded is not None and degraded.status == "True" and "b" in (degraded.message or "")
+    # Decided from the Pod alone: carried out without listing the Leases first.
+    assert plan.delete_leases == ["b"] and not plan.lease_decided
 
 
 #: Whatever duration a Lease claims (here 2^31-1 s), liveness is the run's heartbeat.
@@ -140,7 +142,7 @@ def test_a_lease_not_renewed_for_the_runs_heartbeat_removes_its_member() -> None
     plan = reconcile(run, Members(leases=leases), T0)
     assert plan.status is not None and plan.status.member_names == {"a", "c"}
     assert plan.status.lost_members[-1].reason == "LeaseExpired"
-    assert plan.delete_leases == ["b"]
+    assert plan.delete_leases == ["b"] and plan.lease_decided
 
 
 def test_after_an_api_outage_every_lease_gets_a_full_duration_to_be_renewed() -> None:
@@ -398,10 +400,11 @@ def test_an_expired_lease_of_a_node_already_removed_is_deleted() -> None:
     run = running_run(HEARTBEAT_10)
     leases = _leases({"a": T0, "b": T0, "c": T0, "gone": T0 - dt.timedelta(seconds=11)})
     plan = reconcile(run, Members(leases=leases), T0)
-    assert plan.delete_leases == ["gone"]
+    assert plan.delete_leases == ["gone"] and plan.lease_decided
     assert plan.status is None or plan.status.member_names == {"a", "b", "c"}
     live = _leases({"a": T0, "b": T0, "c": T0, "between-rounds": T0})
-    assert reconcile(run, Members(leases=live), T0).delete_leases == []
+    kept = reconcile(run, Members(leases=live), T0)
+    assert kept.delete_leases == [] and not kept.lease_decided
 
 
 @pytest.mark.parametrize("size", [3, 64])

@@ -421,6 +421,10 @@ POD_GONE = frozenset({POD_DELETED, POD_DISRUPTED, POD_FAILED, POD_SUCCEEDED})
 #: A rank 0 taken out of its round because its store did not answer and its Lease
 #: stayed quiet for the suspicion window (removed by a member or the operator).
 LEADER_LOST = "StoreUnreachable"
+#: Losses read from the run's Leases (one not renewed, one missing, rank 0's reported
+#: silent): the operator decides them from a consistent listing of the Leases, not
+#: from the index its watch keeps, which may lag behind the run.
+LEASE_LOSSES = frozenset({LEASE_EXPIRED, LEASE_MISSING, LEADER_LOST})
 #: Every reason elasticrun itself records in ``status.lostMembers``; the status is
 #: writable by nodes, so a reader bounds what it does with any other value.
 LOSS_REASONS = frozenset({

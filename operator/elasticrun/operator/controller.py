@@ -391,12 +391,13 @@ class Controller:
         placed = self.pods.topology(key)
         members = self._members(key, run, indexed, owned, found, placed)
         plan = reconcile(run, members, now(), self.settings, held.done)
-        if plan.sealed or plan.delete_leases:
+        if plan.sealed or plan.lease_decided:
             # The Lease index comes from another watch than the run and may lag
-            # behind it (always so right after a start).  Sealing a round or
-            # removing a member acts on Lease data, so the plan carried out is
-            # decided from a consistent LIST instead, which is at least as new as
-            # the run we hold; the first plan only said that one is needed.
+            # behind it (always so right after a start).  A seal, or a removal for
+            # what the Leases say, is decided again from a consistent LIST, which
+            # is at least as new as the run we hold; the first plan only said that
+            # one is needed.  A member whose Pod is gone is removed as decided:
+            # every survivor waits for that write, and it reads no Lease.
             listed = await self._listed_leases(key, run.uid)
             members = self._members(key, run, listed, owned, found, placed)
             plan = reconcile(run, members, now(), self.settings, held.done)

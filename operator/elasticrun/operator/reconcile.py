@@ -107,6 +107,11 @@ class Plan:
     delete_run: bool = False
     wake_at: dt.datetime | None = None
     sealed: bool = False
+    #: Whether the plan removes a member or deletes a Lease for what the Leases say
+    #: (:data:`rounds.LEASE_LOSSES`, an expired Lease); the controller decides such a
+    #: plan, and a seal, again from a consistent listing.  A removal for what a Pod
+    #: said is carried out as decided: it reads no Lease.
+    lease_decided: bool = False
     #: Members to tell their place in the round on their Lease, rank 0 first
     #: (after ``status``, if any, is written).
     assignments: list[tuple[str, Assignment]] = field(default_factory=list)
@@ -339,6 +344,7 @@ def _remove_lost(run: ElasticRun, new: RunStatus, members: Members, now: dt.date
         if removed is not None:
             new = removed  # the MemberLost Event is posted when the removal is observed
             plan.delete_leases.append(name)
+            plan.lease_decided |= loss.reason in rounds.LEASE_LOSSES
     return new
 
 
@@ -355,6 +361,7 @@ def _collect_dead_leases(run: ElasticRun, new: RunStatus, members: Members, now:
         if name not in present and name not in plan.delete_leases and lease.expired(
                 now, run.spec.heartbeat_timeout, members.lease_clock_start):
             plan.delete_leases.append(name)
+            plan.lease_decided = True
 
 
 def _drain(run: ElasticRun, new: RunStatus, now: dt.datetime) -> RunStatus:
