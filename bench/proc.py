@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import time
 
 from controlplane.localcluster import free_port, stop_pid
 
-__all__ = ["cpu_seconds", "free_port", "machine", "rss_bytes", "stop_pid"]
+__all__ = ["cpu_seconds", "free_port", "machine", "rss_bytes", "stop_pid", "wait_quiet"]
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -21,6 +22,16 @@ def cpu_seconds(pid: int) -> float:
     # Fields after the command name, which is in parentheses and may hold spaces.
     fields = text[text.rindex(")") + 2:].split()
     return (int(fields[11]) + int(fields[12])) / _TICKS
+
+
+def wait_quiet(pid: int, bound: float, threshold: float = 0.05) -> None:
+    """Wait until a process uses less than ``threshold`` CPU seconds per second (bounded)."""
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        before = cpu_seconds(pid)
+        time.sleep(1.0)
+        if cpu_seconds(pid) - before < threshold:
+            return
 
 
 def rss_bytes(pid: int) -> int:

@@ -16,7 +16,7 @@ from typing import Any
 
 from bench.backends import SHARE_STORE_OFF, Backend, K8sBackend, Run, Timing
 from bench.pool import Pool, WorkerError, WorkerProcess
-from bench.proc import cpu_seconds, rss_bytes
+from bench.proc import cpu_seconds, rss_bytes, wait_quiet
 
 #: Lead time between "go" and the start, so that every worker is waiting on it.
 START_DELAY = 0.3
@@ -444,7 +444,7 @@ def operator_load(
     started = time.monotonic()
     with backend.operator(log_dir, [namespace]) as operator:
         pid = operator.pid
-        _quiet(pid, bound=180.0)
+        wait_quiet(pid, bound=180.0)
         startup_s = time.monotonic() - started
         startup_cpu = cpu_seconds(pid)
         cpu0, t0 = cpu_seconds(pid), time.monotonic()
@@ -469,13 +469,3 @@ def operator_load(
             "populate_s": populated_s, "startup_s": startup_s, "startup_cpu_s": startup_cpu,
             "idle_cpu_fraction": idle_cpu, "idle_window_s": window_s,
             "rss_mib": rss / 2**20, "pod_loss_s": detect, "losses": losses}
-
-
-def _quiet(pid: int, bound: float, threshold: float = 0.05) -> None:
-    """Wait until a process uses less than ``threshold`` CPU seconds per second (bounded)."""
-    deadline = time.monotonic() + bound
-    while time.monotonic() < deadline:
-        before = cpu_seconds(pid)
-        time.sleep(1.0)
-        if cpu_seconds(pid) - before < threshold:
-            return

@@ -61,3 +61,4 @@ def test_a_handler_without_a_cache_is_asked_every_interval() -> None:
     assert result["t_seen"] is not None
     assert result["t_seen"] - result["changed_at"] > INTERVAL / 2
     assert result["polls"] == 2
+
