@@ -11,6 +11,7 @@ from fakegateway import FakeApiServer, FakeGateway
 from elasticrun.handler.watcher import RunWatcher
 
 from bench.worker import Node, Worker
+from conftest import wait_for
 
 #: Far longer than the change takes to be noticed below.
 INTERVAL = 5.0
@@ -22,8 +23,10 @@ class _Handler:
     def __init__(self, watcher: RunWatcher | None) -> None:
         self.watcher = watcher
         self.waiting = 0
+        self.asked = 0
 
     def num_nodes_waiting(self) -> int:
+        self.asked += 1
         return self.waiting
 
 
@@ -32,7 +35,10 @@ def _watched(handler: Any, change: Any) -> dict[str, Any]:
     node = Node("n", handler, None)
     worker.nodes["n"] = node
     worker.watch({"until": time.monotonic() + 2 * INTERVAL, "interval": INTERVAL})
-    time.sleep(0.2)  # the node has asked once and waits
+    # Once the node has asked, a change is news to it: the cache's version it waits
+    # past was taken before it asked.
+    wait_for(lambda: handler.asked == 1, INTERVAL / 2, "the node's first question",
+             interval=0.01)
     changed_at = time.monotonic()
     change()
     results = worker.collect({"timeout": 3 * INTERVAL})["results"]
