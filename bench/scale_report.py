@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticrun.api import crd
-from elasticrun.api.rounds import DEFER_SEAL_FROM, TELL_BY_LEASE_FROM
+from elasticrun.api.rounds import DEFER_SEAL_FROM, QUIET_WATCH_FROM, TELL_BY_LEASE_FROM
 
 from bench.stats import growth_exponent, summary
 
@@ -156,8 +156,9 @@ def _median(rows: list[dict[str, Any]], key: str) -> dict[int, float]:
     return medians
 
 
-def _fit(rows: list[dict[str, Any]], key: str, start: int = FIT_FROM) -> float | None:
-    points = {n: v for n, v in _median(rows, key).items() if start <= n <= FIT_TO}
+def _fit(rows: list[dict[str, Any]], key: str, start: int = FIT_FROM,
+         end: int = FIT_TO) -> float | None:
+    points = {n: v for n, v in _median(rows, key).items() if start <= n <= end}
     sizes = sorted(points)
     return growth_exponent([float(n) for n in sizes], [points[n] for n in sizes])
 
@@ -353,8 +354,9 @@ def render(data: dict[str, Any], plot: str | None) -> str:
         f"* Mixed rounds: N nodes, of which {plan['sample']} are real handlers (threads in "
         f"{plan['workers']} bench workers) and the rest simulated nodes in "
         f"{plan['sim_processes']} asyncio processes (`bench/simnode.py`: the handler's own "
-        "request bodies, one request and one watch connection per node, and from "
-        f"{TELL_BY_LEASE_FROM} nodes a second watch, of its own Lease). The real handlers "
+        "request bodies, one request and one watch connection per node, from "
+        f"{QUIET_WATCH_FROM} nodes the quiet watch of its round once it holds one, and from "
+        f"{TELL_BY_LEASE_FROM:,} nodes a second watch, of its own Lease). The real handlers "
         "join 1.5 s ahead, so that rank 0, whose TCPStore every real handler reaches, is one "
         "of them; formation counts from the simulated nodes' start, the last N − "
         f"{plan['sample']} arriving at once. One repetition per N; "
@@ -402,14 +404,16 @@ def render(data: dict[str, Any], plot: str | None) -> str:
     lines += ["", f"Fitted growth over N = {FIT_FROM}…{FIT_TO:,} (log-log least squares): "
               + ", ".join(f"{label} **{_exp(_fit(mixed, key))}**"
                           for key, label in fitted.items()) + ".", "",
-              f"From N = {TELL_BY_LEASE_FROM} on (`rounds.TELL_BY_LEASE_FROM`) the operator's "
-              "seal no longer sends every node the roster: it writes each member's rank on "
-              "the member's Lease. Below that the broadcast is the cheaper of the two, so the "
-              "table has two regimes: writes go from N + c to 2N + c, and bytes per node from "
+              f"Every seal below N = {TELL_BY_LEASE_FROM:,} sends every node the run, roster "
+              f"included, once (from N = {QUIET_WATCH_FROM} a member holding its round watches "
+              "it quietly, and is sent the run once a round, with the next seal); from "
+              f"N = {TELL_BY_LEASE_FROM:,} (`rounds.TELL_BY_LEASE_FROM`) the operator's seal "
+              "writes each member's rank on the member's Lease instead. The largest row is a "
+              "regime of its own: writes go from N + c to 2N + c there, and bytes per node from "
               "O(N) to a constant, which is why the fits above over the whole range show writes "
-              "and operator CPU steeper and bytes flatter than either regime. Fitted over "
-              f"N = {TELL_BY_LEASE_FROM}…{FIT_TO:,} alone: "
-              + ", ".join(f"{label} **{_exp(_fit(mixed, key, TELL_BY_LEASE_FROM))}**"
+              "steeper and bytes flatter than either regime. Fitted over "
+              f"N = {FIT_FROM}…{TELL_BY_LEASE_FROM // 2:,} alone: "
+              + ", ".join(f"{label} **{_exp(_fit(mixed, key, end=TELL_BY_LEASE_FROM // 2))}**"
                           for key, label in fitted.items()) + ".", ""]
     largest = max((r for r in mixed if r.get("formed")), key=lambda r: r["n"], default=None)
     if largest is not None:

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-from elasticrun.api.gateway import end_selector, round_selector
+from elasticrun.api.gateway import end_selector, round_selector, settled_selector
 from elasticrun.api.kube import (
     JSON,
     MERGE_PATCH,
@@ -71,7 +71,7 @@ from elasticrun.api.leases import (
 )
 from elasticrun.api.model import ElasticRun, RunSpec, WaitingNode, format_time, now, parse_run
 from elasticrun.api.naming import lease_name
-from elasticrun.api.rounds import members_told_by_lease, nodes_waiting
+from elasticrun.api.rounds import members_told_by_lease, members_watch_quietly, nodes_waiting
 
 #: Bound on one request, and on a whole formation as a node sees it.
 REQUEST_BOUND = 60.0
@@ -365,7 +365,7 @@ class SimNode:
         formed: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.formed = formed
         self.follower = asyncio.create_task(
-            self._follow_run(signal, run_version, held, members_told_by_lease(spec)))
+            self._follow_run(signal, run_version, held, spec))
         waits: list[asyncio.Future[Any]] = [formed, self.follower]
         mailbox = None
         if members_told_by_lease(spec):  # as the handler does
@@ -388,19 +388,23 @@ class SimNode:
             self.mailbox.close()
 
     async def _follow_run(self, signal: int | None, resource_version: str | None, held: int,
-                          quiet: bool) -> Change | None:
+                          spec: RunSpec) -> Change | None:
         """The run watch of a node: its place in a round after ``held``, then its change.
 
-        ``quiet`` (a large run): once the node holds its round, by either watch,
-        the narrow watch (or, rejoining without a read, ``signal`` None, the
-        watch for the run's end) gives way to the handler's quiet watch of that
-        round (:meth:`_follow_quietly`), as ``RunWatcher.watch_quietly`` does.
+        In a large run (``members_watch_quietly``), once the node holds its
+        round, by either watch, the narrow watch (or, rejoining without a read,
+        ``signal`` None, the watch for the run to settle, or in the largest runs
+        for its end) gives way to the handler's quiet watch of that round
+        (:meth:`_follow_quietly`), as ``RunWatcher.watch_quietly`` does.
         """
-        if signal is None or resource_version is None:
-            first: Coroutine[Any, Any, Change | None] = self._follow_end()
+        if signal is not None and resource_version is not None:
+            first: Coroutine[Any, Any, Change | None] = self._follow_signal(
+                signal, resource_version, held)
+        elif members_told_by_lease(spec):
+            first = self._follow_end()
         else:
-            first = self._follow_signal(signal, resource_version, held)
-        if not quiet:
+            first = self._follow_settled(held)
+        if not members_watch_quietly(spec):
             return await first
         formed = self.formed
         assert formed is not None
@@ -416,6 +420,36 @@ class SimNode:
             return None
         self.watch = self.shared.connection(self.tickets)
         return await self._follow_quietly(int(formed.result()["round"]))
+
+    async def _follow_settled(self, held: int) -> Change | None:
+        """The handler's watch for the run to settle while it rejoins
+        (``RunGateway.watch_settled``): its first event, the whole run, places the node
+        when it holds the node's next round; otherwise the narrow watch goes on from
+        that run."""
+        s = self.shared
+        settled: dict[str, Any] | None = None
+        try:
+            async for line in watch_lines(self.watch, runs_path(s.namespace),
+                                           {"fieldSelector": settled_selector(s.run)}):
+                event = s.parse(line)
+                if event.get("type") in ("ADDED", "MODIFIED"):
+                    settled = event.get("object") or {}
+                    break
+        finally:
+            self.watch.close()
+        if settled is None:
+            return None
+        formed = self.formed
+        assert formed is not None
+        place = placed_in(settled, self.name, held)
+        if place is not None:
+            if not formed.done():
+                formed.set_result({"t_done": time.monotonic(), **place})
+            return None  # the caller watches the round it holds quietly
+        self.watch = s.connection(self.tickets)
+        return await self._follow_signal(int((settled.get("status") or {}).get("signal") or 0),
+                                         str((settled.get("metadata") or {})
+                                             .get("resourceVersion")), held)
 
     async def _follow_end(self) -> Change | None:
         """The handler's watch for the run's end while it rejoins (``RunGateway.watch_end``):
@@ -455,33 +489,43 @@ class SimNode:
                              ) -> Change | None:
         """The narrow run watch: this node's place in a round after ``held``, then its change.
 
-        Returns when (monotonic) the run first shows that this node's
-        ``num_nodes_waiting()`` is positive (:func:`knows_of_change`), with the
-        run as it saw it then; None when the watch ended first.
+        Each event opens the watch again from the run it carried, with that
+        run's signal, as the handler's watcher does, so that the node is sent
+        the run only when its signal moves.  Returns when (monotonic) the run
+        first shows that this node's ``num_nodes_waiting()`` is positive
+        (:func:`knows_of_change`), with the run as it saw it then; None when
+        the server ended the watch first.
         """
         s = self.shared
-        query = {"fieldSelector": f"metadata.name={s.run},status.signal!={signal}",
-                 "resourceVersion": resource_version}
         formed = self.formed
         assert formed is not None
-        try:
-            async for line in watch_lines(self.watch, runs_path(s.namespace), query):
-                event = s.parse(line)
-                if event.get("type") not in ("ADDED", "MODIFIED"):
-                    continue
-                if not formed.done():
-                    place = placed_in(event.get("object") or {}, self.name, held)
-                    if place is not None:
-                        formed.set_result({"t_done": time.monotonic(), **place})
-                    continue
-                run = s.run_of(line)
-                if knows_of_change(run, int(formed.result()["round"])):
-                    version = str(((event.get("object") or {}).get("metadata") or {})
-                                  .get("resourceVersion"))
-                    return Change(time.monotonic(), run, version)
-            return None
-        finally:
-            self.watch.close()
+        while True:
+            query = {"fieldSelector": f"metadata.name={s.run},status.signal!={signal}",
+                     "resourceVersion": resource_version}
+            seen: dict[str, Any] | None = None
+            try:
+                async for line in watch_lines(self.watch, runs_path(s.namespace), query):
+                    event = s.parse(line)
+                    if event.get("type") not in ("ADDED", "MODIFIED"):
+                        continue
+                    seen = event.get("object") or {}
+                    version = str((seen.get("metadata") or {}).get("resourceVersion"))
+                    if not formed.done():
+                        place = placed_in(seen, self.name, held)
+                        if place is not None:
+                            formed.set_result({"t_done": time.monotonic(), **place})
+                    else:
+                        run = s.run_of(line)
+                        if knows_of_change(run, int(formed.result()["round"])):
+                            return Change(time.monotonic(), run, version)
+                    break
+            finally:
+                self.watch.close()
+            if seen is None:
+                return None
+            signal = int((seen.get("status") or {}).get("signal") or 0)
+            resource_version = str((seen.get("metadata") or {}).get("resourceVersion"))
+            self.watch = s.connection(self.tickets)
 
     async def _from_lease(self, join: WaitingNode, resource_version: str) -> dict[str, Any]:
         assert self.lease is not None

@@ -62,6 +62,7 @@ from elasticrun.api.gateway import (
     announce_patch,
     assign_patch,
     end_selector,
+    settled_selector,
     status_body,
 )
 from elasticrun.api.kube import (
@@ -524,6 +525,14 @@ class FakeGateway(Faults):
 
         return self.server.watch(self._run, disturbed, None, timeout_seconds,
                                  metadata_only=True)
+
+    def watch_settled(self, timeout_seconds: int) -> FakeWatch:
+        """As the real one: the whole run, from now, while it matches
+        :func:`~elasticrun.api.gateway.settled_selector`, read as the API server reads it."""
+        self._request("watch_settled")
+        selector = settled_selector(self.name)
+        return self.server.watch(self._run, lambda run: field_selected(run, selector), None,
+                                 timeout_seconds)
 
     def watch_end(self, timeout_seconds: int) -> FakeWatch:
         """As the real one: metadata only, from now, while the run matches

@@ -9,7 +9,8 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from elasticrun.api import crd
-from elasticrun.api.kube import leases_path
+from elasticrun.api.kube import lease_path, leases_path
+from elasticrun.api.naming import lease_name
 
 from conftest import Cluster, Kubelet, OperatorProcess, consistently, wait_for
 from rdzv import (
@@ -272,20 +273,21 @@ def test_metrics_endpoint_serves_named_series(operator: OperatorProcess, make_ha
     assert 0 <= metric(text, "elasticrun_round_duration_seconds_sum", run="metered") < 60
 
 
-class _CountedLists:
-    """Counts the LISTs of a run's Leases that handlers of this process make."""
+class _Counted:
+    """Counts the calls of one ``RunGateway`` request (``leases``: a LIST of the run's
+    Leases; ``read``: a GET of the run) that handlers of this process make."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, request: str) -> None:
         from elasticrun.api.gateway import RunGateway
 
         self.count = 0
-        listing = RunGateway.leases
+        original = getattr(RunGateway, request)
 
-        def leases(gateway: RunGateway) -> list[dict[str, Any]]:
+        def counted(gateway: RunGateway, *args: Any, **kwargs: Any) -> Any:
             self.count += 1
-            return listing(gateway)
+            return original(gateway, *args, **kwargs)
 
-        monkeypatch.setattr(RunGateway, "leases", leases)
+        monkeypatch.setattr(RunGateway, request, counted)
 
 
 def _form_deferring(make_handler: Any, monkeypatch: pytest.MonkeyPatch, run: str,
@@ -296,7 +298,7 @@ def _form_deferring(make_handler: Any, monkeypatch: pytest.MonkeyPatch, run: str
     monkeypatch.setattr(rounds, "DEFER_SEAL_FROM", 3)
     monkeypatch.setattr(rounds, "DEFER_SEAL_BASE", wait)
     monkeypatch.setattr(rounds, "DEFER_SEAL_PER_NODE", 0.0)
-    lists = _CountedLists(monkeypatch)
+    lists = _Counted(monkeypatch, "leases")
     outcomes = rendezvous_all([make_handler(run, f"n{i}", min_nodes=3) for i in range(3)])
     _ok(outcomes)
     assert sorted(o.rank for o in outcomes.values() if o.rank is not None) == [0, 1, 2]
@@ -317,14 +319,16 @@ def test_deferring_nodes_seal_themselves_when_no_operator_does(
     assert read_run(cluster.client, namespace, "unattended").status.round == 1
 
 
-def test_a_large_run_tells_each_member_its_place_on_its_lease(
+def test_the_largest_runs_tell_each_member_its_place_on_its_lease(
         operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """maxNodes 256: the operator's seal leaves the signal alone, so no node receives the
+    """maxNodes 2,048: the operator's seal leaves the signal alone, so no node receives the
     roster; each learns its rank from its own Lease, in the first round and after a loss."""
-    lists = _CountedLists(monkeypatch)
-    nodes = [make_handler("told", f"n{i}", min_nodes=2, max_nodes=256, last_call_timeout=2)
-             for i in range(3)]
+    from elasticrun.api import rounds
+
+    lists = _Counted(monkeypatch, "leases")
+    nodes = [make_handler("told", f"n{i}", min_nodes=2, max_nodes=rounds.TELL_BY_LEASE_FROM,
+                          last_call_timeout=2) for i in range(3)]
     outcomes = rendezvous_all(nodes)
     _ok(outcomes)
     ranks = {name: o.rank for name, o in outcomes.items()}
@@ -357,4 +361,57 @@ def test_a_large_run_tells_each_member_its_place_on_its_lease(
     assert run.status.round == 2 and run.status.signal == 1
     assert all(n.mailbox is not None and n.mailbox.latest is not None
                and n.mailbox.latest.round == 2 for n in survivors)
+    assert all(n.num_nodes_waiting() == 0 for n in survivors)
+
+
+def test_a_quiet_run_tells_its_members_by_the_seals_broadcast_and_they_rejoin_on_it(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """maxNodes 256: the operator's seal moves the signal and every node receives the run
+    with it; holding its round, each member watches it quietly, hears of a loss in one
+    event of metadata, and learns its next place from one event, the run as the next
+    seal settled it: no read of the run, no LIST, no assignment on its Lease."""
+    from elasticrun.api import rounds
+    from elasticrun.api.leases import lease_state
+
+    lists, reads = _Counted(monkeypatch, "leases"), _Counted(monkeypatch, "read")
+    nodes = [make_handler("quiet", f"n{i}", min_nodes=2, max_nodes=rounds.QUIET_WATCH_FROM,
+                          last_call_timeout=2) for i in range(3)]
+    outcomes = rendezvous_all(nodes)
+    _ok(outcomes)
+    ranks = {name: o.rank for name, o in outcomes.items()}
+    assert sorted(ranks.values()) == [0, 1, 2]
+    run = read_run(cluster.client, namespace, "quiet")
+    assert run.status.round == 1 and run.status.signal == 1
+    for node in nodes:
+        assert node.mailbox is None and node.watcher is not None
+        latest = node.watcher.latest
+        assert latest is not None and latest.status.round == 1  # the seal's broadcast
+        wait_for(lambda node=node: node.watcher.quiet_round == 1, 15, "the quiet watch")
+    leaving = next(n for n in nodes if ranks[n.settings.node_name] == 2)
+    survivors = [n for n in nodes if n is not leaving]
+    seen = {n.settings.node_name: n.watcher.events_received for n in survivors}
+    leaving.shutdown()  # its departure is a status write, read and written by the leaver
+    wait_for(lambda: all(n.num_nodes_waiting() > 0 for n in survivors), 15,
+             "the survivors to hear of the loss")
+    lists.count, reads.count = 0, 0
+    assert {n.settings.node_name: n.watcher.events_received - seen[n.settings.node_name]
+            for n in survivors} == {n.settings.node_name: 1 for n in survivors}
+    again = rendezvous_all(survivors)
+    _ok(again)
+    assert sorted(o.rank for o in again.values()) == [0, 1]
+    assert {o.world_size for o in again.values()} == {2}
+    run = read_run(cluster.client, namespace, "quiet")
+    assert run.status.round == 2 and run.status.signal > 1
+    for node in survivors:
+        name = node.settings.node_name
+        # The loss, then the settled run: two events in all.
+        assert node.watcher.events_received - seen[name] == 2
+        assert node.watcher.latest.status.round == 2
+        assert node.mailbox is None
+        lease = cluster.client.request("GET", lease_path(namespace, lease_name("quiet", name)))
+        assert lease_state(lease).assignment is None
+    assert (reads.count, lists.count) == (0, 0)
+    for node in survivors:
+        wait_for(lambda node=node: node.watcher.quiet_round == 2, 15, "the quiet watch again")
     assert all(n.num_nodes_waiting() == 0 for n in survivors)

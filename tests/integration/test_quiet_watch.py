@@ -44,6 +44,20 @@ def sealed_round(members: int) -> RunStatus:
                          for i in range(members)))
 
 
+def collecting(watch: Any) -> tuple[list[tuple[str, dict[str, Any]]], threading.Thread]:
+    """The events ``watch`` sends (bookmarks apart), gathered by a thread of their own."""
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    def collect() -> None:
+        for event in watch:
+            if event.get("type") != "BOOKMARK":
+                events.append((str(event["type"]), event["object"]))
+
+    reader = threading.Thread(target=collect, daemon=True)
+    reader.start()
+    return events, reader
+
+
 def write(gateway: RunGateway, status: RunStatus) -> dict[str, Any]:
     current = gateway.read()
     assert current is not None
@@ -124,16 +138,8 @@ def test_the_watch_for_the_end_sends_nothing_while_the_run_goes_on_and_metadata_
     assert gateway.create(RunSpec(min_nodes=1, max_nodes=MEMBERS)) is not None
     status = sealed_round(8)
     write(gateway, status)
-    events: list[tuple[str, dict[str, Any]]] = []
     watch = gateway.watch_end(30)
-
-    def collect() -> None:
-        for event in watch:
-            if event.get("type") != "BOOKMARK":
-                events.append((str(event["type"]), event["object"]))
-
-    reader = threading.Thread(target=collect, daemon=True)
-    reader.start()
+    events, reader = collecting(watch)
     try:
         lost = rounds.remove_member(status, "node-0003", rounds.LEASE_EXPIRED, now())
         assert lost is not None
@@ -153,3 +159,40 @@ def test_the_watch_for_the_end_sends_nothing_while_the_run_goes_on_and_metadata_
     kind, obj = events[0]
     assert (kind, obj["kind"], obj["metadata"]["resourceVersion"]) == (
         "ADDED", "PartialObjectMetadata", written["metadata"]["resourceVersion"])
+
+
+def test_the_watch_for_the_run_to_settle_sends_the_next_seal_once_and_nothing_before(
+        cluster: Cluster, namespace: str) -> None:
+    """A woken member's watch (``RunGateway.watch_settled``): the API server takes its
+    selector (``status.stableRound!=0``) and sends nothing for the disturbance, nor for
+    writes while the round re-forms, then the whole run as the next seal wrote it;
+    opened on a run that has already settled, the run as it is now."""
+    gateway = RunGateway(cluster.client, namespace, "settling")
+    assert gateway.create(RunSpec(min_nodes=1, max_nodes=MEMBERS)) is not None
+    status = sealed_round(8)
+    write(gateway, status)
+    lost = rounds.remove_member(status, "node-0003", rounds.LEASE_EXPIRED, now())
+    assert lost is not None
+    write(gateway, lost)
+    watch = gateway.watch_settled(30)
+    events, reader = collecting(watch)
+    try:
+        write(gateway, lost.replace(phase="Degraded", waiting=(
+            WaitingNode(name="node-0001", address="10.0.0.2", store_port=29401, since=now()),)))
+        time.sleep(1.0)
+        assert events == []  # positive control below: the same watch sends the seal
+        resealed = write(gateway, sealed_round(7).replace(round=2, signal=3))
+        wait_for(lambda: events, BOUND, "the seal's event")
+    finally:
+        watch.close()  # the watcher closes it at its first event
+        reader.join(BOUND)
+    kind, obj = events[0]
+    assert (kind, obj["kind"], obj["metadata"]["resourceVersion"]) == (
+        "ADDED", "ElasticRun", resealed["metadata"]["resourceVersion"])
+    assert parse_run(obj).status.assignment("node-0006") is not None  # the roster, whole
+    late = gateway.watch_settled(30)
+    try:
+        first = next(e for e in late if e.get("type") != "BOOKMARK")
+    finally:
+        late.close()
+    assert (first["type"], parse_run(first["object"]).status.round) == ("ADDED", 2)

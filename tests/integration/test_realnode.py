@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from elasticrun.api import rounds
 from elasticrun.api.kube import ApiError, lease_path, leases_path, run_path
 from elasticrun.api.leases import ASSIGNMENT_ANNOTATION, read_assignment
 from elasticrun.api.model import ElasticRun
@@ -90,9 +91,9 @@ def test_the_chart_operator_runs_as_a_pod(node_cluster: Cluster) -> None:
 def test_job_example_trains_through_a_deleted_pod(node_cluster: Cluster,
                                                  node_namespace: str) -> None:
     ns, run = node_namespace, "llama-job"
-    # maxNodes 256 makes it a large run: the chart's operator seals without moving the
-    # signal and tells each pod its rank on the pod's own Lease.
-    create_run(node_cluster, ns, elastic_run(run, 2, 256))
+    # maxNodes 2,048 makes it one of the largest runs: the chart's operator seals without
+    # moving the signal and tells each pod its rank on the pod's own Lease.
+    create_run(node_cluster, ns, elastic_run(run, 2, rounds.TELL_BY_LEASE_FROM))
     apply_example(node_cluster, ns, EXAMPLES / "job.yaml", LONG_TRAINING)
     first = wait_for(lambda: round_with(node_cluster, ns, run, 2), 180,
                      "the Job's two pods in one round", interval=0.5)

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousError
 
-from elasticrun.api import crd
+from elasticrun.api import crd, rounds
 from elasticrun.api.kube import (
     MERGE_PATCH,
     ApiError,
@@ -251,14 +251,14 @@ def _runs_with_own_accounts(cluster: Cluster, namespace: str, tmp_path: Path,
                             large_b: bool = False) -> dict[str, Path]:
     """run-a and run-b, each naming its own ServiceAccount; kubeconfigs with their tokens.
 
-    ``large_b``: run-b has ``maxNodes`` 256, so its members are told their ranks on
+    ``large_b``: run-b has ``maxNodes`` 2,048, so its members are told their ranks on
     their own Leases.  Returns once the operator made the per-run Roles.
     """
     kubeconfigs = {}
     for run in ("run-a", "run-b"):
         _service_account(cluster, namespace, f"sa-{run}")
         _run(cluster, namespace, run, f"sa-{run}",
-             max_nodes=256 if large_b and run == "run-b" else 2)
+             max_nodes=rounds.TELL_BY_LEASE_FROM if large_b and run == "run-b" else 2)
         kubeconfigs[run] = token_kubeconfig(
             cluster, request_token(cluster, namespace, f"sa-{run}"),
             tmp_path / f"{run}.kubeconfig", namespace)
@@ -316,9 +316,9 @@ def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
     started = time.monotonic()
     kubeconfigs = _runs_with_own_accounts(cluster, namespace, tmp_path, large_b=True)
     # Each run's pods, on nothing but their own ServiceAccount's token, form their rounds.
-    # run-b is a large run (maxNodes 256): its members are told their ranks on their own
-    # Leases, which they watch by name.
-    for run, max_nodes in (("run-a", 2), ("run-b", 256)):
+    # run-b is one of the largest runs (maxNodes 2,048): its members are told their ranks
+    # on their own Leases, which they watch by name.
+    for run, max_nodes in (("run-a", 2), ("run-b", rounds.TELL_BY_LEASE_FROM)):
         nodes = [make_handler(run, f"{run}-{i}", min_nodes=2, max_nodes=max_nodes,
                               kubeconfig=kubeconfigs[run], heartbeat_timeout=SHORT_HEARTBEAT,
                               lease_renew_interval=SHORT_RENEW, last_call_timeout=1)

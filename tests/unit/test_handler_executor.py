@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -477,31 +477,42 @@ def test_a_round_its_workers_report_lost_is_re_formed_in_place_by_the_followers(
 
 
 def large_spec() -> RunSpec:
-    """A run whose operator tells members on their Leases (maxNodes 256), formed by one node."""
+    """A run whose operator tells members on their Leases (the largest runs), formed by
+    one node."""
     return RunSpec(min_nodes=1, max_nodes=rounds.TELL_BY_LEASE_FROM, join_timeout=60,
                    last_call_timeout=1, heartbeat_timeout=30, lease_renew_interval=10)
 
 
+def quiet_spec() -> RunSpec:
+    """A run whose members watch their rounds quietly and learn their places from the
+    seal's broadcast (maxNodes 256)."""
+    quiet = dataclasses.replace(large_spec(), max_nodes=rounds.QUIET_WATCH_FROM)
+    assert rounds.members_watch_quietly(quiet) and not rounds.members_told_by_lease(quiet)
+    return quiet
+
+
 def seal_as_the_operator(server: FakeApiServer, *names: str) -> RunStatus:
-    """The operator's seal of a large run once ``names`` asked: the status with the signal
-    left alone, then each member's assignment on its Lease."""
+    """The operator's seal of a large run once ``names`` asked: where members are told on
+    their Leases, the status with the signal left alone, then each member's assignment on
+    its Lease; elsewhere the status with the signal moved."""
     for name in names:
         wait_for(lambda name=name: join_of(server, name), BOUND, f"{name}'s request")
-    status = rounds.seal_round(parse_run(server.run(RUN_NAME)), now(), observer_pending(server),
-                               by_lease=True)
+    run = parse_run(server.run(RUN_NAME))
+    by_lease = rounds.members_told_by_lease(run.spec)
+    status = rounds.seal_round(run, now(), observer_pending(server), by_lease=by_lease)
     write_status(server, status)
     gateway = FakeGateway(server, RUN_NAME)
-    for name, assignment in status.assignments().items():
+    for name, assignment in status.assignments().items() if by_lease else ():
         lease = server.lease_of(RUN_NAME, name)
         assert lease is not None and gateway.assign(name, assignment, lease["metadata"]["uid"])
     return status
 
 
-def formed_large_run(server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor
-                     ) -> tuple[K8sRendezvousHandler, RunStatus]:
-    """Round 1 of a large run, members a (rank 0) and b, sealed by the operator, with a
-    watching the round quietly."""
-    server.seed_run(RUN_NAME, large_spec())
+def formed_large_run(server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor,
+                     run_spec: RunSpec | None = None) -> tuple[K8sRendezvousHandler, RunStatus]:
+    """Round 1 of a large run (by default one told on its Leases), members a (rank 0) and
+    b, sealed by the operator, with a watching the round quietly."""
+    server.seed_run(RUN_NAME, run_spec or large_spec())
     a, b = nodes("a"), nodes("b")
     calls = [pool.submit(a.next_rendezvous), pool.submit(b.next_rendezvous)]
     status = seal_as_the_operator(server, "a", "b")
@@ -556,17 +567,21 @@ def test_a_member_of_a_large_run_hears_of_a_loss_in_one_event_and_rejoins_readin
     assert a.num_nodes_waiting() == 0
 
 
-def test_a_large_run_closed_while_a_woken_member_rejoins_ends_its_call_after_one_read(
-        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
-    a, _ = formed_large_run(server, nodes, pool)
+@pytest.mark.parametrize(("run_spec", "watch", "read"), [
+    (large_spec, "watch_end", 1),  # told on its Lease: the run's metadata, then one read
+    (quiet_spec, "watch_settled", 0),  # told by broadcast: the settled run, whole
+])
+def test_a_large_run_closed_while_a_woken_member_rejoins_ends_its_call_from_its_watch(
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor,
+        run_spec: Callable[[], RunSpec], watch: str, read: int) -> None:
+    a, _ = formed_large_run(server, nodes, pool, run_spec())
     watched = nodes.gateway(a)
     lose(server, "b", rounds.LEASE_EXPIRED)
     wait_for(a.num_nodes_waiting, BOUND, "a to hear of the loss", interval=0.01)
     asked, reads = join_of(server, "a"), watched.reached["read"]
     again = pool.submit(a.next_rendezvous)
     wait_for(lambda: join_of(server, "a") != asked, BOUND, "a's new request")
-    wait_for(lambda: watched.reached["watch_end"], BOUND, "a's watch for the run's end",
-             interval=0.01)
+    wait_for(lambda: watched.reached[watch], BOUND, f"a's {watch}", interval=0.01)
     closed = rounds.close(parse_run(server.run(RUN_NAME)), now())
     assert closed is not None
     write_status(server, closed)
@@ -574,9 +589,44 @@ def test_a_large_run_closed_while_a_woken_member_rejoins_ends_its_call_after_one
     with pytest.raises(RendezvousClosedError, match="the run is closed"):
         again.result(BOUND)
     # From the watch's event, not from the read its defer timer would make.
-    assert time.monotonic() - written < rounds.defer_seal_wait(large_spec()) / 2
-    assert watched.reached["read"] == reads + 1
+    assert time.monotonic() - written < rounds.defer_seal_wait(run_spec()) / 2
+    assert watched.reached["read"] == reads + read
     assert join_of(server, "a") is None  # its request withdrawn
+
+
+def test_a_member_told_by_broadcast_rejoins_on_the_settled_run_reading_nothing(
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
+    """maxNodes 256: the member watches its round quietly, and once woken waits for the run
+    to settle: one event, the whole run as the next seal wrote it, and no read, no full
+    watch, no watch of its Lease in between."""
+    a, status = formed_large_run(server, nodes, pool, quiet_spec())
+    assert a.watcher is not None
+    watched = nodes.gateway(a)
+    seen, reads, watches = (a.watcher.events_received, watched.reached["read"],
+                            watched.reached["watch_run"])
+    lose(server, "b", rounds.LEASE_EXPIRED)
+    wait_for(a.num_nodes_waiting, BOUND, "a to hear of the loss", interval=0.01)
+    assert (a.watcher.events_received, watched.reached["read"]) == (seen + 1, reads)
+    asked = join_of(server, "a")
+    again = pool.submit(a.next_rendezvous)
+    wait_for(lambda: join_of(server, "a") != asked, BOUND, "a's new request")
+    wait_for(lambda: watched.reached["watch_settled"], BOUND, "a's watch for the run to settle",
+             interval=0.01)
+    # While the run re-forms, a write that leaves it unsettled sends nothing.
+    write_status(server, parse_run(server.run(RUN_NAME)).status.replace(waiting=(
+        WaitingNode(name="spare", address="10.0.0.9", store_port=1, since=now()),)))
+    time.sleep(0.3)
+    assert not again.done() and a.watcher.events_received == seen + 1
+    resealed = seal_as_the_operator(server, "a")
+    assert resealed.signal > status.signal
+    assert (again.result(BOUND).rank, a.round, a.watcher.quiet_round) == (0, 2, 2)
+    time.sleep(0.3)  # a settled watch opened again would be sent the run again at once
+    assert a.watcher.events_received == seen + 2
+    assert (watched.reached["read"], watched.reached["watch_run"], watched.reached["watch_end"],
+            watched.reached["watch_settled"], watched.reached["announce"]) == (
+        reads, watches, 0, 1, 0)
+    assert a.mailbox is None and not lease_state(server.lease_of(RUN_NAME, "a")).assignment
+    assert a.num_nodes_waiting() == 0
 
 
 def test_a_woken_member_whose_pod_is_going_withdraws_the_request_its_stale_copy_made(
@@ -627,7 +677,8 @@ def test_a_member_reaching_a_round_told_on_its_lease_reads_the_run_once_it_is_di
 
 def test_the_run_watch_fits_what_the_node_holds(server: FakeApiServer) -> None:
     """RunSession.follow, the one rule: quiet while it holds a round of a large run outside
-    in-place mode, the run's end only while its copy is stale, else the full watch."""
+    in-place mode; while its copy is stale, the run's end only where members are told on
+    their Leases, else the run settled; otherwise the full watch."""
     server.seed_run(RUN_NAME, large_spec(),
                     sealed("a", "b", round_=1).replace(store=StoreAddress("10.0.0.1", 29400)))
     small = spec(2)
@@ -646,6 +697,10 @@ def test_the_run_watch_fits_what_the_node_holds(server: FakeApiServer) -> None:
         assert session.watcher.quiet_round == 0
         wait_for(lambda: gateway.reached["watch_end"], BOUND, "the watch for the run's end",
                  interval=0.01)
+        session.follow(quiet_spec(), stale=True)
+        wait_for(lambda: gateway.reached["watch_settled"], BOUND,
+                 "the watch for the run to settle", interval=0.01)
+        assert gateway.reached["watch_end"] == 1
         full = gateway.reached["watch_run"]
         session.follow(large, stale=False)
         wait_for(lambda: gateway.reached["watch_run"] > full, BOUND, "the full watch again",

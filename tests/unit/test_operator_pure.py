@@ -430,10 +430,10 @@ def _told(leases: dict[str, LeaseState], status: RunStatus,
     return told
 
 
-@pytest.mark.parametrize("size", [3, 64, 256])
-def test_in_large_runs_the_seal_leaves_the_signal_and_tells_each_member_on_its_lease(
+@pytest.mark.parametrize("size", [3, 64, rounds.QUIET_WATCH_FROM, rounds.TELL_BY_LEASE_FROM])
+def test_in_the_largest_runs_the_seal_leaves_the_signal_and_tells_each_member_on_its_lease(
         size: int) -> None:
-    names = [f"n{i:03d}" for i in range(size)]
+    names = [f"n{i:04d}" for i in range(size)]
     run = ElasticRun("r", "ns", RunSpec(min_nodes=size, max_nodes=size), RunStatus(signal=4),
                      "7", uid="uid")
     leases = joined_leases(names, T0)
@@ -445,32 +445,36 @@ def test_in_large_runs_the_seal_leaves_the_signal_and_tells_each_member_on_its_l
     assert plan.status.signal == 4  # nobody's run watch fires with the whole roster
     assert [node for node, _ in plan.assignments] == names  # rank 0 first
     first = plan.assignments[0][1]
-    assert (first.round, first.rank, first.world_size, first.leader) == (1, 0, size, "n000")
+    assert (first.round, first.rank, first.world_size, first.leader) == (1, 0, size, "n0000")
     assert first.store == StoreAddress("10.0.0.1", 29400) and first.since == T0
     assert [a.rank for _, a in plan.assignments] == list(range(size))
 
 
 def test_a_restarted_operator_tells_only_the_members_not_yet_told() -> None:
-    names = [f"n{i:03d}" for i in range(256)]
-    spec = RunSpec(min_nodes=256, max_nodes=256)
+    size = rounds.TELL_BY_LEASE_FROM
+    names = [f"n{i:04d}" for i in range(size)]
+    spec = RunSpec(min_nodes=size, max_nodes=size)
     leases = joined_leases(names, T0)
     sealed_run = ElasticRun("r", "ns", spec, RunStatus(), "7", uid="uid")
     status = reconcile(sealed_run, Members(leases=leases), T0).status
     assert status is not None
     run = ElasticRun("r", "ns", spec, status, "8", uid="uid")
-    told = _told(leases, status, *names[:252])
-    # n252 joined again since (a newer request): it has moved on and is not told.
-    told["n252"] = dataclasses.replace(told["n252"], join=dataclasses.replace(
-        told["n252"].join, since=T0 + dt.timedelta(seconds=1)))  # type: ignore[arg-type]
+    told = _told(leases, status, *names[:-4])
+    # The fourth from last joined again since (a newer request): it has moved on and is
+    # not told.
+    moved = names[-4]
+    told[moved] = dataclasses.replace(told[moved], join=dataclasses.replace(
+        told[moved].join, since=T0 + dt.timedelta(seconds=1)))  # type: ignore[arg-type]
     plan = reconcile(run, Members(leases=told), T0 + dt.timedelta(seconds=1))
-    assert [node for node, _ in plan.assignments] == ["n253", "n254", "n255"]
+    assert [node for node, _ in plan.assignments] == names[-3:]
     everyone = _told(leases, status, *names)
     assert reconcile(run, Members(leases=everyone), T0).assignments == []
 
 
 def test_a_re_forming_round_is_told_nothing() -> None:
-    names = [f"n{i:03d}" for i in range(256)]
-    spec = RunSpec(min_nodes=256, max_nodes=256)
+    size = rounds.TELL_BY_LEASE_FROM
+    names = [f"n{i:04d}" for i in range(size)]
+    spec = RunSpec(min_nodes=size, max_nodes=size)
     leases = joined_leases(names, T0)
     status = reconcile(ElasticRun("r", "ns", spec, RunStatus(), "7", uid="uid"),
                        Members(leases=leases), T0).status

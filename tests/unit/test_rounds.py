@@ -301,12 +301,19 @@ def test_a_deferring_node_waits_for_the_operator_to_tell_a_round_at_the_slowest_
 
 
 def test_a_seal_told_on_the_leases_leaves_the_signal() -> None:
-    base = run(RunStatus(signal=3, waiting=waiting("a", "b")), max_nodes=256)
+    base = run(RunStatus(signal=3, waiting=waiting("a", "b")), max_nodes=rounds.TELL_BY_LEASE_FROM)
     assert rounds.seal_round(base, at(0)).signal == 4
     quiet = rounds.seal_round(base, at(0), by_lease=True)
     assert quiet.signal == 3 and quiet.round == 1
     assert rounds.members_told_by_lease(base.spec)
-    assert not rounds.members_told_by_lease(run(RunStatus(), max_nodes=255).spec)
+    below = run(RunStatus(), max_nodes=rounds.TELL_BY_LEASE_FROM - 1).spec
+    assert not rounds.members_told_by_lease(below) and rounds.members_watch_quietly(below)
+
+
+def test_members_watch_quietly_from_quiet_watch_from_nodes() -> None:
+    assert rounds.members_watch_quietly(run(RunStatus(), max_nodes=rounds.QUIET_WATCH_FROM).spec)
+    assert not rounds.members_watch_quietly(
+        run(RunStatus(), max_nodes=rounds.QUIET_WATCH_FROM - 1).spec)
 
 
 def test_a_member_told_on_its_lease_hears_of_nobody_waiting_from_an_older_copy() -> None:
@@ -417,6 +424,25 @@ def test_a_closed_or_finished_run_keeps_its_rounds_number_so_no_member_is_woken(
     finished = rounds.leave(_healthy(), "a", at(1), finished=True)
     assert closed is not None and finished is not None
     assert closed.stable_round == finished.stable_round == 3
+
+
+def test_a_disturbed_round_settles_only_with_the_next_seal_or_the_runs_end() -> None:
+    """What a woken member's watch for the run to settle selects (``stableRound!=0``): not
+    the disturbance, nor a write while the round re-forms; the next seal, told by
+    broadcast or on the Leases, and the end of the run, closed or finished."""
+    lost = rounds.remove_member(_healthy(), "b", rounds.LEASE_EXPIRED, at(1))
+    assert lost is not None
+    re_forming = lost.replace(waiting=waiting("a", "c"), waiting_count=2)
+    base = run(re_forming)
+    next_round = rounds.seal_round(base, at(2))
+    told = rounds.seal_round(base, at(2), by_lease=True)
+    closed = rounds.close(base, at(2))
+    finished = rounds.leave(lost, "a", at(2), finished=True)
+    assert closed is not None and finished is not None
+    assert (lost.stable_round, re_forming.stable_round) == (0, 0)
+    assert {why: s.to_dict()["stableRound"] for why, s in {
+        "next round": next_round, "told": told, "closed": closed, "finished": finished,
+    }.items()} == {"next round": 4, "told": 4, "closed": 3, "finished": 3}
 
 
 def test_a_stable_round_written_by_anyone_else_is_never_read() -> None:

@@ -143,7 +143,8 @@ def _decide_everything(leases: list[Any]) -> None:
             rounds.order_for_ranks(status.participants, pending)
             rounds.nodes_waiting(view, 1, now=when)
             for large in (False, True):
-                sized = _run(status, max_nodes=256) if large else _run(status)
+                sized = (_run(status, max_nodes=rounds.TELL_BY_LEASE_FROM) if large
+                         else _run(status))
                 plan = reconcile(sized, Members(leases=by_node), when)
                 if plan.status is not None:
                     RunStatus.from_dict(plan.status.to_dict())

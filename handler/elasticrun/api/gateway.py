@@ -74,6 +74,14 @@ def round_selector(run: str, round_number: int) -> str:
     return f"metadata.name={run},status.stableRound!={round_number}"
 
 
+def settled_selector(run: str) -> str:
+    """The field selector of a member rejoining a run told by broadcast
+    (:meth:`RunGateway.watch_settled`): run ``run`` once no round of it is disturbed,
+    ``status.stableRound`` off 0: a newer round sealed, or the run ended (an ended run
+    keeps its round's number)."""
+    return f"metadata.name={run},status.stableRound!=0"
+
+
 def end_selector(run: str) -> str:
     """The field selector of a rejoining member's watch (:meth:`RunGateway.watch_end`): run
     ``run`` once it has ended, its phase one of ``FINISHED_PHASES`` (a selector's terms
@@ -157,6 +165,8 @@ class RunAccess(Protocol):
     def watch_round(self, round_number: int, timeout_seconds: int) -> EventStream: ...
 
     def watch_end(self, timeout_seconds: int) -> EventStream: ...
+
+    def watch_settled(self, timeout_seconds: int) -> EventStream: ...
 
     def leases(self) -> list[dict[str, Any]]: ...
 
@@ -384,6 +394,19 @@ class RunGateway:
         return self.client.watch(runs_path(self.namespace),
                                  {"fieldSelector": end_selector(self.name)},
                                  timeout_seconds, accept=METADATA_ONLY)
+
+    def watch_settled(self, timeout_seconds: int) -> Watch:
+        """The watch of a member rejoining a run whose seal moves the signal, from a copy
+        older than its round's disturbance: the whole run once a newer round is
+        sealed or the run has ended (:func:`settled_selector`), from now.
+
+        A watch from that copy's signal would first send every rejoining member the
+        disturbance itself, one more copy of the whole run each; this one sends
+        nothing while the run re-forms, then the run that settled, once.
+        """
+        return self.client.watch(runs_path(self.namespace),
+                                 {"fieldSelector": settled_selector(self.name)},
+                                 timeout_seconds)
 
     # ------------------------------------------------------------------ its Leases
 

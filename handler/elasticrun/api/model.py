@@ -323,7 +323,7 @@ class Participant:
 class Assignment:
     """What a member must know of a sealed round: its place in it, and where to meet.
 
-    Derived from the status (:meth:`RunStatus.assignment`).  In large runs the
+    Derived from the status (:meth:`RunStatus.assignment`).  In the largest runs the
     operator also writes it on each member's Lease, so that a member learns its
     rank from one small object instead of the whole roster (see
     :func:`elasticrun.api.rounds.members_told_by_lease`).

@@ -39,9 +39,12 @@ DEFER_SEAL_FROM = 64
 #: member told last hears from the operator before it lists and seals itself.
 DEFER_SEAL_BASE = 5.0
 DEFER_SEAL_PER_NODE = 0.010
+#: From this ``maxNodes`` on, the members of a round watch it quietly
+#: (see :func:`members_watch_quietly`).
+QUIET_WATCH_FROM = 256
 #: From this ``maxNodes`` on, the operator's seal tells members on their Leases
 #: (see :func:`members_told_by_lease`).
-TELL_BY_LEASE_FROM = 256
+TELL_BY_LEASE_FROM = 2048
 
 
 def nodes_defer_seal(spec: RunSpec) -> bool:
@@ -74,19 +77,41 @@ def members_told_by_lease(spec: RunSpec) -> bool:
     """Whether the operator's seal tells each member its place on the member's Lease.
 
     A seal that moves ``signal`` sends the whole status, roster included, to
-    every node's watch: N copies of an O(N) object, the one cost of a round
-    that grows as N² (measured: 8 MB a round at 256 nodes, 383 MB at 2,048).
-    From :data:`TELL_BY_LEASE_FROM` nodes the operator leaves ``signal`` alone
-    and writes each member's :class:`~elasticrun.api.model.Assignment` on its
-    Lease instead, which the member watches: N small writes, N small events.
-    Below that the broadcast is the cheaper of the two: the API server
-    serialises the status once for all watchers, while N more writes cost it
-    about 2 ms of CPU each and hold up the last member by as much.  What every
-    node must act on (a loss, a closed run, a newcomer's notice) still moves
-    ``signal``, and so does a seal written by a node, whose fallback role does
-    not justify N extra writes.
+    every waiting node's watch: N copies of an O(N) object, the one cost of a
+    round that grows as N² (8 MB a round at 256 nodes, 99 MB at 1,024, 387 MB
+    at 2,048).  The API server encodes it once for all of them, while telling
+    each member on its Lease costs N more writes (each about 2 ms of the API
+    server's CPU and as much of the operator's), N more watches and the
+    connections they hold.  Measured side by side on one 2-core machine,
+    where bytes cost nothing on the wire (scale benchmark's mixed rounds,
+    2026-12-07): the broadcast formed 256 nodes in 1.9 s against 2.9-4.5 s,
+    1,024 in 8.1-9.9 s against 12.2-13.7 s and 2,048 in 1.9 times the floor
+    beside it against 3.5 times, and a newcomer's round of 1,024 in
+    5.6-8.4 s against 9.5 s.  So
+    only the largest runs, from :data:`TELL_BY_LEASE_FROM` nodes, have the
+    operator leave ``signal`` alone and write each member's
+    :class:`~elasticrun.api.model.Assignment` on its Lease instead, which the
+    member watches: there a seal's 387 MB would take seconds on a control
+    plane's network.  What every node must act on (a loss, a closed run, a
+    newcomer's notice) still moves ``signal``, and so does a seal written by a
+    node, whose fallback role does not justify N extra writes.
     """
     return spec.max_nodes >= TELL_BY_LEASE_FROM
+
+
+def members_watch_quietly(spec: RunSpec) -> bool:
+    """Whether a member holding a round watches it quietly, for one bit: "disturbed".
+
+    A member's full watch is sent the whole run each time the signal moves: a
+    loss then sends N copies of an O(N) roster before any survivor knows
+    (measured at 2,048 nodes: 3.2 s until every survivor knew, 0.9 s quietly).
+    From :data:`QUIET_WATCH_FROM` nodes a member of round R watches its
+    metadata only, for ``status.stableRound`` off R (about 1 kB an event at any
+    size), and once woken waits for the run to settle
+    (:meth:`~elasticrun.handler.session.RunSession.follow`), so it is sent the
+    whole run once a round, with the next seal.
+    """
+    return spec.max_nodes >= QUIET_WATCH_FROM
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,9 @@ class RoundExecutor:
         if changed is known.run:
             return known.replace(offered=offered)
         updated = known.replace(run=changed, listed=False, offered=offered)
-        if known.stale:
+        if known.stale and updated.assignment is None:
+            # A copy that places the node is followed as its round (on ``Complete``),
+            # without a full watch opened in between.
             session.follow(changed.spec, stale=updated.stale)
         return updated
 

@@ -1,6 +1,6 @@
 """The node's own Lease, watched for the assignment the operator writes there.
 
-In large runs (:func:`elasticrun.api.rounds.members_told_by_lease`) the
+In the largest runs (:func:`elasticrun.api.rounds.members_told_by_lease`) the
 operator's seal does not move the run's ``signal``: sending the whole roster to
 every node is the one part of a round whose bytes grow as N².  It writes each
 member's place in the round on the member's Lease instead.  This watch selects

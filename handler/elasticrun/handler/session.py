@@ -115,23 +115,26 @@ class RunSession:
         """Watch the run the way that fits what this node holds: the one rule for it.
 
         * Quietly (:meth:`RunWatcher.watch_quietly`), for round ``holding`` of a
-          run whose members are told their places on their Leases
-          (:func:`~elasticrun.api.rounds.members_told_by_lease`): one event, of
-          metadata only, when the round is disturbed, instead of the roster on
-          every change (:mod:`elasticrun.handler.watcher`).  Not in in-place
-          mode, whose follower acts on the run it watches.
-        * For the run's end only (:meth:`RunWatcher.watch_for_end`) while the
-          node's copy is older than the disturbance that woke it
-          (:attr:`.step.Knowledge.stale`): the operator tells it its place on
-          its Lease, and a read per member would have the API server encode
-          the whole run once per reader.
+          large run (:func:`~elasticrun.api.rounds.members_watch_quietly`): one
+          event, of metadata only, when the round is disturbed, instead of the
+          roster on every change (:mod:`elasticrun.handler.watcher`).  Not in
+          in-place mode, whose follower acts on the run it watches.
+        * While the node's copy is older than the disturbance that woke it
+          (:attr:`.step.Knowledge.stale`), for the run to settle
+          (:meth:`RunWatcher.watch_for_settled`): the next round's seal, or the
+          run's end, sent once.  Where the operator tells members their places
+          on their Leases (:func:`~elasticrun.api.rounds.members_told_by_lease`),
+          for the run's end only (:meth:`RunWatcher.watch_for_end`): there the
+          seal leaves the signal alone so that no member is sent the roster.
         * Else fully, from the cached copy (:meth:`RunWatcher.watch_fully`).
         """
         watcher = self.watcher
-        if holding and rounds.members_told_by_lease(spec) and not self.settings.in_place:
+        if holding and rounds.members_watch_quietly(spec) and not self.settings.in_place:
             watcher.watch_quietly(holding)
-        elif stale:
+        elif stale and rounds.members_told_by_lease(spec):
             watcher.watch_for_end()
+        elif stale:
+            watcher.watch_for_settled()
         else:
             watcher.watch_fully()
 

@@ -59,7 +59,7 @@ class Knowledge:
     defer_until: float | None = None
     #: The join request this call wrote.
     own: WaitingNode | None = None
-    #: The assignment last read from the node's own Lease (large runs:
+    #: The assignment last read from the node's own Lease (the largest runs:
     #: :func:`~elasticrun.api.rounds.members_told_by_lease`).
     offered: Assignment | None = None
     #: The resourceVersion at which the member's quiet watch saw its previous round
@@ -75,8 +75,9 @@ class Knowledge:
 
         Such a copy says nothing about what disturbed the round (a loss, this
         node's own removal, a newer round), and its counters are behind: the
-        node acts on it only as a member rejoining, whose place the operator
-        tells it on its Lease.  Any copy read since is at least as new.
+        node acts on it only as a member rejoining, which learns its place from
+        the run once it settles (or, in the largest runs, on its Lease).  Any
+        copy read or sent since is at least as new.
         """
         return self.woken is not None and newer(self.woken, self.run.resource_version)
 
@@ -169,7 +170,7 @@ class TimedOut:
 
 @dataclass(frozen=True)
 class Read:
-    """Read the run afresh: the node's copy is stale and its wait for its Lease ran out."""
+    """Read the run afresh: the node's copy is stale and its wait for its place ran out."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,7 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
     the first step joins; a round that
     holds this node completes it; while the operator seals, the node only makes
     sure a running round hears of it and waits, and a node woken from a stale
-    copy (:attr:`Knowledge.stale`) only waits for its Lease, and past its wait
+    copy (:attr:`Knowledge.stale`) only waits for its place, and past its wait
     reads a fresh copy; otherwise it lists the pending
     requests once per change of the run, makes a request that vanished (its
     Lease removed or expired) again, and applies torch's sealing rules
@@ -315,8 +316,9 @@ def _deferring(known: Knowledge, defer_until: float, now: dt.datetime, clock: fl
 
 
 def _rejoining(known: Knowledge, clock: float) -> Action:
-    """A member woken from a stale copy (:attr:`Knowledge.stale`): it waits for its place on
-    its Lease while the operator seals, and past that wait reads the run afresh.
+    """A member woken from a stale copy (:attr:`Knowledge.stale`): it waits for its place (the
+    run as the operator's seal settled it, or in the largest runs its Lease) while the
+    operator seals, and past that wait reads the run afresh.
 
     It never lists against, seals from or announces from that copy: the
     members heard of the disturbance that woke it, and the copy's counters are

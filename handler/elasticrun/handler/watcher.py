@@ -15,14 +15,17 @@ every member the whole run, roster included (178 kB at 2,048 nodes), when all
 it needs is one bit, "round R is disturbed"; the quiet watch's first event is
 that bit, about 1 kB at any size.  The watcher keeps it
 (:meth:`RunWatcher.disturbed`) and stops watching until the node's next
-``next_rendezvous()``.  That call rejoins without reading the run (the operator
-tells it its place on its Lease), so it holds a copy from before the
-disturbance, whose signal every later status write moves past: a signal watch
-from it would send the whole run on each.  The watcher watches for the run's
-end instead (:meth:`RunWatcher.watch_for_end`: metadata only, the run closed or
-finished), reads the run once when that comes, and the member watches its new
-round quietly once it holds it, or the run fully once it reads the run
-afresh (:meth:`RunWatcher.watch_fully`).  Which of the three fits what the node
+``next_rendezvous()``.  That call rejoins without reading the run, so it holds
+a copy from before the disturbance, whose signal every later status write
+moves past: a signal watch from it would send the whole run on each, starting
+with the disturbance itself.  It waits instead for the run to settle
+(:meth:`RunWatcher.watch_for_settled`: the whole run, once, when a newer round
+is sealed or the run has ended), or, in the largest runs, whose members the
+operator tells on their Leases, for the run's end only
+(:meth:`RunWatcher.watch_for_end`: metadata only, the run closed or finished,
+after which it reads the run once).  The member watches its new round quietly
+once it holds it, or the run fully once it holds a copy as new as the
+disturbance (:meth:`RunWatcher.watch_fully`).  Which watch fits what the node
 holds is one rule, :meth:`~elasticrun.handler.session.RunSession.follow`.
 
 ``num_nodes_waiting()`` is polled every 0.1 s by torch's agent; it reads this
@@ -35,7 +38,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 from elasticrun.api.gateway import EventStream, RunAccess
 from elasticrun.api.kube import ApiConnectionError, ApiError
@@ -45,8 +48,12 @@ from elasticrun.api.ordering import RoundMark, newer
 log = logging.getLogger(__name__)
 
 RECONNECT_DELAYS = (0.1, 0.2, 0.5, 1.0, 2.0)
-#: A quiet watch that ended sooner than this is opened again only this much later.
+#: A watch for one event that ended sooner than this is opened again only this much later.
 QUIET_REOPEN_AFTER = 0.1
+
+#: What the node watches the run for: every move of its signal (the full watch), or
+#: one event: its round disturbed (quiet), the run settled, or the run ended.
+Watching = Literal["full", "quiet", "settled", "end"]
 
 
 class RunDeletedError(Exception):
@@ -88,17 +95,16 @@ class RunWatcher:
         self.resyncs = 0
         #: The highest status.round seen of the object: rounds never go back.
         self._round_mark = RoundMark()
-        #: The round watched quietly (0: none), whether the watch is for the run's end
-        #: instead (:meth:`watch_for_end`; neither: the full watch), and whether
-        #: either said what it watches for: the round disturbed, the run ended (then
-        #: nothing is watched until the next switch).
+        #: What the run is watched for, the round watched quietly (0: none), and whether
+        #: a watch for one event said what it watches for: the round disturbed, the
+        #: run settled or ended (then nothing is watched until the next switch).
+        self._watching: Watching = "full"
         self._quiet_round = 0
-        self._end = False
         self._disturbed = False
         #: The resourceVersion of the run in the quiet watch's event.
         self._disturbed_version: str | None = None
-        #: Moves on every switch between the two watches; a watch opened before a
-        #: switch ends without the re-read that follows a watch the server ended.
+        #: Moves on every switch between the watches; a watch opened before a switch
+        #: ends without the re-read that follows a watch the server ended.
         self._mode = 0
         self._mode_changed = threading.Event()
 
@@ -173,19 +179,25 @@ class RunWatcher:
     def watch_quietly(self, round_number: int) -> None:
         """From now on watch only for round ``round_number`` being disturbed
         (:meth:`RunGateway.watch_round`): the node holds it in a large run."""
-        self._switch(round_number)
+        self._switch("quiet", round_number)
 
     def watch_fully(self) -> None:
         """Back to the full watch (``status.signal!=S``) from the cached run; what the
         quiet watch said is forgotten, so only from a copy at least as new as what
         it said (the cached copy predates a disturbance it reported)."""
-        self._switch(0)
+        self._switch("full")
+
+    def watch_for_settled(self) -> None:
+        """From now on watch only for the run to settle (:meth:`RunGateway.watch_settled`),
+        and keep the run it sends: the node rejoins from a copy older than its round's
+        disturbance, and learns its place from the seal of the next round."""
+        self._switch("settled")
 
     def watch_for_end(self) -> None:
         """From now on watch only for the run's end (:meth:`RunGateway.watch_end`), and
         read the run once when it comes: the node rejoins from a copy older than
         its round's disturbance, and learns its place on its Lease."""
-        self._switch(0, end=True)
+        self._switch("end")
 
     @property
     def quiet_round(self) -> int:
@@ -202,12 +214,13 @@ class RunWatcher:
         that new shows the disturbance (None before one came)."""
         return self._disturbed_version if self.disturbed(self._quiet_round) else None
 
-    def _switch(self, quiet_round: int, end: bool = False) -> None:
+    def _switch(self, watching: Watching, quiet_round: int = 0) -> None:
         with self._cond:
-            if (quiet_round, end) == (self._quiet_round, self._end) and not self._disturbed:
+            if (watching, quiet_round) == (self._watching, self._quiet_round) \
+                    and not self._disturbed:
                 return  # watching so already
+            self._watching = watching
             self._quiet_round = quiet_round
-            self._end = end
             self._disturbed = False
             self._mode += 1
         self._mode_changed.set()
@@ -261,15 +274,15 @@ class RunWatcher:
         while not self._stop.is_set():
             try:
                 with self._cond:  # one mode's settings, whatever switch comes next
-                    mode, quiet_round, end, told = (self._mode, self._quiet_round, self._end,
-                                                    self._disturbed)
-                if (quiet_round or end) and told:
+                    mode, watching, quiet_round, told = (self._mode, self._watching,
+                                                         self._quiet_round, self._disturbed)
+                if watching != "full" and told:
                     # Told: nothing more to learn until the node switches the watch.
                     self._mode_changed.wait(self.watch_timeout)
                     self._mode_changed.clear()
                     continue
-                if quiet_round or end:
-                    self._watch_metadata(quiet_round, mode)
+                if watching != "full":
+                    self._watch_for_one(watching, quiet_round, mode)
                     failures = 0
                     self._disconnected_since = None
                     continue
@@ -286,7 +299,7 @@ class RunWatcher:
                 if self._stop.is_set():
                     return
                 if isinstance(exc, ApiError) and exc.gone:
-                    if not (self._quiet_round or self._end):  # metadata watches start from now
+                    if self._watching == "full":  # the others start from now
                         self._gone()
                     continue
                 if self._disconnected_since is None:
@@ -346,14 +359,14 @@ class RunWatcher:
             self.events_received += 1
             yield kind, obj
 
-    def _watch_metadata(self, quiet_round: int, mode: int) -> None:
-        """One of the watches of the run's metadata: the quiet watch of ``quiet_round``, or
-        (0) the watch for the run's end."""
+    def _watch_for_one(self, watching: Watching, quiet_round: int, mode: int) -> None:
+        """One of the watches for one event: the quiet watch of ``quiet_round``, the watch
+        for the run to settle, or for its end."""
         opened = time.monotonic()
-        if quiet_round:
+        if watching == "quiet":
             self._watch_quietly(quiet_round, mode)
         else:
-            self._watch_for_end(mode)
+            self._watch_for_news(watching, mode)
         if time.monotonic() - opened < QUIET_REOPEN_AFTER:
             # A watch the server ended at once is not opened again at once.
             self._stop.wait(QUIET_REOPEN_AFTER)
@@ -383,16 +396,25 @@ class RunWatcher:
             self._current_watch = None
             watch.close()
 
-    def _watch_for_end(self, mode: int) -> None:
-        """One watch for the run's end: its first event means the run ended (or, DELETED,
-        was deleted), and the run is read once, which wakes whoever waits.  A watch the
-        server ended is opened again without a read, as the quiet watch is."""
-        watch = self.access.watch_end(self.watch_timeout)
+    def _watch_for_news(self, watching: Watching, mode: int) -> None:
+        """One watch for the run to settle, or for its end: its first event is the news,
+        after which nothing is watched until the next switch.
+
+        The settled run comes whole and is kept in the cache; the end comes as
+        metadata, and the run is read once (so is a deleted run, whichever
+        watch saw it go).  Either wakes whoever waits.  A watch the server
+        ended is opened again without a read, as the quiet watch is.
+        """
+        opening = self.access.watch_settled if watching == "settled" else self.access.watch_end
+        watch = opening(self.watch_timeout)
         if not self._opened(watch, mode):
             return
         try:
-            for _ in self._events(watch):
-                self._relist()
+            for kind, obj in self._events(watch):
+                if watching == "settled" and kind != "DELETED":
+                    self.offer(obj)
+                else:
+                    self._relist()
                 with self._cond:
                     if self._mode == mode:
                         self._disturbed = True
