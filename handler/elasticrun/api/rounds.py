@@ -86,10 +86,9 @@ def members_told_by_lease(spec: RunSpec) -> bool:
     where bytes cost nothing on the wire (scale benchmark's mixed rounds,
     2026-12-07): the broadcast formed 256 nodes in 1.9 s against 2.9-4.5 s,
     1,024 in 8.1-9.9 s against 12.2-13.7 s and 2,048 in 1.9 times the floor
-    beside it against 3.5 times, and a newcomer's round of 1,024 in
-    5.6-8.4 s against 9.5 s.  So
-    only the largest runs, from :data:`TELL_BY_LEASE_FROM` nodes, have the
-    operator leave ``signal`` alone and write each member's
+    beside it against 3.5 times, and a newcomer's round of 1,024 in 5.6-8.4 s
+    against 9.5 s.  So only the largest runs, from :data:`TELL_BY_LEASE_FROM`
+    nodes, have the operator leave ``signal`` alone and write each member's
     :class:`~elasticrun.api.model.Assignment` on its Lease instead, which the
     member watches: there a seal's 387 MB would take seconds on a control
     plane's network.  What every node must act on (a loss, a closed run, a
