@@ -87,12 +87,17 @@ class Plan:
     #: round's formation at N = 32 measured 0.146 s in one run and 0.283 s in the next, so
     #: a single round can move ours / floor by 2x on its own.
     floor_reps: int = 3
+    #: ``maxNodes`` of one more mixed round each, of the smallest mixed size
+    #: (:func:`regimes`): the ways a large run tells its members, which the mixed
+    #: rounds reach only at their own sizes, run at a small N.
+    regimes: tuple[int, ...] = ()
 
     @classmethod
     def quick(cls) -> Plan:
         return cls(mixed_sizes=(8, 16), sample=2, real_sizes=(8,), c10d_sizes=(8,),
                    baseline_sizes=(8,), frozen_sizes=(8,), reps=1, workers=2, sim_processes=2,
-                   formation_bound=60.0, floor_reps=1)
+                   formation_bound=60.0, floor_reps=1,
+                   regimes=(rounds.QUIET_WATCH_FROM, rounds.TELL_BY_LEASE_FROM))
 
 
 #: Simulated nodes renew their Lease at the run's interval, from its creation on; the
@@ -121,16 +126,18 @@ def has_room(n: int) -> bool:
     return n < crd.spec_maximum("maxNodes")
 
 
-def mixed_timing(n: int) -> Timing:
+def mixed_timing(n: int, max_nodes: int | None = None) -> Timing:
     """A mixed round's run: room for the newcomer (:func:`has_room`), and no last call.
 
-    ``maxNodes = N + 1`` admits the newcomer into the round; with ``minNodes = N``
-    and ``lastCallTimeoutSeconds = 0`` the N-th request seals the first round as
+    ``maxNodes = N + 1`` (or ``max_nodes``, a larger run's, :func:`regimes`)
+    admits the newcomer into the round; with ``minNodes = N`` and
+    ``lastCallTimeoutSeconds = 0`` the N-th request seals the first round as
     ``maxNodes = N`` would, without a last call to wait out.  No owner sets a
     target (``status.desired``), so :func:`~elasticrun.api.rounds.announce_due`
     holds no newcomer back.  The newcomer asks under :func:`newcomer_timing`.
     """
-    return Timing(n, n + 1 if has_room(n) else n, last_call=0, keep_alive=TIMING_KEEP_ALIVE)
+    room = max_nodes if max_nodes is not None else n + 1 if has_room(n) else n
+    return Timing(n, room, last_call=0, keep_alive=TIMING_KEEP_ALIVE)
 
 
 def newcomer_timing(n: int, bound: float) -> Timing:
@@ -383,15 +390,17 @@ def newcomer_round(pool: Pool, late: Pool, sims: SimNodes, members: list[dict[st
 
 
 def mixed_round(backend: K8sBackend, pool: Pool, late: Pool, log_dir: Path, n: int,
-                sample: int, sim_processes: int, operator_pid: int, bound: float
-                ) -> dict[str, Any]:
+                sample: int, sim_processes: int, operator_pid: int, bound: float,
+                max_nodes: int | None = None) -> dict[str, Any]:
     """One round of ``n`` nodes: ``sample`` real handlers, the rest simulated; then a
     newcomer (``late``'s one real handler) joins it, and one member of the next round is lost.
+    ``max_nodes``: the run's, when not :func:`mixed_timing`'s own.
     """
     nodes = scenarios.node_names(n)
     real = nodes[:: max(1, n // sample)][:sample]
     simulated = [name for name in nodes if name not in set(real)]
-    run = backend.new_run(mixed_timing(n), nodes)
+    timing = mixed_timing(n, max_nodes)
+    run = backend.new_run(timing, nodes)
     sims = SimNodes(sim_processes, log_dir, f"n{n}")
     try:
         scenarios.build(pool, run, real)
@@ -408,7 +417,7 @@ def mixed_round(backend: K8sBackend, pool: Pool, late: Pool, log_dir: Path, n: i
                    {"kubeconfig": backend.control_plane.kubeconfig, "namespace": run.namespace,
                     "run": run.name, "start_at": start,
                     "renew_interval": TIMING_KEEP_ALIVE,
-                    "rejoins": 1 if has_room(n) else 0})  # for the newcomer
+                    "rejoins": 1 if timing.max_nodes > n else 0})  # for the newcomer
         pool.all("rendezvous", start_at=start - REAL_HEAD_START)
         real_results = scenarios.collect(pool.workers, bound)
         sim_results = sims.collect(bound)
@@ -419,7 +428,8 @@ def mixed_round(backend: K8sBackend, pool: Pool, late: Pool, log_dir: Path, n: i
         after = _server_state(backend)
         counted = apiserver.tally(audit.events_since(offset), run.namespace)
         row: dict[str, Any] = {
-            "n": n, "real": len(real), "simulated": len(simulated), "formed": formed,
+            "n": n, "max_nodes": timing.max_nodes, "real": len(real),
+            "simulated": len(simulated), "formed": formed,
             "errors": errors[:3],
             "latency_s": max(r["t_done"] for r in results) - start if formed else None,
             "first_done_s": min(r["t_done"] for r in results) - start if results else None,
@@ -436,7 +446,7 @@ def mixed_round(backend: K8sBackend, pool: Pool, late: Pool, log_dir: Path, n: i
         row["bytes_sent"] = row["response_bytes"] + row["watch_bytes"]
         if formed:
             row.update(_object_facts(backend, run))
-            if not has_room(n):  # the loss in the round of N
+            if timing.max_nodes <= n:  # no room for a newcomer: the loss in the round of N
                 row.update(loss_round(backend, [pool], sims, run, results, set(real)))
                 return row
             backend.set_last_call(run, newcomer_timing(n, bound).last_call)
@@ -501,6 +511,38 @@ def mixed(plan: Plan, backend: K8sBackend, log_dir: Path, operator_pid: int
                   file=sys.stderr, flush=True)
             if not row["formed"]:
                 break
+    finally:
+        pool.stop()
+        late.stop()
+    return rows
+
+
+def regimes(plan: Plan, backend: K8sBackend, log_dir: Path, operator_pid: int
+            ) -> list[dict[str, Any]]:
+    """A mixed round of the plan's smallest size in a run of each of ``plan.regimes`` as
+    its ``maxNodes``: formation, newcomer and loss, without the floor.
+
+    How a run tells its members depends on its ``maxNodes``, not on how many
+    nodes came (:func:`~elasticrun.api.rounds.members_watch_quietly`,
+    :func:`~elasticrun.api.rounds.members_told_by_lease`), so a small round of
+    a large run takes the large run's way: the quiet watch and the settled
+    rejoin, or places told on the Leases, of the simulated nodes and the real
+    handlers alike.
+    """
+    if not plan.regimes:
+        return []
+    pool = Pool(plan.workers, log_dir, "regime")
+    late = Pool(1, log_dir, "regime-late")
+    n = min(plan.mixed_sizes)
+    rows = []
+    try:
+        for max_nodes in plan.regimes:
+            row = mixed_round(backend, pool, late, log_dir, n, plan.sample, plan.sim_processes,
+                              operator_pid, plan.formation_bound, max_nodes)
+            rows.append(row)
+            print(f"  regime maxNodes={max_nodes} N={n}: formed={row['formed']} "
+                  f"newcomer={row.get('newcomer_s')} loss={row.get('loss_s')}",
+                  file=sys.stderr, flush=True)
     finally:
         pool.stop()
         late.stop()
@@ -679,6 +721,7 @@ def main(argv: list[str] | None = None) -> int:
         data["versions"].update(k8s.versions())
         with k8s.operator(log_dir) as operator:
             data["mixed"] = step("mixed", lambda: mixed(plan, k8s, log_dir, operator.pid))
+            data["regimes"] = step("regimes", lambda: regimes(plan, k8s, log_dir, operator.pid))
             data["frozen"] = step("frozen", lambda: frozen(plan, k8s, log_dir))
             data["real"] = step("k8s as-is", lambda: real_rounds(
                 plan, k8s, plan.real_sizes, log_dir, "as-is"))

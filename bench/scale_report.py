@@ -128,6 +128,36 @@ def _frozen_table(frozen: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _ways(max_nodes: int) -> str:
+    """How a run of ``max_nodes`` tells its members their places and their round's news."""
+    if max_nodes >= TELL_BY_LEASE_FROM:
+        return "places on their Leases, news by the quiet watch"
+    if max_nodes >= QUIET_WATCH_FROM:
+        return "places by the seal's broadcast, news by the quiet watch"
+    return "places and news by the full watch"
+
+
+def _regimes_table(regimes: list[dict[str, Any]]) -> list[str]:
+    """The large runs' ways of telling their members, run at a small N (``--quick``)."""
+    if not regimes:
+        return []
+    lines = ["### Large runs' ways at a small N", "",
+             "A mixed round of the smallest N in a run of each `maxNodes` (`scale.regimes`): "
+             "how a run tells its members depends on its `maxNodes`, not on how many nodes "
+             "came, so these rounds take the large runs' ways at a small N. *Operator Lease "
+             "writes*: `patch leases` by the operator in the formation (one per member where "
+             "places are told on the Leases).", "",
+             "| N | maxNodes | members told | formation | newcomer | loss "
+             "| operator Lease writes |",
+             "|---|---|---|---|---|---|---|"]
+    for r in regimes:
+        told = r.get("by_kind", {}).get("patch leases (operator)", 0)
+        lines.append(f"| {r['n']:,} | {r['max_nodes']:,} | {_ways(r['max_nodes'])} | "
+                     f"{_s(r.get('latency_s'))} | {_s(r.get('newcomer_s'), 3)} | "
+                     f"{_s(r.get('loss_s'), 3)} | {told:,} |")
+    return lines
+
+
 def _s(value: float | None, digits: int = 2) -> str:
     if value is None:
         return "–"
@@ -421,6 +451,8 @@ def render(data: dict[str, Any], plot: str | None) -> str:
                   "| request | count |", "|---|---|"]
         lines += [f"| `{k}` | {v:,} |" for k, v in largest["by_kind"].items()] + [""]
     lines += [*_frozen_table(data.get("frozen") or []), ""]
+    if data.get("regimes"):
+        lines += [*_regimes_table(data["regimes"]), ""]
     lines += _before_after(data)
     lines += ["## Formation with every node a real handler", "",
               "From the moment all N handlers are built to the last `next_rendezvous()` "

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from elasticrun.api import rounds
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -85,6 +87,30 @@ def test_each_mixed_round_times_a_loss_until_every_survivor_knew(
         assert row["loss_real_s"] is not None and 0 < row["loss_real_s"] <= row["loss_s"], row
     page = (out / "benchmarks-scale.md").read_text()
     assert "| loss (ours) |" in page
+
+
+def test_the_large_runs_ways_of_telling_members_form_admit_and_lose_at_a_small_n(
+        scale_run: tuple[Path, dict[str, Any]]) -> None:
+    """The quiet watch and the settled rejoin (from ``QUIET_WATCH_FROM``), and the places
+    told on the Leases (from ``TELL_BY_LEASE_FROM``), of simulated nodes and real handlers,
+    which the mixed rounds of the quick run are too small to take."""
+    out, data = scale_run
+    rows = data["regimes"]
+    assert [r["max_nodes"] for r in rows] == [rounds.QUIET_WATCH_FROM,
+                                              rounds.TELL_BY_LEASE_FROM]
+    n = min(data["plan"]["mixed_sizes"])
+    for row in rows:
+        assert row["n"] == n and row["errors"] == [], row
+        assert row["formed"] and row["worlds"] == [n] and row["rank0_real"], row
+        assert row["newcomer_errors"] == [] and row["newcomer_worlds"] == [n + 1], row
+        assert row["newcomer_held"] == n + 1, row  # every member rejoined, and the newcomer
+        assert row["loss_told"] == n and row["loss_s"] is not None, row
+    broadcast, by_lease = rows
+    # Places by the seal's broadcast: the operator writes no Lease; on the Leases: one each.
+    assert "patch leases (operator)" not in broadcast["by_kind"], broadcast
+    assert by_lease["by_kind"]["patch leases (operator)"] == n, by_lease
+    page = (out / "benchmarks-scale.md").read_text()
+    assert "### Large runs' ways at a small N" in page
 
 
 def test_a_frozen_member_is_removed_after_the_heartbeat_and_the_survivors_reform(

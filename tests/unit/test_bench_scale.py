@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 from elasticrun.api.model import ElasticRun, WaitingNode
-from elasticrun.api.rounds import decide_seal
+from elasticrun.api.rounds import decide_seal, members_told_by_lease, members_watch_quietly
 
 from bench.backends import Timing, run_spec
 from bench.scale import NEWCOMER, Plan, mixed_timing, newcomer_timing
@@ -77,3 +77,20 @@ def test_the_newcomers_round_seals_the_moment_every_member_is_back(n: int) -> No
 def test_the_newcomer_phase_changes_only_the_last_call_of_the_mixed_run() -> None:
     assert newcomer_timing(16, 60.0) == dataclasses.replace(mixed_timing(16), last_call=60)
     assert newcomer_timing(16, 59.5).last_call == 60
+
+
+def _telling(timing: Timing) -> tuple[bool, bool]:
+    spec = run_spec(timing)
+    return members_watch_quietly(spec), members_told_by_lease(spec)
+
+
+def test_the_quick_plan_reaches_every_way_a_run_tells_its_members() -> None:
+    """The suite runs ``--quick``: its small rounds must take the full watch, the quiet watch
+    with the seal's broadcast, and the places told on the Leases, or a broken one goes
+    unnoticed until ``make bench-scale``."""
+    quick = Plan.quick()
+    ways = {_telling(mixed_timing(n)) for n in quick.mixed_sizes}
+    regimes = {_telling(mixed_timing(min(quick.mixed_sizes), m)) for m in quick.regimes}
+    assert ways == {(False, False)}
+    assert regimes == {(True, False), (True, True)}
+    assert all(mixed_timing(8, m).max_nodes == m for m in quick.regimes)
