@@ -26,7 +26,10 @@ operator tells on their Leases, for the run's end only
 after which it reads the run once).  The member watches its new round quietly
 once it holds it, or the run fully once it holds a copy as new as the
 disturbance (:meth:`RunWatcher.watch_fully`).  Which watch fits what the node
-holds is one rule, :meth:`~elasticrun.handler.session.RunSession.follow`.
+holds is one rule, :meth:`~elasticrun.handler.session.RunSession.follow`.  The
+quiet, settled and end watches are one watch for one event, whichever it waits
+for: its first event is the news, and nothing is watched after it until the
+node switches.
 
 ``num_nodes_waiting()`` is polled every 0.1 s by torch's agent; it reads this
 cache and never costs an API request.
@@ -70,9 +73,9 @@ class RunWatcher:
     the node's Lease renewal calls :meth:`recheck` when it finds its Lease gone,
     so a deletion is noticed within a renewal interval.  As a backstop, whenever
     the server ends an idle narrow watch (every ``watch_timeout`` seconds) the
-    watcher reads the object once; the quiet watch of a large run's member is
-    opened again without that read (N reads of the roster every few minutes),
-    leaving deletion to the Lease renewal.
+    watcher reads the object once; a watch for one event (the quiet, settled and
+    end watches of a large run's member) is opened again without that read (N
+    reads of the roster every few minutes), leaving deletion to the Lease renewal.
     """
 
     def __init__(self, access: RunAccess, watch_timeout: int = 300) -> None:
@@ -360,64 +363,53 @@ class RunWatcher:
             yield kind, obj
 
     def _watch_for_one(self, watching: Watching, quiet_round: int, mode: int) -> None:
-        """One of the watches for one event: the quiet watch of ``quiet_round``, the watch
-        for the run to settle, or for its end."""
+        """One of the watches for one event (:meth:`_watch_for_news`), paced by
+        ``QUIET_REOPEN_AFTER``."""
         opened = time.monotonic()
-        if watching == "quiet":
-            self._watch_quietly(quiet_round, mode)
-        else:
-            self._watch_for_news(watching, mode)
+        self._watch_for_news(watching, quiet_round, mode)
         if time.monotonic() - opened < QUIET_REOPEN_AFTER:
             # A watch the server ended at once is not opened again at once.
             self._stop.wait(QUIET_REOPEN_AFTER)
 
-    def _watch_quietly(self, round_number: int, mode: int) -> None:
-        """One quiet watch: its first event (the run as metadata) means the round is
-        disturbed.  A watch the server ended is opened again without a read: a deleted
-        run is noticed by the Lease renewal (:meth:`recheck`)."""
-        watch = self.access.watch_round(round_number, self.watch_timeout)
+    def _watch_for_news(self, watching: Watching, quiet_round: int, mode: int) -> None:
+        """One watch for one event: the quiet watch of ``quiet_round``, the watch for the
+        run to settle, or for its end.  Its first event is the news, after which nothing
+        is watched until the next switch.
+
+        The quiet watch's event is the run as metadata, whose resourceVersion is
+        kept (:attr:`disturbed_version`); a DELETED event is no news there: the
+        run is read, and the round watched again.  The settled run comes whole
+        and is kept in the cache; the end comes as metadata, and the run is read
+        once (so is a deleted run, whichever of the two saw it go).  Each wakes
+        whoever waits.  A watch the server ended is opened again without a read:
+        a deleted run is noticed by the Lease renewal (:meth:`recheck`).
+        """
+        if watching == "quiet":
+            watch = self.access.watch_round(quiet_round, self.watch_timeout)
+        elif watching == "settled":
+            watch = self.access.watch_settled(self.watch_timeout)
+        else:
+            watch = self.access.watch_end(self.watch_timeout)
         if not self._opened(watch, mode):
             return
         try:
             for kind, obj in self._events(watch):
-                if kind == "DELETED":
+                if watching == "quiet" and kind == "DELETED":
                     # Deleted, or the field went back to our round (never written so).
                     self._relist()
                     return
-                version = (obj.get("metadata") or {}).get("resourceVersion")
-                with self._cond:
-                    if self._mode == mode:
-                        self._disturbed = True
-                        self._disturbed_version = str(version) if version else None
-                        self._version += 1
-                        self._cond.notify_all()
-                return
-        finally:
-            self._current_watch = None
-            watch.close()
-
-    def _watch_for_news(self, watching: Watching, mode: int) -> None:
-        """One watch for the run to settle, or for its end: its first event is the news,
-        after which nothing is watched until the next switch.
-
-        The settled run comes whole and is kept in the cache; the end comes as
-        metadata, and the run is read once (so is a deleted run, whichever
-        watch saw it go).  Either wakes whoever waits.  A watch the server
-        ended is opened again without a read, as the quiet watch is.
-        """
-        opening = self.access.watch_settled if watching == "settled" else self.access.watch_end
-        watch = opening(self.watch_timeout)
-        if not self._opened(watch, mode):
-            return
-        try:
-            for kind, obj in self._events(watch):
                 if watching == "settled" and kind != "DELETED":
                     self.offer(obj)
-                else:
+                elif watching != "quiet":
                     self._relist()
                 with self._cond:
                     if self._mode == mode:
                         self._disturbed = True
+                        if watching == "quiet":  # offer and _relist wake the others' waiters
+                            version = (obj.get("metadata") or {}).get("resourceVersion")
+                            self._disturbed_version = str(version) if version else None
+                            self._version += 1
+                            self._cond.notify_all()
                 return
         finally:
             self._current_watch = None
