@@ -99,11 +99,12 @@ class RunWatcher:
         #: The highest status.round seen of the object: rounds never go back.
         self._round_mark = RoundMark()
         #: What the run is watched for, the round watched quietly (0: none), and whether
-        #: a watch for one event said what it watches for: the round disturbed, the
-        #: run settled or ended (then nothing is watched until the next switch).
+        #: the watch for one event is told its news: the round disturbed (the quiet
+        #: watch), the run settled or ended (the others).  Once told, nothing is
+        #: watched until the next switch, which clears it.
         self._watching: Watching = "full"
         self._quiet_round = 0
-        self._disturbed = False
+        self._told = False
         #: The resourceVersion of the run in the quiet watch's event.
         self._disturbed_version: str | None = None
         #: Moves on every switch between the watches; a watch opened before a switch
@@ -209,7 +210,7 @@ class RunWatcher:
 
     def disturbed(self, round_number: int) -> bool:
         """Whether the quiet watch of ``round_number`` said that the round is disturbed."""
-        return self._disturbed and self._quiet_round == round_number > 0
+        return self._told and self._quiet_round == round_number > 0
 
     @property
     def disturbed_version(self) -> str | None:
@@ -220,11 +221,11 @@ class RunWatcher:
     def _switch(self, watching: Watching, quiet_round: int = 0) -> None:
         with self._cond:
             if (watching, quiet_round) == (self._watching, self._quiet_round) \
-                    and not self._disturbed:
+                    and not self._told:
                 return  # watching so already
             self._watching = watching
             self._quiet_round = quiet_round
-            self._disturbed = False
+            self._told = False
             self._mode += 1
         self._mode_changed.set()
         watch = self._current_watch
@@ -278,7 +279,7 @@ class RunWatcher:
             try:
                 with self._cond:  # one mode's settings, whatever switch comes next
                     mode, watching, quiet_round, told = (self._mode, self._watching,
-                                                         self._quiet_round, self._disturbed)
+                                                         self._quiet_round, self._told)
                 if watching != "full" and told:
                     # Told: nothing more to learn until the node switches the watch.
                     self._mode_changed.wait(self.watch_timeout)
@@ -404,7 +405,7 @@ class RunWatcher:
                     self._relist()
                 with self._cond:
                     if self._mode == mode:
-                        self._disturbed = True
+                        self._told = True
                         if watching == "quiet":  # offer and _relist wake the others' waiters
                             version = (obj.get("metadata") or {}).get("resourceVersion")
                             self._disturbed_version = str(version) if version else None
