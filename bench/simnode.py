@@ -17,7 +17,8 @@ renewal was written.
 A simulated node sends what a real handler of a large run sends, built by the
 product's own code: it reads the run, creates its Lease with its join request
 (:func:`elasticrun.api.leases.node_lease`, ``WaitingNode`` as the handler writes it), opens
-the narrow watch (``status.signal!=S`` from the resourceVersion it read) and, in
+the narrow watch (``status.signal!=S`` from the resourceVersion it read,
+:func:`elasticrun.api.gateway.signal_selector`) and, in
 runs of 256 nodes or more, the watch of its own Lease, where the operator writes
 its place in the round, then, holding that round, the handler's quiet watch
 (metadata only, ``status.stableRound!=R``, :func:`elasticrun.api.gateway.round_selector`),
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-from elasticrun.api.gateway import end_selector, round_selector, settled_selector
+from elasticrun.api.gateway import end_selector, round_selector, settled_selector, signal_selector
 from elasticrun.api.kube import (
     JSON,
     MERGE_PATCH,
@@ -500,7 +501,7 @@ class SimNode:
         formed = self.formed
         assert formed is not None
         while True:
-            query = {"fieldSelector": f"metadata.name={s.run},status.signal!={signal}",
+            query = {"fieldSelector": signal_selector(s.run, signal),
                      "resourceVersion": resource_version}
             seen: dict[str, Any] | None = None
             try:

@@ -67,6 +67,13 @@ def status_body(namespace: str, name: str, resource_version: str | None,
             "status": dict(status)}
 
 
+def signal_selector(run: str, signal: int) -> str:
+    """The field selector of the full watch (:meth:`RunGateway.watch_run`): run ``run``
+    once its ``status.signal`` has moved off ``signal``, the one a node has seen (a run
+    without the field matches too)."""
+    return f"metadata.name={run},status.signal!={signal}"
+
+
 def round_selector(run: str, round_number: int) -> str:
     """The field selector of a member's quiet watch (:meth:`RunGateway.watch_round`): run
     ``run`` once its round ``round_number`` is disturbed (``status.stableRound`` moved off
@@ -358,14 +365,14 @@ class RunGateway:
 
     def watch_run(self, signal: int, resource_version: str | None,
                   timeout_seconds: int) -> Watch:
-        """The narrow watch: the run's events once its ``status.signal`` is not ``signal``.
+        """The narrow watch: the run's events once its ``status.signal`` is not ``signal``
+        (:func:`signal_selector`).
 
         While the signal stays, the run does not match the selector and the
         server sends nothing; it ends the watch after ``timeout_seconds``.
         """
-        selector = f"metadata.name={self.name},status.signal!={signal}"
         return self.client.watch(runs_path(self.namespace),
-                                 {"fieldSelector": selector,
+                                 {"fieldSelector": signal_selector(self.name, signal),
                                   "resourceVersion": resource_version}, timeout_seconds)
 
     def watch_round(self, round_number: int, timeout_seconds: int) -> Watch:
