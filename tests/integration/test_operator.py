@@ -14,6 +14,7 @@ from elasticrun.api.naming import lease_name
 
 from conftest import Cluster, Kubelet, OperatorProcess, consistently, wait_for
 from rdzv import (
+    Outcome,
     is_waiting,
     metric,
     read_run,
@@ -319,6 +320,18 @@ def test_deferring_nodes_seal_themselves_when_no_operator_does(
     assert read_run(cluster.client, namespace, "unattended").status.round == 1
 
 
+def _form_three(make_handler: Any, run: str, max_nodes: int
+                ) -> tuple[list[Any], dict[str, Outcome]]:
+    """Three nodes of ``run`` (at least 2, at most ``max_nodes``, a last call of 2 s)
+    formed in one round, ranked 0 to 2: the handlers, and their outcomes by node name."""
+    nodes = [make_handler(run, f"n{i}", min_nodes=2, max_nodes=max_nodes,
+                          last_call_timeout=2) for i in range(3)]
+    outcomes = rendezvous_all(nodes)
+    _ok(outcomes)
+    assert sorted(o.rank for o in outcomes.values()) == [0, 1, 2]
+    return nodes, outcomes
+
+
 def test_the_largest_runs_tell_each_member_its_place_on_its_lease(
         operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -327,12 +340,8 @@ def test_the_largest_runs_tell_each_member_its_place_on_its_lease(
     from elasticrun.api import rounds
 
     lists = _Counted(monkeypatch, "leases")
-    nodes = [make_handler("told", f"n{i}", min_nodes=2, max_nodes=rounds.TELL_BY_LEASE_FROM,
-                          last_call_timeout=2) for i in range(3)]
-    outcomes = rendezvous_all(nodes)
-    _ok(outcomes)
+    nodes, outcomes = _form_three(make_handler, "told", rounds.TELL_BY_LEASE_FROM)
     ranks = {name: o.rank for name, o in outcomes.items()}
-    assert sorted(ranks.values()) == [0, 1, 2]
     assert {o.world_size for o in outcomes.values()} == {3}
     run = read_run(cluster.client, namespace, "told")
     assert run.status.round == 1 and run.status.signal == 0
@@ -375,12 +384,8 @@ def test_a_quiet_run_tells_its_members_by_the_seals_broadcast_and_they_rejoin_on
     from elasticrun.api.leases import lease_state
 
     lists, reads = _Counted(monkeypatch, "leases"), _Counted(monkeypatch, "read")
-    nodes = [make_handler("quiet", f"n{i}", min_nodes=2, max_nodes=rounds.QUIET_WATCH_FROM,
-                          last_call_timeout=2) for i in range(3)]
-    outcomes = rendezvous_all(nodes)
-    _ok(outcomes)
+    nodes, outcomes = _form_three(make_handler, "quiet", rounds.QUIET_WATCH_FROM)
     ranks = {name: o.rank for name, o in outcomes.items()}
-    assert sorted(ranks.values()) == [0, 1, 2]
     run = read_run(cluster.client, namespace, "quiet")
     assert run.status.round == 1 and run.status.signal == 1
     for node in nodes:
