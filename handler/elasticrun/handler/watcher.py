@@ -365,12 +365,27 @@ class RunWatcher:
 
     def _watch_for_one(self, watching: Watching, quiet_round: int, mode: int) -> None:
         """One of the watches for one event (:meth:`_watch_for_news`), paced by
-        ``QUIET_REOPEN_AFTER``."""
+        ``QUIET_REOPEN_AFTER``: a watch the server ended at once without its news is
+        not opened again at once.  A watch that told its news, or that a switch
+        ended, is not paced: the next watch is the one the node switches to, and
+        it opens at once (a woken member's rejoin waits on it)."""
         opened = time.monotonic()
         self._watch_for_news(watching, quiet_round, mode)
-        if time.monotonic() - opened < QUIET_REOPEN_AFTER:
-            # A watch the server ended at once is not opened again at once.
-            self._stop.wait(QUIET_REOPEN_AFTER)
+        with self._cond:
+            again = self._mode == mode and not self._told
+        if again and time.monotonic() - opened < QUIET_REOPEN_AFTER:
+            self._pause(mode, opened + QUIET_REOPEN_AFTER)
+
+    def _pause(self, mode: int, until: float) -> None:
+        """Wait until ``until`` (monotonic), or until a switch away from ``mode`` or
+        :meth:`stop`, whichever comes first."""
+        while not self._stop.is_set():
+            # Cleared before the mode is read: a switch after the read sets it again.
+            self._mode_changed.clear()
+            remaining = until - time.monotonic()
+            if self._mode != mode or remaining <= 0:
+                return
+            self._mode_changed.wait(remaining)
 
     def _watch_for_news(self, watching: Watching, quiet_round: int, mode: int) -> None:
         """One watch for one event: the quiet watch of ``quiet_round``, the watch for the
