@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from elasticrun.api.rounds import QUIET_WATCH_FROM, TELL_BY_LEASE_FROM
+
 from bench import resize_report, scale_report
 from bench.stats import growth_exponent, summary
 
@@ -355,9 +357,12 @@ def _formation_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
               f"**{_exp(_fit(events))}**, watch bytes **{_exp(_fit(size))}**. "
               "Events stay linear because each node's watch selects only signal changes; "
               "the bytes grow faster because every event carries the whole ElasticRun, whose "
-              "roster is O(N). These runs are under 64 nodes; from 64 on the operator tells "
-              "each member its place on its own Lease instead, and the bytes of a round grow "
-              "linearly (the scale section below).", ""]
+              f"roster is O(N). These runs are below {QUIET_WATCH_FROM} nodes; from "
+              f"{QUIET_WATCH_FROM} a member holding its round watches it quietly and is sent "
+              "the run once a round, with the next seal, and from "
+              f"{TELL_BY_LEASE_FROM:,} the operator tells each member its place on its own "
+              "Lease instead, where the bytes of a round grow linearly (the scale section "
+              "below).", ""]
 
     cpu = {b: _per_n(rows[b], "server_cpu_s") for b in present}
     client = {b: _per_n(rows[b], "client_cpu_s") for b in present}
