@@ -136,8 +136,9 @@ def mixed_timing(n: int, max_nodes: int | None = None) -> Timing:
     target (``status.desired``), so :func:`~elasticrun.api.rounds.announce_due`
     holds no newcomer back.  The newcomer asks under :func:`newcomer_timing`.
     """
-    room = max_nodes if max_nodes is not None else n + 1 if has_room(n) else n
-    return Timing(n, room, last_call=0, keep_alive=TIMING_KEEP_ALIVE)
+    if max_nodes is None:
+        max_nodes = n + 1 if has_room(n) else n
+    return Timing(n, max_nodes, last_call=0, keep_alive=TIMING_KEEP_ALIVE)
 
 
 def newcomer_timing(n: int, bound: float) -> Timing:

@@ -62,7 +62,9 @@ from elasticrun.api.gateway import (
     announce_patch,
     assign_patch,
     end_selector,
+    round_selector,
     settled_selector,
+    signal_selector,
     status_body,
 )
 from elasticrun.api.kube import (
@@ -506,25 +508,20 @@ class FakeGateway(Faults):
 
     def watch_run(self, signal: int, resource_version: str | None,
                   timeout_seconds: int) -> FakeWatch:
+        """As the real one: the whole run, from ``resource_version``, while it matches
+        :func:`~elasticrun.api.gateway.signal_selector`, read as the API server reads it."""
         self._request("watch_run")
-
-        def moved(run: dict[str, Any] | None) -> bool:
-            value = (run or {}).get("status", {}).get("signal", "")
-            return str(value) != str(signal)
-
-        return self.server.watch(self._run, moved, resource_version, timeout_seconds)
+        selector = signal_selector(self.name, signal)
+        return self.server.watch(self._run, lambda run: field_selected(run, selector),
+                                 resource_version, timeout_seconds)
 
     def watch_round(self, round_number: int, timeout_seconds: int) -> FakeWatch:
-        """As the real one: metadata only, from now, while ``status.stableRound`` is not
-        ``round_number`` (an unset field compares as ``""``)."""
+        """As the real one: metadata only, from now, while the run matches
+        :func:`~elasticrun.api.gateway.round_selector`, read as the API server reads it."""
         self._request("watch_round")
-
-        def disturbed(run: dict[str, Any] | None) -> bool:
-            value = (run or {}).get("status", {}).get("stableRound", "")
-            return str(value) != str(round_number)
-
-        return self.server.watch(self._run, disturbed, None, timeout_seconds,
-                                 metadata_only=True)
+        selector = round_selector(self.name, round_number)
+        return self.server.watch(self._run, lambda run: field_selected(run, selector), None,
+                                 timeout_seconds, metadata_only=True)
 
     def watch_settled(self, timeout_seconds: int) -> FakeWatch:
         """As the real one: the whole run, from now, while it matches
