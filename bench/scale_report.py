@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from elasticrun.api import crd
+from elasticrun.api import crd, rounds
+from elasticrun.api.model import RunSpec
 from elasticrun.api.rounds import DEFER_SEAL_FROM, QUIET_WATCH_FROM, TELL_BY_LEASE_FROM
 
 from bench.stats import growth_exponent, summary
@@ -129,10 +130,12 @@ def _frozen_table(frozen: list[dict[str, Any]]) -> list[str]:
 
 
 def _ways(max_nodes: int) -> str:
-    """How a run of ``max_nodes`` tells its members their places and their round's news."""
-    if max_nodes >= TELL_BY_LEASE_FROM:
+    """How a run of ``max_nodes`` tells its members their places and their round's news,
+    by the rules the handler and the operator follow (:mod:`elasticrun.api.rounds`)."""
+    spec = RunSpec(min_nodes=1, max_nodes=max_nodes)
+    if rounds.members_told_by_lease(spec):
         return "places on their Leases, news by the quiet watch"
-    if max_nodes >= QUIET_WATCH_FROM:
+    if rounds.members_watch_quietly(spec):
         return "places by the seal's broadcast, news by the quiet watch"
     return "places and news by the full watch"
 

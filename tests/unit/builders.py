@@ -7,9 +7,11 @@ another test module.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from typing import Any
 
+from elasticrun.api import rounds
 from elasticrun.api.kube import Credentials, KubeClient
 from elasticrun.api.leases import LeaseState
 from elasticrun.api.model import (
@@ -98,3 +100,18 @@ def idle_client() -> KubeClient:
     return KubeClient(Credentials(host="https://127.0.0.1:1", ca_file=None, cert_file=None,
                                   key_file=None, verify=False, config=None),
                       timeout=1.0, user_agent="ua")
+
+
+def large_spec() -> RunSpec:
+    """A run whose operator tells members on their Leases (the largest runs), formed by
+    one node."""
+    return RunSpec(min_nodes=1, max_nodes=rounds.TELL_BY_LEASE_FROM, join_timeout=60,
+                   last_call_timeout=1, heartbeat_timeout=30, lease_renew_interval=10)
+
+
+def quiet_spec() -> RunSpec:
+    """A run whose members watch their rounds quietly and learn their places from the
+    seal's broadcast (maxNodes 256)."""
+    quiet = dataclasses.replace(large_spec(), max_nodes=rounds.QUIET_WATCH_FROM)
+    assert rounds.members_watch_quietly(quiet) and not rounds.members_told_by_lease(quiet)
+    return quiet

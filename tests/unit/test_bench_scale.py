@@ -15,6 +15,7 @@ import pytest
 from elasticrun.api.model import ElasticRun, WaitingNode
 from elasticrun.api.rounds import decide_seal, members_told_by_lease, members_watch_quietly
 
+from bench import scale_report
 from bench.backends import Timing, run_spec
 from bench.scale import NEWCOMER, Plan, mixed_timing, newcomer_timing
 from builders import at, sealed
@@ -94,3 +95,12 @@ def test_the_quick_plan_reaches_every_way_a_run_tells_its_members() -> None:
     assert ways == {(False, False)}
     assert regimes == {(True, False), (True, True)}
     assert all(mixed_timing(8, m).max_nodes == m for m in quick.regimes)
+
+
+def test_the_regimes_table_names_each_runs_ways_by_the_rules() -> None:
+    """The page names a run's ways from ``rounds``' own rules, so it cannot drift from them."""
+    quick = Plan.quick()
+    named = {scale_report._ways(m) for m in quick.regimes}
+    assert len(named) == len(quick.regimes)
+    assert scale_report._ways(min(quick.mixed_sizes) + 1) not in named
+    assert "Leases" in scale_report._ways(max(quick.regimes))

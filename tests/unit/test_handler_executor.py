@@ -41,7 +41,7 @@ from elasticrun.handler.session import RunSession
 from elasticrun.handler.settings import RendezvousSettings, from_parameters
 from elasticrun.inplace.source import FileRoundSource
 
-from builders import sealed
+from builders import large_spec, quiet_spec, sealed
 from conftest import wait_for
 
 RUN_NAME = "r"
@@ -474,21 +474,6 @@ def test_a_round_its_workers_report_lost_is_re_formed_in_place_by_the_followers(
     assert rejoined < 2.0  # LOST_FILE_INTERVAL (0.2 s) and the join, with room for a loaded CPU
     assert [p["name"] for p in server.run(RUN_NAME)["status"]["participants"]] == ["a", "b"]
     assert waiting == {0}
-
-
-def large_spec() -> RunSpec:
-    """A run whose operator tells members on their Leases (the largest runs), formed by
-    one node."""
-    return RunSpec(min_nodes=1, max_nodes=rounds.TELL_BY_LEASE_FROM, join_timeout=60,
-                   last_call_timeout=1, heartbeat_timeout=30, lease_renew_interval=10)
-
-
-def quiet_spec() -> RunSpec:
-    """A run whose members watch their rounds quietly and learn their places from the
-    seal's broadcast (maxNodes 256)."""
-    quiet = dataclasses.replace(large_spec(), max_nodes=rounds.QUIET_WATCH_FROM)
-    assert rounds.members_watch_quietly(quiet) and not rounds.members_told_by_lease(quiet)
-    return quiet
 
 
 def seal_as_the_operator(server: FakeApiServer, *names: str) -> RunStatus:

@@ -14,12 +14,10 @@ import time
 import pytest
 from fakegateway import FakeApiServer, FakeGateway
 
-from elasticrun.api import rounds
-from elasticrun.api.model import RunSpec
 from elasticrun.handler import watcher as watcher_mod
 from elasticrun.handler.watcher import RunWatcher
 
-from builders import sealed
+from builders import quiet_spec, sealed
 from conftest import wait_for
 
 RUN_NAME = "r"
@@ -31,11 +29,8 @@ LONG_PAUSE = 60.0
 
 @pytest.fixture
 def server() -> FakeApiServer:
-    quiet = RunSpec(min_nodes=1, max_nodes=rounds.QUIET_WATCH_FROM, join_timeout=60,
-                    last_call_timeout=1, heartbeat_timeout=30, lease_renew_interval=10)
-    assert rounds.members_watch_quietly(quiet)
     server = FakeApiServer("ns")
-    server.seed_run(RUN_NAME, quiet, sealed("a", "b", round_=1))
+    server.seed_run(RUN_NAME, quiet_spec(), sealed("a", "b", round_=1))
     return server
 
 
