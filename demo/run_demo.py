@@ -59,6 +59,9 @@ NAMESPACE = "demo"
 RUN = "demo"
 TRAIN = ROOT / "deploy" / "examples" / "train.py"
 EPOCH_LINE = re.compile(r"rank (\d+)/(\d+) epoch (\d+) done, loss ([0-9.eE+-]+)")
+#: A worker's first training step since it started (``train.py``): rank 0's says when
+#: training moved again after a round changed.
+FIRST_STEP_LINE = re.compile(r"rank 0/\d+ first step done")
 
 
 # --------------------------------------------------------------------------- output
@@ -79,7 +82,8 @@ class Console:
         return f"\033[{code}m{text}\033[0m" if self.color else text
 
     def line(self, kind: str, message: str) -> None:
-        codes = {"round": "1;32", "lost": "1;31", "wait": "1;33", "step": "1;36", "info": "0"}
+        codes = {"round": "1;32", "lost": "1;31", "wait": "1;33", "step": "1;36", "train": "1;34",
+                 "info": "0"}
         stamp = f"{time.monotonic() - self.started:6.1f}s"
         text = f"{stamp}  {self._paint(f'{kind:<6}', codes.get(kind, '0'))} {message}"
         with self._lock:
@@ -142,6 +146,14 @@ class Story:
     joined_at: float | None = None
     recovery_seconds: float | None = None
     admission_seconds: float | None = None
+    #: When the members were told of the newcomer (``status.joinNotice`` reached their
+    #: round): their agents stop the workers then.
+    told_at: float | None = None
+    #: From the kill until rank 0's first training step in the survivors' round: how long
+    #: training stood still for the loss (the round, then the workers' restart).
+    training_back_after_loss: float | None = None
+    #: From the members being told of the newcomer until rank 0's first step in its round.
+    training_back_after_admission: float | None = None
     exit_codes: dict[str, int | None] = field(default_factory=dict)
     wall_seconds: float = 0.0
     success: bool = False
@@ -248,6 +260,8 @@ class Demo:
                 m = EPOCH_LINE.search(line)
                 if m and m.group(1) == "0":
                     self._epoch(int(m.group(3)), float(m.group(4)), int(m.group(2)))
+                elif FIRST_STEP_LINE.search(line):
+                    self._training_back(time.monotonic())
 
     def _epoch(self, epoch: int, loss: float, world: int) -> None:
         with self._epoch_cond:
@@ -255,6 +269,27 @@ class Demo:
             self.story.final_loss = loss
             self._epoch_cond.notify_all()
         self.console.progress(epoch, self.args.epochs, loss, world)
+
+    def _training_back(self, at: float) -> None:
+        """Rank 0's workers took their first step at ``at``: training moves again.
+
+        The first such step after the kill ends the stand-still of the loss, the
+        first after the members were told of the newcomer ends the admission's.
+        """
+        with self._epoch_cond:  # one node's output thread at a time
+            self._back_at(at)
+
+    def _back_at(self, at: float) -> None:
+        s, c = self.story, self.console
+        if s.killed_at is not None and s.training_back_after_loss is None and at > s.killed_at:
+            s.training_back_after_loss = at - s.killed_at
+            c.line("train", f"  -> training back {s.training_back_after_loss:.2f}s after the "
+                            "kill: the survivors' workers restarted and loaded the checkpoint")
+        elif s.told_at is not None and s.training_back_after_admission is None \
+                and at > s.told_at:
+            s.training_back_after_admission = at - s.told_at
+            c.line("train", f"  -> training back {s.training_back_after_admission:.2f}s after "
+                            f"the members were told of {s.joined}")
 
     def wait_for_epoch(self, epoch: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -322,17 +357,7 @@ class Demo:
                             "passed torch's exit barrier, or all left after finishing)")
         elif o is not None and s.phase != o.phase and s.phase == "Closed":
             c.line("round", "run Closed: waiting and late nodes are refused")
-        known = o.waiting_names if o else frozenset()
-        for w in s.waiting:
-            if w.name in known or (o is not None and w.name in o.member_names):
-                continue
-            if s.round == 0:
-                c.line("wait", f"{w.name} joined; the first round is sealed when "
-                               f"{new.spec.max_nodes} nodes are in, or {new.spec.min_nodes} "
-                               f"and {new.spec.last_call_timeout}s have passed")
-            else:
-                c.line("wait", f"{w.name} is waiting: the members see num_nodes_waiting() > 0 "
-                               "and restart their workers for a new round")
+        self._report_waiting(new, old)
         seen = {(m.name, m.round, m.reason) for m in (o.lost_members if o else ())}
         for m in s.lost_members:
             if (m.name, m.round, m.reason) in seen:
@@ -348,6 +373,26 @@ class Demo:
                            f"({m.message or ''}){detection}")
             self.story.lost.append({"name": m.name, "round": m.round, "reason": m.reason,
                                     "detection_seconds": m.detection_seconds})
+
+    def _report_waiting(self, new: ElasticRun, old: ElasticRun | None) -> None:
+        """Nodes that asked to join, and the members' notice of them."""
+        c, s, o = self.console, new.status, old.status if old else None
+        known = o.waiting_names if o else frozenset()
+        for w in s.waiting:
+            if w.name in known or (o is not None and w.name in o.member_names):
+                continue
+            if s.round == 0:
+                c.line("wait", f"{w.name} joined; the first round is sealed when "
+                               f"{new.spec.max_nodes} nodes are in, or {new.spec.min_nodes} "
+                               f"and {new.spec.last_call_timeout}s have passed")
+            else:
+                c.line("wait", f"{w.name} is waiting: the members see num_nodes_waiting() > 0 "
+                               "and restart their workers for a new round")
+        if o is not None and s.round and s.join_notice >= s.round > o.join_notice:
+            if self.story.joined_at is not None and self.story.told_at is None:
+                self.story.told_at = time.monotonic()
+            c.line("wait", f"round {s.round}'s members are told a node waits (joinNotice): "
+                           "their num_nodes_waiting() > 0, they restart their workers")
 
     def _timings(self, members: set[str]) -> None:
         now = time.monotonic()
@@ -423,11 +468,17 @@ def summary(story: Story, console: Console, args: argparse.Namespace) -> None:
                    f"{story.final_loss if story.final_loss is not None else '-'}")
     c.line("info", f"rounds: {len(story.rounds)} (world sizes {story.world_sizes})")
     if story.recovery_seconds is not None:
+        back = story.training_back_after_loss
         c.line("info", f"lost {story.killed}: new round {story.recovery_seconds:.2f}s after the "
-                       "kill (training resumed from the last checkpoint)")
+                       "kill, training back "
+                       + (f"{back:.2f}s after it" if back is not None else "not seen")
+                       + " (the workers restarted from the last checkpoint)")
     if story.admission_seconds is not None:
+        back = story.training_back_after_admission
         c.line("info", f"{story.joined} admitted {story.admission_seconds:.2f}s after it "
-                       "started")
+                       "started; training stood still "
+                       + (f"{back:.2f}s" if back is not None else "(end not seen)")
+                       + " from the members' notice (their workers restarted for it)")
     c.line("info", f"agents' exit codes: {story.exit_codes}; wall time "
                    f"{story.wall_seconds:.0f}s")
     if args.keep:

@@ -94,6 +94,7 @@ def main() -> int:
     ddp = DistributedDataParallel(model, device_ids=[device.index] if backend == "nccl" else None)
     loss_fn = torch.nn.MSELoss()
     loss = torch.tensor(0.0)
+    first_step = True
     for epoch in range(start, args.epochs):
         for step in range(args.steps_per_epoch):
             x, y = batch(epoch, step, rank, args.batch_size)
@@ -101,6 +102,11 @@ def main() -> int:
             loss = loss_fn(ddp(x.to(device)), y.to(device))
             loss.backward()
             optimizer.step()
+            if first_step:
+                # When training moves again after a restart: what a lost or added
+                # node costs, beyond the round itself.
+                log.info("first step done (epoch %d)", epoch)
+                first_step = False
         if rank == 0:
             save(args.checkpoint, model, optimizer, epoch + 1)
         dist.barrier()

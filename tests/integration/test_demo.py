@@ -64,6 +64,13 @@ def test_demo_trains_loses_a_node_admits_a_new_one_and_cleans_up(tmp_path: Path)
     assert any(lost["name"] == killed and lost["reason"] == "PodDeleted"
                for lost in story["lost"])
     assert story["recovery_seconds"] is not None and story["admission_seconds"] is not None
+    # What users feel: training stands still from the kill until rank 0's workers take a
+    # step in the survivors' round, which forms first; and again from the members' notice
+    # of the newcomer until a step in its round.
+    back_after_loss = story["training_back_after_loss"]
+    assert back_after_loss is not None and back_after_loss > story["recovery_seconds"], story
+    assert story["told_at"] is not None and story["training_back_after_admission"] is not None
+    assert f"training back {back_after_loss:.2f}s after the kill" in result.stdout
     # Success is not loss: the first member out of the last round found it past torch's
     # exit barrier and marked the run Succeeded (the others leave a finished run as it is),
     # and nothing but the kill is recorded as a loss.
