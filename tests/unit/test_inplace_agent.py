@@ -95,13 +95,18 @@ def test_a_loss_is_followed_in_place_and_a_newcomer_restarts_the_workers() -> No
 
 
 def test_workers_report_a_lost_round_next_to_the_round_file(tmp_path: Path) -> None:
-    from elasticrun.api.roundfile import RoundFileError, decode_lost, lost_file
+    from elasticrun.api.roundfile import MAX_BYTES, RoundFileError, decode_lost, lost_file
     from elasticrun.inplace.source import FileRoundSource
 
     path = tmp_path / "node.json"
     FileRoundSource(path).report_lost(4)
     assert lost_file(path) == tmp_path / "node.json.lost"
     assert decode_lost(lost_file(path).read_bytes()) == 4
-    for bad in ("", "[]", '{"round": 0}', '{"round": true}', "x" * 5000):
-        with pytest.raises(RoundFileError):
+    # The long one is a lost round in every other respect: only the size refuses it.
+    padded = '{"round": 4, "pad": "' + "x" * MAX_BYTES + '"}'
+    for bad, says in (("", "not JSON"), ("[]", "a JSON object"),
+                      ('{"round": 0}', "'round'=0 is outside"),
+                      ('{"round": true}', "'round' must be a whole number"),
+                      (padded, f"more than.*{MAX_BYTES}")):
+        with pytest.raises(RoundFileError, match=says):
             decode_lost(bad)
