@@ -36,6 +36,13 @@ def _events(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines() if line.endswith("}")]
 
 
+def _in_common(one: Path, other: Path, round_: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The events of ``round_`` that two workers logged at the same step, paired."""
+    steps = {e["step"]: e for e in _events(one) if e.get("round") == round_}
+    return [(steps[e["step"]], e) for e in _events(other)
+            if e.get("round") == round_ and e["step"] in steps]
+
+
 def _wait_for(what: str, check: Callable[[], Any], procs: list[Any]) -> Any:
     deadline = time.monotonic() + WAIT
     while time.monotonic() < deadline:
@@ -99,11 +106,11 @@ def test_survivors_recover_in_place_and_a_newcomer_joins(tmp_path: Path) -> None
             assert event["pid"] == procs[i].pid, "the survivor is the same process"
             assert (event["world"], event["env_world"], event["rank"], event["env_rank"]) \
                 == (2, "2", i, str(i))
-        steps = {e["step"]: e for e in _events(logs[0]) if e.get("round") == 2}
-        for e in _events(logs[1]):
-            if e.get("round") == 2 and e["step"] in steps:
-                assert e["params"] == steps[e["step"]]["params"], f"step {e['step']}"
-                assert e["momentum"] == steps[e["step"]]["momentum"]
+        shared = _in_common(logs[0], logs[1], round_=2)
+        assert shared, "the survivors logged no step of round 2 in common"
+        for mine, theirs in shared:
+            assert mine["params"] == theirs["params"], f"step {mine['step']}"
+            assert mine["momentum"] == theirs["momentum"]
         assert not any(e["event"] == "step" and e["round"] == 1 and e["step"] > DIE_AT
                        for e in _events(logs[0])), "no step past the loss in round 1"
 
