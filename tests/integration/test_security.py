@@ -538,9 +538,14 @@ def test_a_false_report_of_an_unreachable_rank0_removes_nobody(
 
     A writer of the run (a buggy or hostile member; the admin token stands in for
     its own) reports the live rank 0 unreachable, again and again: the operator
-    looks at rank 0's Lease, sees it renewed, and removes nobody.
+    looks at rank 0's Lease, sees it renewed, and removes nobody.  The positive
+    control: the same report standing, rank 0 stops renewing, and the operator
+    removes it for the report (``StoreUnreachable``, after the 2 s suspicion
+    window) well before its 6 s heartbeat would (``LeaseExpired``), so the report
+    did reach the operator and was weighed.
     """
-    nodes = [make_handler("liar", f"liar-{i}", min_nodes=3, heartbeat_timeout=3,
+    heartbeat = 6  # the suspicion window is two renewals (2 s): the two reasons 4 s apart
+    nodes = [make_handler("liar", f"liar-{i}", min_nodes=3, heartbeat_timeout=heartbeat,
                           lease_renew_interval=1) for i in range(3)]
     assert_all_ok(rendezvous_all(nodes))
     run = read_run(cluster.client, namespace, "liar")
@@ -557,6 +562,16 @@ def test_a_false_report_of_an_unreachable_rank0_removes_nobody(
     assert final.status.member_names == {"liar-0", "liar-1", "liar-2"}
     assert final.status.lost_members == ()
     assert all(node.num_nodes_waiting() == 0 for node in nodes)
+    # The report still stands on the liar's Lease; now rank 0 does go quiet.
+    next(n for n in nodes if n.settings.node_name == leader).lease.stop_renewing()
+    quiet = time.monotonic()
+    wait_for(lambda: read_run(cluster.client, namespace, "liar").status.lost_members, 15,
+             "the reported rank 0 to be removed once its Lease went quiet")
+    removed_after = time.monotonic() - quiet
+    (lost,) = read_run(cluster.client, namespace, "liar").status.lost_members
+    assert (lost.name, lost.reason) == (leader, rounds.LEADER_LOST), lost
+    assert f"did not answer {liar}" in (lost.message or ""), lost.message
+    assert removed_after < heartbeat, removed_after
 
 
 def test_metric_series_of_deleted_runs_are_removed(operator: OperatorProcess,
