@@ -981,6 +981,15 @@ def test_one_crafted_lease_costs_the_operator_a_few_requests_not_a_loop(
     assert current.status.waiting == () and current.status.lost_members == ()
     for lease in crafted:
         assert not _gone(cluster, namespace, lease["metadata"]["name"])
+    # The control: the same count sees the operator's requests when it has work (its
+    # user, this namespace): the drain of a member is a write of run-a by it.
+    drained = audit.mark()
+    cluster.client.request("PATCH", run_path(namespace, "run-a"), body={"metadata": {
+        "annotations": {crd.DRAIN_ANNOTATION: "run-a-1"}}}, content_type=MERGE_PATCH)
+    wait_for(lambda: [e for e in audit.entries(namespace, since=drained)
+                      if e.user == operator_user and e.resource == "elasticruns"
+                      and e.verb in {"update", "patch"}], 15,
+             f"the drain's write of run-a by {operator_user} in the audit log")
     record("one crafted Lease against the operator (issue 20, case 2)", group="security",
            fault="3 expired Leases labelled for a run: under another name, owned by another "
                  "uid, without an owner",
