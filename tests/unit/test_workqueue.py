@@ -64,6 +64,7 @@ def test_a_failed_reconcile_is_tried_again() -> None:
 
 def test_a_later_timer_replaces_an_earlier_one() -> None:
     calls: list[Key] = []
+    seen: list[list[Key]] = []
 
     async def scenario() -> None:
         async def work(key: Key) -> None:
@@ -73,11 +74,16 @@ def test_a_later_timer_replaces_an_earlier_one() -> None:
         queue.start()
         queue.schedule(("ns", "r"), now() + dt.timedelta(seconds=0.1))
         queue.schedule(("ns", "r"), now() + dt.timedelta(seconds=30))
+        await asyncio.sleep(0.3)  # three times the replaced timer
+        seen.append(list(calls))
+        # Positive control: the same queue runs a timer that is not replaced, once.
+        queue.schedule(("ns", "r"), now() + dt.timedelta(seconds=0.1))
         await asyncio.sleep(0.3)
         await queue.stop()
 
     asyncio.run(scenario())
-    assert calls == []
+    assert seen == [[]]
+    assert calls == [("ns", "r")]
 
 
 def test_a_run_woken_while_it_is_reconciled_waits_and_is_reconciled_once_more() -> None:
