@@ -166,17 +166,32 @@ def test_leases_of_any_shape_are_read_without_raising(items: list[Any]) -> None:
     _decide_everything([i for i in items if isinstance(i, dict)])
 
 
-@pytest.mark.parametrize("join", [DEEP, "x" * 256 * 1024, '{"since": 1e999}', "[1]",
-                                  '{"since": "9999-12-31T23:59:59-23:59", "storePort": 1}'])
-def test_an_unreadable_join_request_is_no_request_and_says_why(join: str) -> None:
-    state = lease_state(_lease("n0", join, "2026-11-30T12:00:00Z", 15,
-                               [{"kind": crd.KIND, "uid": UID}], "2026-11-30T12:00:00Z"),
+def _joining(join: str) -> dict[str, Any]:
+    """n0's live Lease of the run, carrying the join annotation ``join``."""
+    return _lease("n0", join, "2026-11-30T12:00:00Z", 15, [{"kind": crd.KIND, "uid": UID}],
+                  "2026-11-30T12:00:00Z")
+
+
+@pytest.mark.parametrize(("join", "why"), [
+    (DEEP, "200000 characters, more than the 4096 a request may have"),
+    ("x" * 256 * 1024, "262144 characters, more than the 4096 a request may have"),
+    ('{"since": 1e999}', "expected an RFC 3339 time, found inf"),
+    ("[1]", "expected a JSON object, found list"),
+])
+def test_an_unreadable_join_request_is_no_request_and_says_why(join: str, why: str) -> None:
+    state = lease_state(_joining(join), seen=NOW)
+    assert state.join is None
+    assert state.problem is not None and "join request ignored" in state.problem
+    assert why in state.problem, state.problem
+    assert pending_joins([state], RunStatus(), NOW, UID, 15) == ()
+
+
+def test_a_year_9999_join_request_is_clamped_and_waits() -> None:
+    state = lease_state(_joining('{"since": "9999-12-31T23:59:59-23:59", "storePort": 1}'),
                         seen=NOW)
-    if state.join is not None:  # the year-9999 request: clamped, and harmless
-        assert state.join.since == untrusted.LATEST
-        assert pending_joins([state], RunStatus(), NOW, UID, 15)[0].name == "n0"
-    else:
-        assert state.problem is not None and "join request ignored" in state.problem
+    assert state.problem is None and state.join is not None
+    assert state.join.since == untrusted.LATEST
+    assert [w.name for w in pending_joins([state], RunStatus(), NOW, UID, 15)] == ["n0"]
 
 
 def test_extreme_times_are_clamped_not_overflowed() -> None:
