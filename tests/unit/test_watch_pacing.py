@@ -75,17 +75,37 @@ def test_a_switch_ends_the_pause_of_a_watch_the_server_ended(
 def test_a_quiet_watch_that_told_its_news_at_once_leaves_no_pause_before_the_next_watch(
         server: FakeApiServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """The round is disturbed before the quiet watch opens: its news comes with the opening,
-    and the member's rejoin switches to the settled watch at once."""
+    and the member's rejoin switches to the settled watch at once.
+
+    A switch ends a pause (the test above), so how soon the settled watch opens
+    cannot tell whether a pause followed the news: the pauses the watcher takes
+    are counted instead."""
     monkeypatch.setattr(watcher_mod, "QUIET_REOPEN_AFTER", LONG_PAUSE)
     gateway = FakeGateway(server, RUN_NAME)
     watcher = RunWatcher(gateway, watch_timeout=300)
-    watcher.watch_quietly(2)  # the run holds round 1: round 2 shows as disturbed
+    pauses: list[int] = []
+    pause = watcher._pause
+
+    def counted(mode: int, until: float) -> None:
+        pauses.append(mode)
+        pause(mode, until)
+
+    monkeypatch.setattr(watcher, "_pause", counted)
+    watcher.watch_quietly(1)  # the run holds round 1, undisturbed: no news
     watcher.start()
     try:
+        # Positive control: a quiet watch the server ends without its news is paused after.
+        wait_for(lambda: server.watches, BOUND, "the quiet watch open", interval=0.01)
+        server.end_watches()
+        wait_for(lambda: pauses, BOUND, "a pause after the ended watch", interval=0.01)
+        watcher.watch_quietly(2)  # round 2 shows as disturbed as the watch opens
         wait_for(lambda: watcher.disturbed(2), BOUND, "round 2 disturbed", interval=0.01)
-        assert watcher.disturbed_version is not None
+        assert watcher.disturbed_version == server.run(RUN_NAME)["metadata"]["resourceVersion"]
         watcher.watch_for_settled()
         wait_for(lambda: gateway.reached["watch_settled"], BOUND, "the settled watch",
                  interval=0.01)
+        # The watch's thread decides on a pause before it opens the next watch: with the
+        # settled watch open, a pause after round 2's news would have been counted.
+        assert len(pauses) == 1
     finally:
         watcher.stop()
