@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import email
 import hashlib
+import os
 import subprocess
 import sys
 import tarfile
@@ -94,8 +95,8 @@ def test_the_wheel_installs_the_kubectl_plugin_and_its_package(wheel: zipfile.Zi
             "elasticrun/api/crd.yaml"} <= names
 
 
-#: Refuses every import of the packages the plugin must not need, then runs it.
-_WITHOUT_EXTRAS = """
+#: Refuses every import of the packages the plugin must not need.
+_REFUSE = """
 import sys
 class Refuse:
     def find_spec(self, name, path=None, target=None):
@@ -103,20 +104,32 @@ class Refuse:
                 or name.startswith("elasticrun.operator") or name.startswith("elasticrun.handler"):
             raise ImportError("the plugin imported " + name)
 sys.meta_path.insert(0, Refuse())
+"""
+#: The plugin run with those imports refused.
+_WITHOUT_EXTRAS = _REFUSE + """
 from elasticrun.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
+def _python(code: str, *argv: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by this venv's interpreter on this checkout's sources: the venv's
+    editable install may name another checkout's."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "handler")}
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          timeout=60, check=False, env=env)
+
+
 def test_the_plugin_needs_only_the_handlers_dependencies() -> None:
+    # Positive control: an import the plugin must not make is refused.
+    refused = _python(_REFUSE + "import elasticrun.handler.settings")
+    assert refused.returncode == 1
+    assert "ImportError: the plugin imported elasticrun.handler" in refused.stderr
     for argv in (["--help"], ["resize", "--help"]):
-        done = subprocess.run([sys.executable, "-c", _WITHOUT_EXTRAS, *argv],
-                              capture_output=True, text=True, timeout=60, check=False)
+        done = _python(_WITHOUT_EXTRAS, *argv)
         assert done.returncode == 0, done.stderr
         assert "usage: kubectl elasticrun" in done.stdout
     # A real verb too: it gets as far as loading credentials, without torch or kopf.
-    done = subprocess.run([sys.executable, "-c", _WITHOUT_EXTRAS, "status", "r",
-                           "--kubeconfig", "/nonexistent"], capture_output=True, text=True,
-                          timeout=60, check=False)
+    done = _python(_WITHOUT_EXTRAS, "status", "r", "--kubeconfig", "/nonexistent")
     assert done.returncode == 1, done.stderr
     assert done.stderr.startswith("error: cannot load credentials from kubeconfig /nonexistent")
