@@ -72,7 +72,13 @@ from elasticrun.api.leases import (
 )
 from elasticrun.api.model import ElasticRun, RunSpec, WaitingNode, format_time, now, parse_run
 from elasticrun.api.naming import lease_name
-from elasticrun.api.rounds import members_told_by_lease, members_watch_quietly, nodes_waiting
+from elasticrun.api.rounds import (
+    defer_seal_wait,
+    may_keep_place,
+    members_told_by_lease,
+    members_watch_quietly,
+    nodes_waiting,
+)
 
 #: Bound on one request, and on a whole formation as a node sees it.
 REQUEST_BOUND = 60.0
@@ -338,9 +344,16 @@ class SimNode:
         watch re-opened from the change it saw, and in large runs its Lease watch.
         Told by the quiet watch, it reads nothing, as the handler does: it
         watches for the run's end instead of the run (:meth:`_follow_end`) until
-        its Lease tells it its place.
+        its Lease tells it its place.  Where the operator keeps its place
+        (:func:`~elasticrun.api.rounds.may_keep_place`) it writes nothing and waits
+        for the round that keeps it, as long as the handler does, before it asks.
         """
         assert self.lease is not None
+        held = int(self.formed.result()["round"]) if self.formed is not None else 0
+        if change.run is not None and change.resource_version is not None \
+                and may_keep_place(change.run, self.name, held):
+            with contextlib.suppress(TimeoutError):
+                return await asyncio.wait_for(self._kept(change), defer_seal_wait(change.run.spec))
         join = WaitingNode(name=self.name, address="127.0.0.1", store_port=self.port,
                            since=now())
         patched = json.loads(await self.requests.request(
@@ -357,6 +370,15 @@ class SimNode:
         assert change.resource_version is not None
         return await self._placed(change.run.spec, join, change.run.status.signal,
                                   change.resource_version, lease_version)
+
+    async def _kept(self, change: Change) -> dict[str, Any]:
+        """The round that keeps this node's place, watched from the change it saw."""
+        assert change.run is not None and change.resource_version is not None
+        self.watch = self.shared.connection(self.tickets)
+        self.mailbox = self.shared.connection(self.tickets)
+        unused = WaitingNode(name=self.name)  # no Lease watch: runs told on Leases keep no place
+        return await self._placed(change.run.spec, unused, change.run.status.signal,
+                                  change.resource_version, "")
 
     async def _placed(self, spec: RunSpec, join: WaitingNode, signal: int | None,
                       run_version: str | None, lease_version: str) -> dict[str, Any]:

@@ -420,3 +420,96 @@ def test_a_quiet_run_tells_its_members_by_the_seals_broadcast_and_they_rejoin_on
     for node in survivors:
         wait_for(lambda node=node: node.watcher.quiet_round == 2, 15, "the quiet watch again")
     assert all(n.num_nodes_waiting() == 0 for n in survivors)
+
+
+def _requests(cluster: Cluster, namespace: str, run: str, names: list[str]) -> dict[str, Any]:
+    """The join request on each node's Lease (its ``since``)."""
+    from elasticrun.api.leases import lease_state
+
+    found = {}
+    for name in names:
+        lease = cluster.client.request("GET", lease_path(namespace, lease_name(run, name)))
+        join = lease_state(lease).join
+        found[name] = join.since if join is not None else None
+    return found
+
+
+def _newcomers_round(make_handler: Any, cluster: Cluster, namespace: str, run: str,
+                     max_nodes: int) -> tuple[list[Any], Any, Any, dict[str, Any]]:
+    """Three nodes form ``run``, then a fourth asks and every member comes back for it: the
+    members and the newcomer, the two rounds' statuses, and the members' requests on their
+    Leases as the first round sealed them."""
+    nodes, _ = _form_three(make_handler, run, max_nodes)
+    names = [n.settings.node_name for n in nodes]
+    first = read_run(cluster.client, namespace, run).status
+    asked = _requests(cluster, namespace, run, names)
+    assert asked == {p.name: p.since for p in first.participants}
+    newcomer = make_handler(run, "n3", min_nodes=2, max_nodes=max_nodes, last_call_timeout=2)
+    thread, box = start_rendezvous(newcomer)
+    wait_for(lambda: all(n.num_nodes_waiting() > 0 for n in nodes), 15,
+             "the members to hear of the newcomer")
+    again = rendezvous_all(nodes)
+    thread.join(30)
+    _ok(again)
+    assert "info" in box, box
+    second = read_run(cluster.client, namespace, run).status
+    assert second.round == 2
+    assert {p.name: p.rank for p in second.participants} == {
+        **{p.name: p.rank for p in first.participants}, "n3": 3}
+    assert {o.world_size for o in again.values()} == {box["info"].world_size} == {4}
+    return [*nodes, newcomer], first, second, asked
+
+
+def test_members_keep_their_places_in_the_rounds_the_operator_seals(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster,
+        namespace: str) -> None:
+    """maxNodes 64 (the operator seals): for a newcomer and after a loss, only rank 0 asks
+    again; every other member writes no request and keeps its place, which answers the
+    request of its first round again."""
+    from elasticrun.api import rounds
+    from elasticrun.api.model import RunSpec
+
+    assert rounds.members_keep_places(RunSpec(min_nodes=2, max_nodes=rounds.DEFER_SEAL_FROM))
+    nodes, first, second, asked = _newcomers_round(make_handler, cluster, namespace, "kept",
+                                                   rounds.DEFER_SEAL_FROM)
+    leader = first.leader
+    members = [n for n in nodes if n.settings.node_name != leader]
+    kept = [n.settings.node_name for n in members if n.settings.node_name != "n3"]
+    assert {name: second.participant(name).since  # type: ignore[union-attr]
+            for name in kept} == {name: asked[name] for name in kept}
+    assert _requests(cluster, namespace, "kept", kept) == {name: asked[name] for name in kept}
+    assert second.participant(leader).since != asked[leader]  # type: ignore[arg-type,union-attr]
+    # A loss: the survivors' round keeps the places of all but rank 0, the newcomer's too.
+    leaving = next(n for n in members if second.participant(n.settings.node_name).rank == 2)
+    survivors = [n for n in nodes if n is not leaving]
+    before = _requests(cluster, namespace, "kept",
+                       [n.settings.node_name for n in survivors])
+    leaving.shutdown()
+    wait_for(lambda: all(n.num_nodes_waiting() > 0 for n in survivors), 15,
+             "the survivors to hear of the loss")
+    again = rendezvous_all(survivors)
+    _ok(again)
+    third = read_run(cluster.client, namespace, "kept").status
+    assert third.round == 3 and third.leader == leader
+    assert sorted(p.rank for p in third.participants) == [0, 1, 2]
+    assert {o.world_size for o in again.values()} == {3}
+    stayed = [n.settings.node_name for n in survivors if n.settings.node_name != leader]
+    assert _requests(cluster, namespace, "kept", stayed) == {n: before[n] for n in stayed}
+    assert {n: third.participant(n).since for n in stayed} == {  # type: ignore[union-attr]
+        n: before[n] for n in stayed}
+
+
+def test_members_ask_again_in_the_rounds_nodes_seal(
+        make_handler: Any, cluster: Cluster, namespace: str) -> None:
+    """The positive control of the test above: below ``DEFER_SEAL_FROM`` every member
+    writes a new request for the newcomer's round, and the round answers those."""
+    from elasticrun.api import rounds
+    from elasticrun.api.model import RunSpec
+
+    assert not rounds.members_keep_places(RunSpec(min_nodes=2, max_nodes=8))
+    _, first, second, asked = _newcomers_round(make_handler, cluster, namespace, "asked", 8)
+    names = [p.name for p in first.participants]
+    now_asked = _requests(cluster, namespace, "asked", names)
+    assert all(now_asked[name] != asked[name] for name in names), (asked, now_asked)
+    assert {name: second.participant(name).since  # type: ignore[union-attr]
+            for name in names} == now_asked

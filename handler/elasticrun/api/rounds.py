@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from elasticrun.api import untrusted
@@ -111,6 +111,79 @@ def members_watch_quietly(spec: RunSpec) -> bool:
     whole run once a round, with the next seal.
     """
     return spec.max_nodes >= QUIET_WATCH_FROM
+
+
+def members_keep_places(spec: RunSpec) -> bool:
+    """Whether the members of a re-forming round keep their places without asking again.
+
+    Where the operator seals (:func:`nodes_defer_seal`), a disturbed round used
+    to wait for every member to write a new request on its Lease and for all N
+    to reach the operator: at 64 and 128 nodes a newcomer's round took 11 and
+    18 times the floor's newcomer, nearly all of it those N writes.  A member
+    whose workers torchrun restarts is coming back, and the operator sees its
+    Lease renewed: so only the round's rank 0 asks again, because its request
+    names the fresh store the next round meets at (a store that outlives its
+    round hands new workers the addresses of old ones, pytorch/pytorch#135712,
+    :class:`~elasticrun.handler.store.RoundStores`), and the operator seals
+    the next round as soon as it has that request, every other member keeping
+    its place and rank (:func:`kept_places`); each member, waiting meanwhile
+    instead of writing (:func:`may_keep_place`), knows its kept place by the
+    request its previous round answered.  Not yet from
+    :data:`QUIET_WATCH_FROM`: a member woken by its quiet watch learns only
+    that its round is disturbed, not whether it lost its rank 0, in which case
+    nothing can be kept.
+    """
+    return nodes_defer_seal(spec) and not members_watch_quietly(spec)
+
+
+def may_keep_place(run: ElasticRun, node: str, previous_round: int) -> bool:
+    """Whether ``node``, a member of ``previous_round``, waits for the seal to keep its
+    place rather than ask again (:func:`members_keep_places`).
+
+    Only while the round it held is the run's current one and disturbed
+    (``stableRound`` 0: a loss, a restart, an announced node), still holds the
+    node, which is not held back, and still has its rank 0, and the node is
+    not that rank 0, which asks again with the next round's store.  A member
+    whose own workers failed in a round nothing else disturbed asks again: its
+    request is what tells the others.
+    """
+    status = run.status
+    if not members_keep_places(run.spec) or run.closed or previous_round <= 0 \
+            or status.round != previous_round or status.stable_round != 0:
+        return False
+    me = status.participant(node)
+    return me is not None and me.rank != 0 and status.leader is not None \
+        and not run.held_back((me,))
+
+
+def kept_places(run: ElasticRun, live: Collection[str], now: dt.datetime,
+                waiting: Waiting = None) -> list[WaitingNode]:
+    """The members whose places the next round keeps, as waiting entries (none: ask again).
+
+    Once the round's rank 0 asks again (its request among ``waiting``), every
+    other member that is in ``live``, not held back and not asking itself
+    keeps its place: an entry with the request its membership answered
+    (``since``), so that the next round answers that request again, which is
+    how the member tells its kept place from a stale round
+    (:attr:`elasticrun.handler.step.Knowledge.kept`); its old rank is kept by
+    :func:`order_for_ranks`.  ``live``: the members the sealer saw renew their
+    Leases lately, by its own clock, whose Leases still carry that request:
+    only the operator knows (:func:`members_keep_places`).  A kept member
+    counts as back from ``now``, never earlier: a member neither kept nor
+    asking holds the seal back until it asks or is lost, as it would if every
+    member had to ask, instead of finding the round's last call long over.
+    """
+    status = run.status
+    leader = status.leader
+    if not members_keep_places(run.spec) or run.closed or leader is None:
+        return []
+    asking = {w.name for w in eligible_waiting(run, waiting)}
+    if leader not in asking:
+        return []
+    held = run.held_back(status.participants)
+    return [WaitingNode(name=p.name, since=p.since, pod=p.pod, pod_uid=p.pod_uid, noticed=now)
+            for p in status.participants
+            if p.name in live and p.name not in asking and p.name not in held]
 
 
 @dataclass(frozen=True)

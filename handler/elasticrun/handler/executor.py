@@ -92,14 +92,15 @@ class RoundExecutor:
 
     One per handler, made once the node has its session and its Lease keeper;
     :meth:`run` is one call.  ``closing`` says that ``shutdown()`` has begun: the
-    call then carries out no further action.  ``placed`` hears the round number
-    as soon as a round holds the node (the handler's ``round``).  The watch of the
-    node's own Lease (:attr:`mailbox`, large runs) runs while a call does.
+    call then carries out no further action.  ``placed`` hears the assignment as
+    soon as a round holds the node (the handler's ``round``, and the request it
+    answers).  The watch of the node's own Lease (:attr:`mailbox`, large runs)
+    runs while a call does.
     """
 
     def __init__(self, settings: RendezvousSettings, session: RunSession, lease: LeaseKeeper,
                  stores: RoundStores, closing: Callable[[], bool],
-                 placed: Callable[[int], None]) -> None:
+                 placed: Callable[[Assignment], None]) -> None:
         self.settings = settings
         self.session = session
         self.lease = lease
@@ -135,7 +136,8 @@ class RoundExecutor:
                         return info
                     # The round ended before its store answered: join the next one.
                     run = session.watcher.latest or session.read_or_raise()
-                    known = known.replace(run=run, previous_round=round_number, joined=False)
+                    known = known.replace(run=run, previous_round=round_number,
+                                          previous_since=action.assignment.since, joined=False)
                     session.follow(run.spec, stale=known.stale)
                     continue
                 known = self._carry_out(known, action)
@@ -297,7 +299,7 @@ class RoundExecutor:
                            self._report_unreachable)
         if base is None:
             return None
-        self._placed(round_number)
+        self._placed(assignment)
         if self.settings.in_place:
             tell_workers(self.settings, Round(round_number, rank, assignment.world_size, host,
                                               port))

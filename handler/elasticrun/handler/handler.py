@@ -41,6 +41,7 @@ session and its Lease) and the way out (``set_closed``, ``shutdown``).
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import logging
 import threading
@@ -59,7 +60,7 @@ from elasticrun.api import rounds
 from elasticrun.api.change import ChangePolicy, change_status
 from elasticrun.api.gateway import RunAccess, RunGateway
 from elasticrun.api.kube import KubeClient
-from elasticrun.api.model import ElasticRun, RunStatus, now
+from elasticrun.api.model import Assignment, ElasticRun, RunStatus, now
 from elasticrun.handler import exitbarrier, step
 from elasticrun.handler import settings as settings_mod
 from elasticrun.handler.calls import ElasticRunForbiddenError, connect_client, who
@@ -110,6 +111,8 @@ class K8sRendezvousHandler(RendezvousHandler):
         self.stores = RoundStores()
         self._serve_store(self.stores.fresh)
         self._round = 0
+        #: The join request the node's round answered (a kept place answers it again).
+        self._since: dt.datetime | None = None
         #: The store handed to torchrun by its last ``next_rendezvous()`` (where its
         #: agent keeps the exit barrier; in-place rounds of the follower do not move it).
         self._round_store: Store | None = None
@@ -149,14 +152,14 @@ class K8sRendezvousHandler(RendezvousHandler):
             defer_until = (started + rounds.defer_seal_wait(run.spec)
                            if rounds.nodes_defer_seal(run.spec) else None)
             known = step.Knowledge(node=self.settings.node_name, run=run,
-                                   previous_round=self._round,
+                                   previous_round=self._round, previous_since=self._since,
                                    join_deadline=started + run.spec.join_timeout,
                                    defer_until=defer_until, woken=woken)
             return executor.run(known)
 
-    def _placed(self, round_number: int) -> None:
+    def _placed(self, assignment: Assignment) -> None:
         """The executor's news: a round holds this node (before torch hears of it)."""
-        self._round = round_number
+        self._round, self._since = assignment.round, assignment.since
 
     def is_closed(self) -> bool:
         run = self._connect().cached_or_read()
@@ -215,7 +218,7 @@ class K8sRendezvousHandler(RendezvousHandler):
             if lease is not None:
                 lease.release(self.settings.close_timeout)
             self.stores.close()
-            self._round = 0
+            self._round, self._since = 0, None
         finally:
             if locked:
                 self._lock.release()

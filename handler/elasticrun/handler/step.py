@@ -65,6 +65,9 @@ class Knowledge:
     #: The resourceVersion at which the member's quiet watch saw its previous round
     #: disturbed, when this call began from a copy older than that (:attr:`stale`).
     woken: str | None = None
+    #: The join request this node's previous round answered (its ``since`` there): a
+    #: newer round answering it again kept the node's place (:attr:`kept`).
+    previous_since: dt.datetime | None = None
 
     def replace(self, **changes: object) -> Knowledge:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -101,6 +104,29 @@ class Knowledge:
                 and offered.round > max(self.previous_round, status.round):
             return offered
         return None
+
+    @property
+    def kept(self) -> Assignment | None:
+        """This node's place kept in a newer round, before this call asked for one.
+
+        A sealer that keeps a member's place writes the request the member's
+        previous round answered (:func:`~elasticrun.api.rounds.kept_places`);
+        only a round that answers it again is this node's while the call has
+        made no request of its own.  Once it has, :attr:`assignment` decides.
+        Rank 0's place is never kept (it asks again with the next round's
+        store), so a round that answers rank 0's previous request is a status
+        restored by hand, not rank 0's to take; a member it places finds that
+        rank 0 moved on when it checks the round's store.
+        """
+        run = self.run
+        if self.joined or self.previous_since is None \
+                or not rounds.members_keep_places(run.spec) \
+                or run.status.round <= self.previous_round:
+            return None
+        mine = run.status.assignment(self.node)
+        if mine is None or mine.rank == 0 or mine.since != self.previous_since:
+            return None
+        return mine
 
     @property
     def requested(self) -> bool:
@@ -213,7 +239,7 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
         # (read when the join found the node's Lease deleted), and the request goes.
         return PodGone(f"{gone.reason}: {gone.message or 'its Pod is gone'}")
     if not known.joined:
-        return Join()
+        return _first(known, clock)
     assignment = known.assignment
     if assignment is not None:
         return Complete(assignment)
@@ -238,6 +264,25 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
         wait = (decision.deadline - now).total_seconds() + stagger
         wake_at = min(wake_at, clock + max(0.0, wait))
     return Wait(wake_at)
+
+
+def _first(known: Knowledge, clock: float) -> Action:
+    """Before this call's request: take a kept place, wait for one, or ask.
+
+    A member of a re-forming round whose place the operator keeps
+    (:func:`~elasticrun.api.rounds.may_keep_place`) writes nothing and waits
+    for the seal, for as long as a deferring node gives the operator; past
+    that, or once its place can no longer be kept, it asks as every node does.
+    """
+    kept = known.kept
+    if kept is not None:
+        return Complete(kept)
+    if known.defer_until is None:
+        return Join()
+    until = min(known.defer_until, known.join_deadline)
+    if clock < until and rounds.may_keep_place(known.run, known.node, known.previous_round):
+        return Wait(until)
+    return Join()
 
 
 def _sealing(known: Knowledge, decision: rounds.SealDecision, now: dt.datetime,

@@ -271,7 +271,7 @@ def _rules(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
     if _all_members_finished(new):
         return _succeed(run, new, now, plan)
     new = _desired(new, members)  # before the seal: its rules read the owner's size
-    new = _seal_backstop(run, new, now, plan)
+    new = _seal_backstop(run, new, members, now, plan)
     _lease_wakeups(run, new, members, now, plan)
     plan.assignments = _assignments_due(run, new, members)
     material = new
@@ -480,15 +480,17 @@ def _succeeded(run: ElasticRun, new: RunStatus, reason: str, message: str,
 # --------------------------------------------------------------------------- sealing
 
 
-def _seal_backstop(run: ElasticRun, new: RunStatus, now: dt.datetime,
+def _seal_backstop(run: ElasticRun, new: RunStatus, members: Members, now: dt.datetime,
                    plan: Plan) -> RunStatus:
     """Seal what the nodes should have sealed, ``SEAL_GRACE`` after they could have.
 
     Where nodes leave sealing to the operator (:func:`rounds.nodes_defer_seal`),
-    there is nobody to give a grace to: it seals as soon as the rules allow.
+    there is nobody to give a grace to: it seals as soon as the rules allow,
+    with the members whose places it keeps (:func:`_kept`) counted as back.
     """
     candidate = run.replace_status(new)
-    decision = rounds.decide_seal(candidate, now)
+    waiting = (*new.waiting, *_kept(candidate, members, now))
+    decision = rounds.decide_seal(candidate, now, waiting)
     grace = dt.timedelta(seconds=0 if rounds.nodes_defer_seal(run.spec) else SEAL_GRACE)
     if decision.seal_now:
         newest = max((w.asked_at for w in new.waiting if w.asked_at), default=None)
@@ -497,11 +499,32 @@ def _seal_backstop(run: ElasticRun, new: RunStatus, now: dt.datetime,
             plan.wake(ready_at)
         else:
             plan.sealed = True
-            return rounds.seal_round(candidate, now,
+            return rounds.seal_round(candidate, now, waiting,
                                      by_lease=rounds.members_told_by_lease(run.spec))
     elif decision.deadline is not None:
         plan.wake(decision.deadline + grace)
     return new
+
+
+def _kept(run: ElasticRun, members: Members, now: dt.datetime) -> list[WaitingNode]:
+    """The members whose places the next round keeps (:func:`rounds.kept_places`).
+
+    Alive by what the operator saw: a Lease of this run, with a join request,
+    seen renewed within the suspicion window (two renewals, at most the
+    heartbeat: :func:`~elasticrun.api.leases.suspicion_window`), never by a
+    time written in it.  A member that died since its last renewal is placed
+    in a round it will never reach, as one that died just after asking again
+    would be; the window keeps that as short as the heartbeat allows.
+    """
+    spec = run.spec
+    if not rounds.members_keep_places(spec):
+        return []
+    window = suspicion_window(spec.heartbeat_timeout, spec.lease_renew_interval)
+    live = [p.name for p in run.status.participants
+            if (lease := members.leases.get(p.name)) is not None
+            and lease.owner_uid == run.uid and lease.join is not None
+            and not lease.expired(now, window)]
+    return rounds.kept_places(run, live, now)
 
 
 def _assignments_due(run: ElasticRun, new: RunStatus, members: Members

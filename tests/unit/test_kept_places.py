@@ -1,0 +1,201 @@
+"""Members keep their places where the operator seals: the rule (``rounds``), a member's
+side (``step``) and the operator's seal (``reconcile``).
+
+Only rank 0 of a re-forming round asks again, with the next round's store; the
+operator keeps every other member it saw renew its Lease lately, and the member,
+which wrote nothing, knows its place by the request its previous round answered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+
+import pytest
+
+from elasticrun.api import crd, rounds
+from elasticrun.api.leases import LeaseState, suspicion_window
+from elasticrun.api.model import ElasticRun, RunSpec, RunStatus, WaitingNode
+from elasticrun.handler import step
+from elasticrun.handler.step import Knowledge, next_action
+from elasticrun.operator.reconcile import Members, reconcile
+
+from builders import CLOCK, JOIN_TIMEOUT, T0, at, joined_leases
+
+KEEPS = rounds.DEFER_SEAL_FROM
+NAMES = ["n0", "n1", "n2"]
+#: When the members of round 1 come back (rank 0's new request, the newcomer's).
+BACK = at(30)
+
+
+def _spec(max_nodes: int = KEEPS) -> RunSpec:
+    return RunSpec(min_nodes=2, max_nodes=max_nodes)
+
+
+def _round_one(max_nodes: int = KEEPS) -> ElasticRun:
+    """Round 1 of n0 (rank 0), n1, n2, each answering its request of T0."""
+    fresh = ElasticRun("r", "ns", _spec(max_nodes), RunStatus(), "7", uid="uid")
+    joins = [lease.join for lease in joined_leases(NAMES, T0).values()]
+    status = rounds.seal_round(fresh, T0, [j for j in joins if j is not None])
+    return ElasticRun("r", "ns", _spec(max_nodes), status, "8", uid="uid")
+
+
+@pytest.mark.parametrize(("max_nodes", "keeps"), [
+    (rounds.DEFER_SEAL_FROM - 1, False), (rounds.DEFER_SEAL_FROM, True),
+    (rounds.QUIET_WATCH_FROM - 1, True), (rounds.QUIET_WATCH_FROM, False),
+    (rounds.TELL_BY_LEASE_FROM, False)])
+def test_places_are_kept_where_the_operator_seals_and_members_watch_the_whole_run(
+        max_nodes: int, keeps: bool) -> None:
+    assert rounds.members_keep_places(_spec(max_nodes)) is keeps
+
+
+# --------------------------------------------------------------------------- the rule
+
+
+def test_no_place_is_kept_before_rank_0_asks_again() -> None:
+    run = _round_one()
+    newcomer = WaitingNode(name="n3", since=BACK)
+    assert rounds.kept_places(run, NAMES, BACK, [newcomer]) == []
+
+
+def test_once_rank_0_asks_every_other_live_member_keeps_the_request_it_answered() -> None:
+    run = _round_one()
+    asking = [WaitingNode(name="n0", address="10.0.0.1", store_port=1, since=BACK),
+              WaitingNode(name="n3", since=BACK)]
+    kept = rounds.kept_places(run, ["n0", "n1", "n2"], BACK, asking)
+    assert [(w.name, w.since, w.asked_at) for w in kept] == [("n1", T0, BACK), ("n2", T0, BACK)]
+    # Not live, or asking itself: no kept place.
+    assert [w.name for w in rounds.kept_places(run, ["n0", "n2"], BACK, asking)] == ["n2"]
+    n1_asks = [*asking, WaitingNode(name="n1", since=BACK)]
+    assert [w.name for w in rounds.kept_places(run, NAMES, BACK, n1_asks)] == ["n2"]
+    # A member held back (drained) is not kept.
+    drained = dataclasses.replace(run, annotations={crd.DRAIN_ANNOTATION: "n2"})
+    assert [w.name for w in rounds.kept_places(drained, NAMES, BACK, asking)] == ["n1"]
+
+
+def test_a_round_sealed_with_kept_places_keeps_every_rank() -> None:
+    run = _round_one()
+    asking = [WaitingNode(name="n0", address="10.0.0.9", store_port=7, since=BACK),
+              WaitingNode(name="n3", address="10.0.0.3", store_port=3, since=BACK)]
+    waiting = [*asking, *rounds.kept_places(run, NAMES, BACK, asking)]
+    assert rounds.decide_seal(run, BACK, waiting).seal_now
+    status = rounds.seal_round(run, BACK, waiting)
+    assert [(p.name, p.rank, p.since) for p in status.participants] == [
+        ("n0", 0, BACK), ("n1", 1, T0), ("n2", 2, T0), ("n3", 3, BACK)]
+    assert (status.store.host, status.store.port) == ("10.0.0.9", 7)  # type: ignore[union-attr]
+
+
+def test_a_member_missing_holds_the_seal_back_rather_than_finding_the_last_call_over() -> None:
+    """n2 neither kept nor back: the kept n1 counts from now, so the round waits for n2's
+    own request (or its loss) instead of sealing without it at once."""
+    run = _round_one()
+    asking = [WaitingNode(name="n0", since=BACK, noticed=BACK)]
+    waiting = [*asking, *rounds.kept_places(run, ["n1"], BACK, asking)]
+    decision = rounds.decide_seal(run, BACK, waiting)
+    assert not decision.seal_now and decision.deadline is not None and decision.deadline > BACK
+
+
+# --------------------------------------------------------------------------- a member
+
+
+def _member(status: RunStatus, node: str = "n1", max_nodes: int = KEEPS,
+            previous_since: dt.datetime | None = T0) -> Knowledge:
+    """Member ``node`` of round 1 at the start of its next call, before it asked."""
+    return Knowledge(node=node, run=ElasticRun("r", "ns", _spec(max_nodes), status, "9"),
+                     previous_round=1, join_deadline=CLOCK + JOIN_TIMEOUT,
+                     defer_until=CLOCK + 10, previous_since=previous_since)
+
+
+def _disturbed(status: RunStatus) -> RunStatus:
+    """Round ``status.round`` told of a waiting node (``joinNotice``)."""
+    return status.replace(join_notice=status.round)
+
+
+def test_a_member_of_a_disturbed_round_waits_for_its_place_instead_of_asking() -> None:
+    status = _disturbed(_round_one().status)
+    assert next_action(_member(status), T0, CLOCK) == step.Wait(CLOCK + 10)
+    # Past the operator's wait it asks, as every node does.
+    assert next_action(_member(status), T0, CLOCK + 10) == step.Join()
+
+
+@pytest.mark.parametrize("why", ["undisturbed", "rank 0", "rank 0 lost", "nodes seal",
+                                 "quiet watch"])
+def test_a_member_asks_where_its_place_cannot_be_kept(why: str) -> None:
+    status, node, max_nodes = _disturbed(_round_one().status), "n1", KEEPS
+    if why == "undisturbed":  # its own request is what tells the others
+        status = _round_one().status
+    elif why == "rank 0":  # its request names the next round's store
+        node = "n0"
+    elif why == "rank 0 lost":
+        status = rounds.remove_member(status, "n0", rounds.POD_DELETED, T0) or status
+        assert status.leader is None
+    elif why == "nodes seal":
+        max_nodes = rounds.DEFER_SEAL_FROM - 1
+    else:
+        max_nodes = rounds.QUIET_WATCH_FROM
+    assert next_action(_member(status, node, max_nodes), T0, CLOCK) == step.Join()
+
+
+def test_a_member_takes_the_newer_round_that_answers_its_previous_request_again() -> None:
+    run = _round_one()
+    asking = [WaitingNode(name="n0", address="10.0.0.9", store_port=7, since=BACK)]
+    second = rounds.seal_round(run, BACK, [*asking, *rounds.kept_places(run, NAMES, BACK,
+                                                                        asking)])
+    action = next_action(_member(second), BACK, CLOCK)
+    assert isinstance(action, step.Complete)
+    assert (action.assignment.round, action.assignment.rank) == (2, 1)
+    # A round that answers another request of this node is not a kept place.
+    assert next_action(_member(second, previous_since=at(1)), BACK, CLOCK) == step.Join()
+    # Rank 0's previous request answered again is a restored status, not rank 0's round.
+    restored = run.status.replace(round=2, signal=2)
+    assert next_action(_member(restored, "n0"), BACK, CLOCK) == step.Join()
+
+
+# --------------------------------------------------------------------------- the operator
+
+
+def _back(leases: dict[str, LeaseState], now: dt.datetime,
+          *asking: str) -> dict[str, LeaseState]:
+    """``leases`` renewed at ``now``; the nodes ``asking`` with a request made then."""
+    back = {name: dataclasses.replace(lease, seen=now) for name, lease in leases.items()}
+    for name in asking:
+        join = back[name].join
+        assert join is not None
+        back[name] = dataclasses.replace(back[name], join=dataclasses.replace(
+            join, since=now, address="10.0.0.9", store_port=7))
+    return back
+
+
+def test_the_operator_seals_once_rank_0_asks_keeping_every_live_members_place() -> None:
+    run = _round_one()
+    leases = joined_leases([*NAMES, "n3"], T0)
+    waiting_for_rank_0 = reconcile(run, Members(leases=_back(leases, BACK, "n3")), BACK)
+    assert not waiting_for_rank_0.sealed
+    plan = reconcile(run, Members(leases=_back(leases, BACK, "n0", "n3")), BACK)
+    assert plan.sealed and plan.status is not None
+    assert [(p.name, p.rank, p.since) for p in plan.status.participants] == [
+        ("n0", 0, BACK), ("n1", 1, T0), ("n2", 2, T0), ("n3", 3, BACK)]
+    assert plan.status.signal == run.status.signal + 1
+
+
+def test_the_operator_keeps_only_members_it_saw_renew_within_the_suspicion_window() -> None:
+    run = _round_one()
+    spec = run.spec
+    window = suspicion_window(spec.heartbeat_timeout, spec.lease_renew_interval)
+    assert window < spec.heartbeat_timeout  # n2 is quiet, not yet lost
+    later = BACK + dt.timedelta(seconds=window + 1)
+    leases = _back(joined_leases([*NAMES, "n3"], T0), later, "n0", "n3")
+    leases["n2"] = dataclasses.replace(leases["n2"], seen=BACK)
+    plan = reconcile(run, Members(leases=leases), later)
+    assert not plan.sealed  # n2 neither kept nor lost: it asks once its wait is over
+    leases["n2"] = dataclasses.replace(leases["n2"], seen=later)
+    assert reconcile(run, Members(leases=leases), later).sealed
+
+
+@pytest.mark.parametrize("max_nodes", [rounds.DEFER_SEAL_FROM - 1, rounds.QUIET_WATCH_FROM])
+def test_the_operator_keeps_no_place_elsewhere(max_nodes: int) -> None:
+    run = _round_one(max_nodes)
+    leases = _back(joined_leases([*NAMES, "n3"], T0), BACK + dt.timedelta(seconds=5),
+                   "n0", "n3")
+    plan = reconcile(run, Members(leases=leases), BACK + dt.timedelta(seconds=5))
+    assert not plan.sealed  # n1 and n2 must ask again
