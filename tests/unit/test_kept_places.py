@@ -14,7 +14,7 @@ import datetime as dt
 import pytest
 
 from elasticrun.api import crd, rounds
-from elasticrun.api.leases import LeaseState, suspicion_window
+from elasticrun.api.leases import LeaseState
 from elasticrun.api.model import ElasticRun, RunSpec, RunStatus, WaitingNode
 from elasticrun.handler import step
 from elasticrun.handler.step import Knowledge, next_action
@@ -47,6 +47,20 @@ def _round_one(max_nodes: int = KEEPS) -> ElasticRun:
 def test_places_are_kept_where_the_operator_seals_and_members_watch_the_whole_run(
         max_nodes: int, keeps: bool) -> None:
     assert rounds.members_keep_places(_spec(max_nodes)) is keeps
+
+
+@pytest.mark.parametrize(("heartbeat", "renew", "keeps"), [
+    (15, 5, True), (3, 1, True), (2, 1, False), (14, 5, False), (60, 5, True)])
+def test_places_are_kept_only_where_the_heartbeat_spans_the_keep_window_and_one_renewal(
+        heartbeat: int, renew: int, keeps: bool) -> None:
+    """Nodes that stopped together have missed two renewals when the first of them is
+    found lost: none of them is kept, so no agent waits in torch's barrier for them."""
+    spec = RunSpec(min_nodes=2, max_nodes=KEEPS, heartbeat_timeout=heartbeat,
+                   lease_renew_interval=renew)
+    assert rounds.keep_window(spec) == 2 * renew
+    assert rounds.members_keep_places(spec) is keeps
+    if keeps:
+        assert heartbeat - renew >= rounds.keep_window(spec)
 
 
 # --------------------------------------------------------------------------- the rule
@@ -178,11 +192,10 @@ def test_the_operator_seals_once_rank_0_asks_keeping_every_live_members_place() 
     assert plan.status.signal == run.status.signal + 1
 
 
-def test_the_operator_keeps_only_members_it_saw_renew_within_the_suspicion_window() -> None:
+def test_the_operator_keeps_only_members_it_saw_renew_within_the_keep_window() -> None:
     run = _round_one()
-    spec = run.spec
-    window = suspicion_window(spec.heartbeat_timeout, spec.lease_renew_interval)
-    assert window < spec.heartbeat_timeout  # n2 is quiet, not yet lost
+    window = rounds.keep_window(run.spec)
+    assert window < run.spec.heartbeat_timeout  # n2 is quiet, not yet lost
     later = BACK + dt.timedelta(seconds=window + 1)
     leases = _back(joined_leases([*NAMES, "n3"], T0), later, "n0", "n3")
     leases["n2"] = dataclasses.replace(leases["n2"], seen=BACK)

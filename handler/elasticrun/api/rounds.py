@@ -113,6 +113,18 @@ def members_watch_quietly(spec: RunSpec) -> bool:
     return spec.max_nodes >= QUIET_WATCH_FROM
 
 
+#: How many renewal intervals a member may go unseen by the sealer and still keep its
+#: place (:func:`keep_window`).
+KEEP_RENEWALS = 2
+
+
+def keep_window(spec: RunSpec) -> float:
+    """Seconds since the sealer last saw a member's Lease renewed within which it keeps
+    the member's place (:func:`kept_places`): a live member renews once an interval, and
+    the window lets one renewal be late."""
+    return KEEP_RENEWALS * spec.lease_renew_interval
+
+
 def members_keep_places(spec: RunSpec) -> bool:
     """Whether the members of a re-forming round keep their places without asking again.
 
@@ -132,8 +144,18 @@ def members_keep_places(spec: RunSpec) -> bool:
     :data:`QUIET_WATCH_FROM`: a member woken by its quiet watch learns only
     that its round is disturbed, not whether it lost its rank 0, in which case
     nothing can be kept.
+
+    A place kept for a member that froze shortly before would hold every
+    other agent in torch's barrier after the rendezvous (its store waits for
+    each agent's part) until the store's timeout.  So places are kept only
+    where the heartbeat spans the :func:`keep_window` and one renewal more:
+    nodes that stopped together (a switch, a rack) are found lost when the
+    first of them passes the heartbeat, and the others have missed two
+    renewals by then, so none of them is kept.  Shorter heartbeats keep no
+    place (the CRD's defaults, 15 s and 5 s, span three renewals and do).
     """
-    return nodes_defer_seal(spec) and not members_watch_quietly(spec)
+    return nodes_defer_seal(spec) and not members_watch_quietly(spec) \
+        and spec.heartbeat_timeout >= keep_window(spec) + spec.lease_renew_interval
 
 
 def may_keep_place(run: ElasticRun, node: str, previous_round: int) -> bool:
@@ -167,8 +189,8 @@ def kept_places(run: ElasticRun, live: Collection[str], now: dt.datetime,
     how the member tells its kept place from a stale round
     (:attr:`elasticrun.handler.step.Knowledge.kept`); its old rank is kept by
     :func:`order_for_ranks`.  ``live``: the members the sealer saw renew their
-    Leases lately, by its own clock, whose Leases still carry that request:
-    only the operator knows (:func:`members_keep_places`).  A kept member
+    Leases within the :func:`keep_window`, by its own clock: only the operator
+    knows (:func:`members_keep_places`).  A kept member
     counts as back from ``now``, never earlier: a member neither kept nor
     asking holds the seal back until it asks or is lost, as it would if every
     member had to ask, instead of finding the round's last call long over.

@@ -510,16 +510,16 @@ def _kept(run: ElasticRun, members: Members, now: dt.datetime) -> list[WaitingNo
     """The members whose places the next round keeps (:func:`rounds.kept_places`).
 
     Alive by what the operator saw: a Lease of this run, with a join request,
-    seen renewed within the suspicion window (two renewals, at most the
-    heartbeat: :func:`~elasticrun.api.leases.suspicion_window`), never by a
-    time written in it.  A member that died since its last renewal is placed
-    in a round it will never reach, as one that died just after asking again
-    would be; the window keeps that as short as the heartbeat allows.
+    seen renewed within :func:`rounds.keep_window`, never by a time written in
+    it.  A member that froze within that window is placed in a round it will
+    never reach, as one that froze just after asking again would be
+    (:func:`rounds.members_keep_places` says why nodes that stopped together
+    are not).
     """
     spec = run.spec
     if not rounds.members_keep_places(spec):
         return []
-    window = suspicion_window(spec.heartbeat_timeout, spec.lease_renew_interval)
+    window = rounds.keep_window(spec)
     live = [p.name for p in run.status.participants
             if (lease := members.leases.get(p.name)) is not None
             and lease.owner_uid == run.uid and lease.join is not None
