@@ -29,6 +29,19 @@ def _get(url: str, timeout: float = 5.0) -> str:
         return str(response.read().decode())
 
 
+def _sources() -> list[str]:
+    """Where this process imports ``elasticrun`` from, for the operator's ``PYTHONPATH``.
+
+    A test runs the operator of the code it tests: a virtualenv's editable
+    install names one checkout, and a second checkout (a git worktree) that
+    shares it would otherwise start that one's operator.
+    """
+    import elasticrun.api
+
+    handler = Path(elasticrun.api.__file__).resolve().parents[2]
+    return [str(handler), str(handler.parent / "operator")]
+
+
 class OperatorProcess:
     """Scoped to ``namespaces``; metrics and health on free loopback ports."""
 
@@ -55,7 +68,9 @@ class OperatorProcess:
                 *self.extra_args]
         for ns in self.namespaces:
             argv += ["--namespace", ns]
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig),
+               "PYTHONPATH": os.pathsep.join(
+                   [*_sources(), *filter(None, [os.environ.get("PYTHONPATH")])])}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)

@@ -54,3 +54,12 @@ def test_tests_and_benchmarks_share_the_test_bed_not_each_other() -> None:
     found = {f"{p.relative_to(bench)} imports {name}" for p in _sources(bench)
              for name in _imported(p) & test_modules}
     assert sorted(found) == []
+
+
+def test_the_operator_the_tests_start_runs_this_checkouts_code() -> None:
+    """``OperatorProcess`` puts the checkout this process imports ``elasticrun`` from first
+    on the operator's path, whichever checkout a shared virtualenv's editable install names."""
+    from conftest import ROOT
+    from controlplane import operatorproc
+
+    assert operatorproc._sources() == [str(ROOT / "handler"), str(ROOT / "operator")]
