@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import time
 from typing import Any
 
@@ -250,10 +251,16 @@ def test_succeeded_after_all_members_leave_then_ttl_cleanup(
         h.shutdown()
     wait_for(lambda: read_run(cluster.client, namespace, "done").status.phase == "Succeeded",
              10, "the run to succeed")
-    assert read_run(cluster.client, namespace, "done").closed
+    succeeded = read_run(cluster.client, namespace, "done")
+    assert succeeded.closed and succeeded.status.finished_at is not None
 
     wait_for(lambda: run_deleted(cluster.client, namespace, "done"), 15,
              "the TTL to delete the run")
+    # Not before its TTL: the deletion is seen (within a poll of it) no earlier than
+    # finishedAt + ttlSecondsAfterFinished, which a deletion at once would fail.
+    seen = dt.datetime.now(dt.UTC)
+    assert seen >= succeeded.status.finished_at + dt.timedelta(seconds=2), (
+        seen, succeeded.status.finished_at)
     leases = cluster.client.request("GET", leases_path(namespace))["items"]
     assert [lease["metadata"]["name"] for lease in leases] == []
 

@@ -63,7 +63,9 @@ def test_copy_sources_exist_and_reach_the_build(dockerfile: Path) -> None:
 def test_base_image_is_pinned_and_user_is_numeric_non_root(dockerfile: Path) -> None:
     steps = instructions(dockerfile)
     args = dict(a.split("=", 1) for w, a in steps if w == "ARG" and "=" in a)
-    for _, image in ((w, a) for w, a in steps if w == "FROM"):
+    images = [a for w, a in steps if w == "FROM"]
+    assert images, f"{dockerfile} has no FROM the parser found"
+    for image in images:
         ref = image.split()[0]
         ref = args.get(ref.strip("${}"), ref)
         # an exact patch-level tag (3.11.13-...) or a digest; never :latest or :3.11
