@@ -212,3 +212,32 @@ def test_the_operator_keeps_no_place_elsewhere(max_nodes: int) -> None:
                    "n0", "n3")
     plan = reconcile(run, Members(leases=leases), BACK + dt.timedelta(seconds=5))
     assert not plan.sealed  # n1 and n2 must ask again
+
+
+# --------------------------------------------------------------------------- in-place mode
+
+
+def test_a_follower_takes_a_kept_place_in_place_and_restarts_for_a_newcomer() -> None:
+    """In-place mode: the operator may seal the round that keeps a member's place before
+    that member's follower looks; the follower joins it in place (no worker restart),
+    while a newer round that admitted a newcomer, or formed without the node, restarts."""
+    run = _round_one()
+    lost = rounds.remove_member(run.status, "n2", rounds.POD_DELETED, BACK)
+    assert lost is not None
+    lost_run = dataclasses.replace(run, status=lost)
+    asking = [WaitingNode(name="n0", address="10.0.0.9", store_port=7, since=BACK)]
+    kept = rounds.seal_round(lost_run, BACK, [*asking, *rounds.kept_places(
+        lost_run, ["n0", "n1"], BACK, asking)])
+    kept_run = dataclasses.replace(run, status=kept)
+    assert [(p.name, p.rank) for p in kept.participants] == [("n0", 0), ("n1", 1)]
+    assert step.in_place_move(kept_run, 1, BACK, node="n1") == "follow"
+    assert step.in_place_move(kept_run, 1, BACK) == "restart"  # positive control: no node
+    with_newcomer = rounds.seal_round(lost_run, BACK, [
+        *asking, WaitingNode(name="n3", since=BACK),
+        *rounds.kept_places(lost_run, ["n0", "n1"], BACK, asking)])
+    assert step.in_place_move(dataclasses.replace(run, status=with_newcomer), 1, BACK,
+                              node="n1") == "restart"
+    assert step.in_place_move(kept_run, 1, BACK, node="n2") == "restart"  # formed without it
+    small = _round_one(rounds.DEFER_SEAL_FROM - 1)
+    assert step.in_place_move(dataclasses.replace(small, status=kept), 1, BACK,
+                              node="n1") == "restart"  # no place is kept there

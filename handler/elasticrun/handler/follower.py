@@ -126,8 +126,8 @@ class Follower:
         """:func:`step.in_place_move`, with one LIST of the join requests once the round
         must change; a ``restart`` is kept for ``num_nodes_waiting()`` until torchrun's
         next rendezvous."""
-        lost, my_round = self._lost_round(), self._round_of()
-        move = step.in_place_move(run, my_round, now(), lost)
+        lost, my_round, node = self._lost_round(), self._round_of(), self.settings.node_name
+        move = step.in_place_move(run, my_round, now(), lost, node=node)
         if move == "stay":
             return move
         try:
@@ -135,7 +135,8 @@ class Follower:
         except RendezvousError as exc:
             log.warning("%s: listing the join requests: %s", self._who(), exc)
             return "stay"
-        move = step.in_place_move(run, my_round, now(), lost, step.has_newcomers(run, pending))
+        move = step.in_place_move(run, my_round, now(), lost, step.has_newcomers(run, pending),
+                                  node)
         if move == "restart":
             log.info("%s: a newcomer is waiting; torchrun restarts the workers", self._who())
             self.restart_wanted = True

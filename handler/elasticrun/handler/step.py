@@ -417,8 +417,20 @@ def has_newcomers(run: ElasticRun, pending: tuple[WaitingNode, ...]) -> bool:
     return any(w.name not in members for w in eligible)
 
 
+def kept_in_newer_round(run: ElasticRun, my_round: int, node: str) -> bool:
+    """Whether the run's round, newer than ``my_round``, holds ``node`` among members of
+    ``my_round`` only: a round the operator sealed keeping its members' places
+    (:func:`~elasticrun.api.rounds.members_keep_places`) before this node's follower
+    looked, which the node takes in place (:attr:`Knowledge.kept`)."""
+    status = run.status
+    if not rounds.members_keep_places(run.spec) or status.round <= my_round \
+            or status.participant(node) is None:
+        return False
+    return all(0 < p.joined_round <= my_round for p in status.participants)
+
+
 def in_place_move(run: ElasticRun, my_round: int, now: dt.datetime, lost_round: int = 0,
-                  newcomers: bool = False) -> InPlaceMove:
+                  newcomers: bool = False, node: str | None = None) -> InPlaceMove:
     """In-place mode: what a member of ``my_round`` does about the run as it is now.
 
     Nothing (``stay``) unless torchrun would restart the workers without
@@ -428,14 +440,18 @@ def in_place_move(run: ElasticRun, my_round: int, now: dt.datetime, lost_round: 
     Then ``follow`` (the node's follower joins the next round, the workers
     re-form in place) unless a newcomer is waiting (:func:`has_newcomers`, which
     needs a LIST, so the caller asks only once this says the round must change)
-    or a round formed without this node: ``restart``, as without in-place mode,
-    because a newcomer's torchrun agent assigns its workers' ranks together
-    with every other agent of its round, which a follower does not take part in.
+    or a newer round formed without this node (``node``): ``restart``, as
+    without in-place mode, because a newcomer's torchrun agent assigns its
+    workers' ranks together with every other agent of its round, which a
+    follower does not take part in.  A newer round that kept this node's
+    place among its old peers (:func:`kept_in_newer_round`; the operator may
+    seal it before the follower looks) is followed.
     """
     if my_round <= 0:
         return "stay"
     if lost_round < my_round and rounds.nodes_waiting(run, my_round, now=now) == 0:
         return "stay"
-    if newcomers or run.status.round > my_round:
+    kept = node is not None and kept_in_newer_round(run, my_round, node)
+    if newcomers or (run.status.round > my_round and not kept):
         return "restart"
     return "follow"
