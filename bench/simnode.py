@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import datetime as dt
 import json
 import ssl
 import sys
@@ -75,6 +76,7 @@ from elasticrun.api.naming import lease_name
 from elasticrun.api.rounds import (
     defer_seal_wait,
     may_keep_place,
+    members_keep_places,
     members_told_by_lease,
     members_watch_quietly,
     nodes_waiting,
@@ -309,6 +311,9 @@ class SimNode:
         #: Set by the coordinator (:func:`_commands`): the node stops renewing and watching,
         #: as a hung process would, without deleting its Lease or leaving.
         self.frozen = False
+        #: The request it last wrote (its ``since``): a round that answers it again after
+        #: the one the node holds kept its place.
+        self.since: dt.datetime | None = None
 
     async def rendezvous(self, interval: float) -> dict[str, Any]:
         """Read the run, join through the Lease, wait for the round on both watches.
@@ -325,6 +330,7 @@ class SimNode:
         spec, meta = run["spec"], run["metadata"]
         join = WaitingNode(name=self.name, address="127.0.0.1", store_port=self.port,
                            since=now())
+        self.since = join.since
         self.lease = lease_name(s.run, self.name)
         body = node_lease(s.run, self.name, self.holder, spec["heartbeatTimeoutSeconds"],
                           meta["uid"], now(), join)  # the handler's body
@@ -350,12 +356,16 @@ class SimNode:
         """
         assert self.lease is not None
         held = int(self.formed.result()["round"]) if self.formed is not None else 0
+        kept = self._kept_in(change, held)
+        if kept is not None:
+            return kept
         if change.run is not None and change.resource_version is not None \
                 and may_keep_place(change.run, self.name, held):
             with contextlib.suppress(TimeoutError):
                 return await asyncio.wait_for(self._kept(change), defer_seal_wait(change.run.spec))
         join = WaitingNode(name=self.name, address="127.0.0.1", store_port=self.port,
                            since=now())
+        self.since = join.since
         patched = json.loads(await self.requests.request(
             "PATCH", lease_path(self.shared.namespace, self.lease),
             {"metadata": {"annotations": {JOIN_ANNOTATION: join_value(join),
@@ -370,6 +380,26 @@ class SimNode:
         assert change.resource_version is not None
         return await self._placed(change.run.spec, join, change.run.status.signal,
                                   change.resource_version, lease_version)
+
+    def _kept_in(self, change: Change, held: int) -> dict[str, Any] | None:
+        """Its place kept in the round the change showed (the operator may seal it as soon
+        as the round must re-form), as :attr:`~elasticrun.handler.step.Knowledge.kept`
+        takes it: a newer round answering its request again.  The run watch goes on from
+        that change, for the kept round."""
+        run, version = change.run, change.resource_version
+        if run is None or version is None or not members_keep_places(run.spec):
+            return None
+        mine = run.status.assignment(self.name)
+        if mine is None or run.status.round <= held or mine.since != self.since:
+            return None
+        formed: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        formed.set_result({"rank": mine.rank, "world": mine.world_size, "round": mine.round,
+                           "t_done": change.t})
+        self.formed = formed
+        self.watch = self.shared.connection(self.tickets)
+        self.follower = asyncio.create_task(
+            self._follow_run(run.status.signal, version, mine.round, run.spec))
+        return formed.result()
 
     async def _kept(self, change: Change) -> dict[str, Any]:
         """The round that keeps this node's place, watched from the change it saw."""

@@ -441,16 +441,36 @@ def _requests(cluster: Cluster, namespace: str, run: str, names: list[str]) -> d
     return found
 
 
+def _next_store(cluster: Cluster, namespace: str, run: str, node: str) -> Any:
+    """The store ``node``'s request announces for the next round (None: none)."""
+    from elasticrun.api.leases import lease_state
+    from elasticrun.api.model import StoreAddress
+
+    lease = cluster.client.request("GET", lease_path(namespace, lease_name(run, node)))
+    join = lease_state(lease).join
+    if join is None or join.next_store_port is None or not join.address:
+        return None
+    return StoreAddress(join.address, join.next_store_port)
+
+
 def _newcomers_round(make_handler: Any, cluster: Cluster, namespace: str, run: str,
                      max_nodes: int) -> tuple[list[Any], Any, Any, dict[str, Any]]:
     """Three nodes form ``run``, then a fourth asks and every member comes back for it: the
     members and the newcomer, the two rounds' statuses, and the members' requests on their
-    Leases as the first round sealed them."""
+    Leases as the first round sealed them.  Where places are kept, the newcomer asks once
+    rank 0 announced the next round's store."""
+    from elasticrun.api import rounds
+    from elasticrun.api.model import RunSpec
+
     nodes, _ = _form_three(make_handler, run, max_nodes)
     names = [n.settings.node_name for n in nodes]
     first = read_run(cluster.client, namespace, run).status
     asked = _requests(cluster, namespace, run, names)
     assert asked == {p.name: p.since for p in first.participants}
+    if rounds.members_keep_places(RunSpec(min_nodes=2, max_nodes=max_nodes)):
+        assert first.leader is not None
+        wait_for(lambda: _next_store(cluster, namespace, run, first.leader), 15,
+                 "rank 0's announcement of the next round's store")
     newcomer = make_handler(run, "n3", min_nodes=2, max_nodes=max_nodes, last_call_timeout=2)
     thread, box = start_rendezvous(newcomer)
     wait_for(lambda: all(n.num_nodes_waiting() > 0 for n in nodes), 15,
@@ -470,9 +490,10 @@ def _newcomers_round(make_handler: Any, cluster: Cluster, namespace: str, run: s
 def test_members_keep_their_places_in_the_rounds_the_operator_seals(
         operator: OperatorProcess, make_handler: Any, cluster: Cluster,
         namespace: str) -> None:
-    """maxNodes 64 (the operator seals): for a newcomer and after a loss, only rank 0 asks
-    again; every other member writes no request and keeps its place, which answers the
-    request of its first round again."""
+    """maxNodes 64 (the operator seals): rank 0 announces the next round's store once a
+    round holds it, and for a newcomer and after a loss no member asks again: each keeps
+    its place, which answers the request of its first round again, and the round meets at
+    the store rank 0 announced."""
     from elasticrun.api import rounds
     from elasticrun.api.model import RunSpec
 
@@ -480,30 +501,44 @@ def test_members_keep_their_places_in_the_rounds_the_operator_seals(
     nodes, first, second, asked = _newcomers_round(make_handler, cluster, namespace, "kept",
                                                    rounds.DEFER_SEAL_FROM)
     leader = first.leader
-    members = [n for n in nodes if n.settings.node_name != leader]
-    kept = [n.settings.node_name for n in members if n.settings.node_name != "n3"]
+    members = [p.name for p in first.participants]
     assert {name: second.participant(name).since  # type: ignore[union-attr]
-            for name in kept} == {name: asked[name] for name in kept}
-    assert _requests(cluster, namespace, "kept", kept) == {name: asked[name] for name in kept}
-    assert second.participant(leader).since != asked[leader]  # type: ignore[arg-type,union-attr]
-    # A loss: the survivors' round keeps the places of all but rank 0, the newcomer's too.
-    leaving = next(n for n in members if second.participant(n.settings.node_name).rank == 2)
+            for name in members} == asked
+    assert _requests(cluster, namespace, "kept", members) == asked
+    assert second.store is not None and first.store is not None
+    assert second.store != first.store and second.store.host == first.store.host
+    # A loss: once rank 0 announced round 3's store, the survivors' round keeps every place,
+    # the newcomer's too.
+    wait_for(lambda: _next_store(cluster, namespace, "kept", leader) not in (None, second.store),
+             15, "rank 0's announcement of round 3's store")
+    announced = _next_store(cluster, namespace, "kept", leader)
+    # The announcing request is the one rounds 1 and 2 answered, naming round 2's store.
+    assert _store_port(cluster, namespace, "kept", leader) == second.store.port
+    leaving = next(n for n in nodes if second.participant(n.settings.node_name).rank == 2)
     survivors = [n for n in nodes if n is not leaving]
-    before = _requests(cluster, namespace, "kept",
-                       [n.settings.node_name for n in survivors])
+    before = _requests(cluster, namespace, "kept", [n.settings.node_name for n in survivors])
     leaving.shutdown()
     wait_for(lambda: all(n.num_nodes_waiting() > 0 for n in survivors), 15,
              "the survivors to hear of the loss")
     again = rendezvous_all(survivors)
     _ok(again)
     third = read_run(cluster.client, namespace, "kept").status
-    assert third.round == 3 and third.leader == leader
+    assert third.round == 3 and third.leader == leader and third.store == announced
     assert sorted(p.rank for p in third.participants) == [0, 1, 2]
     assert {o.world_size for o in again.values()} == {3}
-    stayed = [n.settings.node_name for n in survivors if n.settings.node_name != leader]
-    assert _requests(cluster, namespace, "kept", stayed) == {n: before[n] for n in stayed}
-    assert {n: third.participant(n).since for n in stayed} == {  # type: ignore[union-attr]
-        n: before[n] for n in stayed}
+    stayed = [n.settings.node_name for n in survivors]
+    assert _requests(cluster, namespace, "kept", stayed) == before
+    assert {n: third.participant(n).since for n in stayed} == before  # type: ignore[union-attr]
+    assert before[leader] == asked[leader], "rank 0 never asked again"
+
+
+def _store_port(cluster: Cluster, namespace: str, run: str, node: str) -> int | None:
+    """The store port ``node``'s request names."""
+    from elasticrun.api.leases import lease_state
+
+    lease = cluster.client.request("GET", lease_path(namespace, lease_name(run, node)))
+    join = lease_state(lease).join
+    return join.store_port if join is not None else None
 
 
 def test_members_ask_again_in_the_rounds_nodes_seal(

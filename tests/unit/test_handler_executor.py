@@ -730,3 +730,58 @@ def test_a_woken_member_whose_copy_shows_the_disturbance_starts_from_it_watching
                  interval=0.01)
     finally:
         session.watcher.stop()
+
+
+def test_rank_0_announces_the_next_rounds_store_and_a_round_keeping_every_place_meets_there(
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
+    """maxNodes 64 (places kept): once round 1 holds it, rank 0 serves the next round's
+    store and announces it on the request round 1 answered; the operator's round for a
+    newcomer keeps both members' places at that store, and they take it writing nothing."""
+    from elasticrun.api.leases import lease_state
+
+    keeps = dataclasses.replace(spec(2), max_nodes=rounds.DEFER_SEAL_FROM)
+    assert rounds.members_keep_places(keeps)
+    server.seed_run(RUN_NAME, keeps)
+    members = {name: nodes(name) for name in ("a", "b")}
+    calls = [pool.submit(node.next_rendezvous) for node in members.values()]
+    status = seal_as_the_operator(server, *members)
+    assert sorted(info.rank for info in infos(calls)) == [0, 1]
+    first = {p.name: p.since for p in status.participants}
+    leader, other = (p.name for p in sorted(status.participants, key=lambda p: p.rank))
+    wait_for(lambda: announced_by(server, leader), BOUND, "rank 0's announcement",
+             interval=0.01)
+    port = announced_by(server, leader)
+    assert status.store is not None and port not in (None, status.store.port)
+    assert port == members[leader].stores.port, "rank 0 serves the store it announced"
+    requests = {name: lease_state(server.lease_of(RUN_NAME, name) or {}).join
+                for name in members}
+    assert {name: join.since if join else None for name, join in requests.items()} == first
+    assert announced_by(server, other) is None, "only rank 0 announces"
+    c = nodes("c")
+    newcomer = pool.submit(c.next_rendezvous)
+    wait_for(lambda: join_of(server, "c"), BOUND, "c's request")
+    run = parse_run(server.run(RUN_NAME))
+    pending = observer_pending(server)
+    assert port is not None
+    kept = rounds.kept_places(run, list(members), now(), pending,
+                              leader_next=StoreAddress("127.0.0.1", port))
+    write_status(server, rounds.seal_round(run, now(), [*pending, *kept]))
+    again = {name: pool.submit(node.next_rendezvous) for name, node in members.items()}
+    got = {name: call.result(BOUND) for name, call in again.items()}
+    assert {name: info.rank for name, info in got.items()} == {leader: 0, other: 1}
+    assert newcomer.result(BOUND).rank == 2
+    assert {info.bootstrap_store_info.master_port  # type: ignore[union-attr]
+            for info in [*got.values(), newcomer.result(BOUND)]} == {port}
+    second = parse_run(server.run(RUN_NAME)).status
+    assert {p.name: p.since for p in second.participants if p.name != "c"} == first
+    assert {name: lease_state(server.lease_of(RUN_NAME, name) or {}).join.since  # type: ignore[union-attr]
+            for name in members} == first, "the members wrote no new request"
+
+
+def announced_by(server: FakeApiServer, node: str) -> int | None:
+    """The next round's store port ``node``'s request announces (None: none)."""
+    from elasticrun.api.leases import lease_state
+
+    lease = server.lease_of(RUN_NAME, node)
+    join = lease_state(lease).join if lease is not None else None
+    return join.next_store_port if join is not None else None

@@ -1,9 +1,11 @@
 """Members keep their places where the operator seals: the rule (``rounds``), a member's
 side (``step``) and the operator's seal (``reconcile``).
 
-Only rank 0 of a re-forming round asks again, with the next round's store; the
-operator keeps every other member it saw renew its Lease lately, and the member,
-which wrote nothing, knows its place by the request its previous round answered.
+Rank 0 announces the next round's store on its request once a round holds it (or,
+before that, asks again naming it); the operator then seals a round that must
+re-form at once, keeping every member it saw renew its Lease lately, and the
+member, which wrote nothing, knows its place by the request its previous round
+answered.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import pytest
 
 from elasticrun.api import crd, rounds
 from elasticrun.api.leases import LeaseState
-from elasticrun.api.model import ElasticRun, RunSpec, RunStatus, WaitingNode
+from elasticrun.api.model import ElasticRun, RunSpec, RunStatus, StoreAddress, WaitingNode
 from elasticrun.handler import step
 from elasticrun.handler.step import Knowledge, next_action
 from elasticrun.operator.reconcile import Members, reconcile
@@ -70,6 +72,48 @@ def test_no_place_is_kept_before_rank_0_asks_again() -> None:
     run = _round_one()
     newcomer = WaitingNode(name="n3", since=BACK)
     assert rounds.kept_places(run, NAMES, BACK, [newcomer]) == []
+
+
+#: The store rank 0 (n0) announces for round 2.
+NEXT = StoreAddress("10.0.0.1", 29500)
+
+
+def test_once_rank_0_announced_the_next_store_a_round_that_must_form_keeps_every_place(
+        ) -> None:
+    run = _round_one()
+    newcomer = WaitingNode(name="n3", since=BACK)
+    kept = rounds.kept_places(run, NAMES, BACK, [newcomer], leader_next=NEXT)
+    assert [(w.name, w.since, w.address, w.store_port) for w in kept] == [
+        ("n0", T0, "10.0.0.1", 29500), ("n1", T0, None, None), ("n2", T0, None, None)]
+    status = rounds.seal_round(run, BACK, [newcomer, *kept])
+    assert status.store == NEXT
+    assert [(p.name, p.rank, p.since) for p in status.participants] == [
+        ("n0", 0, T0), ("n1", 1, T0), ("n2", 2, T0), ("n3", 3, BACK)]
+    # A loss re-forms the round as well; the survivors keep their places.
+    lost = rounds.remove_member(run.status, "n2", rounds.POD_DELETED, BACK)
+    assert lost is not None
+    lost_run = dataclasses.replace(run, status=lost)
+    assert [w.name for w in rounds.kept_places(lost_run, NAMES, BACK, [],
+                                               leader_next=NEXT)] == ["n0", "n1"]
+
+
+@pytest.mark.parametrize("why", ["undisturbed", "rank 0 not live", "spare", "drained"])
+def test_no_place_is_kept_while_the_round_need_not_form_or_rank_0_cannot_be_kept(
+        why: str) -> None:
+    run, live, waiting = _round_one(), NAMES, [WaitingNode(name="n3", since=BACK)]
+    if why == "undisturbed":
+        waiting = []
+    elif why == "rank 0 not live":
+        live = ["n1", "n2"]
+    elif why == "spare":  # a full round: torchrun would not restart the members for it
+        names = [f"m{i}" for i in range(KEEPS)]
+        joins = [lease.join for lease in joined_leases(names, T0).values()]
+        fresh = ElasticRun("r", "ns", _spec(), RunStatus(), "7", uid="uid")
+        status = rounds.seal_round(fresh, T0, [j for j in joins if j is not None])
+        run, live = dataclasses.replace(fresh, status=status), names
+    else:
+        run = dataclasses.replace(run, annotations={crd.DRAIN_ANNOTATION: "n0"})
+    assert rounds.kept_places(run, live, BACK, waiting, leader_next=NEXT) == []
 
 
 def test_once_rank_0_asks_every_other_live_member_keeps_the_request_it_answered() -> None:
@@ -165,6 +209,26 @@ def test_a_member_takes_the_newer_round_that_answers_its_previous_request_again(
     assert next_action(_member(restored, "n0"), BACK, CLOCK) == step.Join()
 
 
+def test_rank_0_waits_for_its_kept_place_once_it_announced_the_next_store() -> None:
+    status = _disturbed(_round_one().status)
+    announced = _member(status, "n0").replace(next_store=NEXT)
+    assert next_action(announced, T0, CLOCK) == step.Wait(CLOCK + 10)
+    assert next_action(_member(status, "n0"), T0, CLOCK) == step.Join()  # not yet announced
+    run = _round_one()
+    second = rounds.seal_round(run, BACK, [WaitingNode(name="n3", since=BACK),
+                                           *rounds.kept_places(run, NAMES, BACK, [
+                                               WaitingNode(name="n3", since=BACK)],
+                                               leader_next=NEXT)])
+    action = next_action(_member(second, "n0").replace(next_store=NEXT), BACK, CLOCK)
+    assert isinstance(action, step.Complete)
+    assert (action.assignment.round, action.assignment.rank, action.assignment.store) == (
+        2, 0, NEXT)
+    # At any other store the round is not rank 0's to take.
+    elsewhere = StoreAddress("10.0.0.1", 29600)
+    assert next_action(_member(second, "n0").replace(next_store=elsewhere), BACK,
+                       CLOCK) == step.Join()
+
+
 # --------------------------------------------------------------------------- the operator
 
 
@@ -203,6 +267,34 @@ def test_the_operator_keeps_only_members_it_saw_renew_within_the_keep_window() -
     assert not plan.sealed  # n2 neither kept nor lost: it asks once its wait is over
     leases["n2"] = dataclasses.replace(leases["n2"], seen=later)
     assert reconcile(run, Members(leases=leases), later).sealed
+
+
+def _announcing(leases: dict[str, LeaseState],
+                port: int | None = NEXT.port) -> dict[str, LeaseState]:
+    """``leases`` with n0's request announcing the next round's store at ``port``."""
+    join = leases["n0"].join
+    assert join is not None
+    return {**leases, "n0": dataclasses.replace(leases["n0"], join=dataclasses.replace(
+        join, next_store_port=port))}
+
+
+def test_the_operator_seals_a_newcomers_round_at_once_once_rank_0_announced_its_store(
+        ) -> None:
+    run = _round_one()
+    leases = _back(joined_leases([*NAMES, "n3"], T0), BACK, "n3")
+    plan = reconcile(run, Members(leases=_announcing(leases)), BACK)
+    assert plan.sealed and plan.status is not None
+    assert plan.status.store == NEXT
+    assert [(p.name, p.rank, p.since) for p in plan.status.participants] == [
+        ("n0", 0, T0), ("n1", 1, T0), ("n2", 2, T0), ("n3", 3, BACK)]
+    # No announcement, or one on a Lease this run does not own: rank 0 must ask.
+    foreign = _announcing(leases)
+    foreign["n0"] = dataclasses.replace(foreign["n0"], owner_uid="another")
+    for unannounced in (_announcing(leases, port=None), foreign):
+        assert not reconcile(run, Members(leases=unannounced), BACK).sealed
+    # With nothing to re-form for, the announcement seals nothing.
+    quiet = _announcing(_back(joined_leases(NAMES, T0), BACK))
+    assert not reconcile(run, Members(leases=quiet), BACK).sealed
 
 
 @pytest.mark.parametrize("max_nodes", [rounds.DEFER_SEAL_FROM - 1, rounds.QUIET_WATCH_FROM])

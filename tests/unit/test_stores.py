@@ -19,8 +19,10 @@ HONEST = StoreAddress("10.0.0.1", 29400)
 
 
 def lease(run: str = "r", node: str = "a", uid: str = "uid-r", address: str = "10.0.0.1",
-          port: int | None = 29400, since: dt.datetime = SINCE, **meta: Any) -> dict[str, Any]:
-    join = WaitingNode(name=node, address=address, store_port=port, since=since)
+          port: int | None = 29400, since: dt.datetime = SINCE, next_port: int | None = None,
+          **meta: Any) -> dict[str, Any]:
+    join = WaitingNode(name=node, address=address, store_port=port, since=since,
+                       next_store_port=next_port)
     metadata: dict[str, Any] = {
         "name": lease_name(run, node), "labels": {crd.RUN_LABEL: label_value(run)},
         "annotations": {crd.RUN_LABEL: run, crd.NODE_ANNOTATION: node,
@@ -34,6 +36,21 @@ def test_the_store_rank0_announced_is_trusted() -> None:
     assert announced_store(lease(), "r", "uid-r", "a") == (HONEST, None)
     assert store_problem(HONEST, lease(), "r", "uid-r", "a", SINCE) is None
     assert store_problem(HONEST, lease(), "r", "uid-r", "a", None) is None
+
+
+def test_the_next_rounds_store_rank0_announced_on_its_request_is_trusted_too() -> None:
+    """A round that keeps rank 0's place meets at the store rank 0 announced for it, on
+    the very request the round answers again; any other port is still refused."""
+    following = StoreAddress("10.0.0.1", 29500)
+    announcing = lease(next_port=29500)
+    assert store_problem(following, announcing, "r", "uid-r", "a", SINCE) is None
+    assert store_problem(HONEST, announcing, "r", "uid-r", "a", SINCE) is None
+    assert store_problem(following, lease(), "r", "uid-r", "a", SINCE) == (
+        "the round names store 10.0.0.1:29500, but rank 0 (a) announced 10.0.0.1:29400")
+    assert store_problem(StoreAddress("10.0.0.9", 29500), announcing, "r", "uid-r", "a",
+                         SINCE) is not None, "the next store is on rank 0's own address"
+    later = dt.datetime(2026, 1, 1, 0, 1, tzinfo=dt.UTC)
+    assert store_problem(following, announcing, "r", "uid-r", "a", later) is not None
 
 
 def test_a_store_rank0_did_not_announce_is_refused_naming_both() -> None:

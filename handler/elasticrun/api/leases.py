@@ -249,8 +249,12 @@ def leases_of(listed: Mapping[str, Any], run: str) -> list[dict[str, Any]]:
 
 
 def join_value(node: WaitingNode) -> str:
+    """The join annotation of ``node``'s Lease: its request, and the next round's store
+    it announces (never part of the run's status)."""
     entry = node.to_dict()
     entry.pop("name", None)
+    if node.next_store_port is not None:
+        entry["nextStorePort"] = node.next_store_port
     return json.dumps(entry, sort_keys=True)
 
 

@@ -383,6 +383,11 @@ class WaitingNode:
     #: index, so that a domain's nodes get consecutive ranks.  Bounded
     #: (:func:`_topology`).
     topology: tuple[str, ...] = ()
+    #: The port of the store the node serves for the round after the one this request
+    #: got it (rank 0's announcement, :func:`elasticrun.api.rounds.kept_places`): that
+    #: round keeps rank 0's place without a new request.  Only on the node's Lease,
+    #: not part of equality: the request is the same.
+    next_store_port: int | None = field(default=None, compare=False)
 
     @property
     def asked_at(self) -> dt.datetime | None:
@@ -401,6 +406,7 @@ class WaitingNode:
             pod_uid=_pod_uid(item, path),
             index=_pod_index(item),
             topology=_topology(item),
+            next_store_port=_port(item, "nextStorePort", path),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -133,14 +133,16 @@ def members_keep_places(spec: RunSpec) -> bool:
     to reach the operator: at 64 and 128 nodes a newcomer's round took 11 and
     18 times the floor's newcomer, nearly all of it those N writes.  A member
     whose workers torchrun restarts is coming back, and the operator sees its
-    Lease renewed: so only the round's rank 0 asks again, because its request
-    names the fresh store the next round meets at (a store that outlives its
-    round hands new workers the addresses of old ones, pytorch/pytorch#135712,
-    :class:`~elasticrun.handler.store.RoundStores`), and the operator seals
-    the next round as soon as it has that request, every other member keeping
-    its place and rank (:func:`kept_places`); each member, waiting meanwhile
-    instead of writing (:func:`may_keep_place`), knows its kept place by the
-    request its previous round answered.  Not yet from
+    Lease renewed: so the operator seals the next round as soon as it must
+    form (:func:`nodes_waiting`), every member it saw renew keeping its place
+    and rank (:func:`kept_places`).  The next round needs a fresh store (a
+    store that outlives its round hands new workers the addresses of old ones,
+    pytorch/pytorch#135712, :class:`~elasticrun.handler.store.RoundStores`):
+    rank 0 starts it as soon as a round holds it, and announces it on its
+    request (``nextStorePort``); until the operator has seen that, rank 0 asks
+    again with that store, and the round seals once it has.  Each member,
+    waiting meanwhile instead of writing (:func:`may_keep_place`), knows its
+    kept place by the request its previous round answered.  Not yet from
     :data:`QUIET_WATCH_FROM`: a member woken by its quiet watch learns only
     that its round is disturbed, not whether it lost its rank 0, in which case
     nothing can be kept.
@@ -158,37 +160,44 @@ def members_keep_places(spec: RunSpec) -> bool:
         and spec.heartbeat_timeout >= keep_window(spec) + spec.lease_renew_interval
 
 
-def may_keep_place(run: ElasticRun, node: str, previous_round: int) -> bool:
+def may_keep_place(run: ElasticRun, node: str, previous_round: int, *,
+                   announced: bool = False) -> bool:
     """Whether ``node``, a member of ``previous_round``, waits for the seal to keep its
     place rather than ask again (:func:`members_keep_places`).
 
     Only while the round it held is the run's current one and disturbed
     (``stableRound`` 0: a loss, a restart, an announced node), still holds the
-    node, which is not held back, and still has its rank 0, and the node is
-    not that rank 0, which asks again with the next round's store.  A member
-    whose own workers failed in a round nothing else disturbed asks again: its
-    request is what tells the others.
+    node, which is not held back, and still has its rank 0.  Rank 0 itself
+    waits only once its Lease announces the next round's store (``announced``);
+    before that it asks again, naming that store.  A member whose own workers
+    failed in a round nothing else disturbed asks again: its request is what
+    tells the others.
     """
     status = run.status
     if not members_keep_places(run.spec) or run.closed or previous_round <= 0 \
             or status.round != previous_round or status.stable_round != 0:
         return False
     me = status.participant(node)
-    return me is not None and me.rank != 0 and status.leader is not None \
+    return me is not None and (me.rank != 0 or announced) and status.leader is not None \
         and not run.held_back((me,))
 
 
 def kept_places(run: ElasticRun, live: Collection[str], now: dt.datetime,
-                waiting: Waiting = None) -> list[WaitingNode]:
+                waiting: Waiting = None, leader_next: StoreAddress | None = None
+                ) -> list[WaitingNode]:
     """The members whose places the next round keeps, as waiting entries (none: ask again).
 
-    Once the round's rank 0 asks again (its request among ``waiting``), every
-    other member that is in ``live``, not held back and not asking itself
-    keeps its place: an entry with the request its membership answered
-    (``since``), so that the next round answers that request again, which is
-    how the member tells its kept place from a stale round
+    Once the round must form again (:func:`nodes_waiting`: a loss, a member's
+    new request, a newcomer due) and its rank 0 either asks again (its request
+    among ``waiting``) or is in ``live`` and announced the next round's store
+    (``leader_next``, from the request its membership answered), every
+    member that is in ``live``, not held back and not asking itself keeps its
+    place: an entry with the request its membership answered (``since``), so
+    that the next round answers that request again, which is how the member
+    tells its kept place from a stale round
     (:attr:`elasticrun.handler.step.Knowledge.kept`); its old rank is kept by
-    :func:`order_for_ranks`.  ``live``: the members the sealer saw renew their
+    :func:`order_for_ranks`, and a kept rank 0's entry names ``leader_next``,
+    the next round's store.  ``live``: the members the sealer saw renew their
     Leases within the :func:`keep_window`, by its own clock: only the operator
     knows (:func:`members_keep_places`).  A kept member
     counts as back from ``now``, never earlier: a member neither kept nor
@@ -200,12 +209,18 @@ def kept_places(run: ElasticRun, live: Collection[str], now: dt.datetime,
     if not members_keep_places(run.spec) or run.closed or leader is None:
         return []
     asking = {w.name for w in eligible_waiting(run, waiting)}
-    if leader not in asking:
-        return []
     held = run.held_back(status.participants)
-    return [WaitingNode(name=p.name, since=p.since, pod=p.pod, pod_uid=p.pod_uid, noticed=now)
+    if leader not in asking and (
+            leader_next is None or leader not in live or leader in held
+            or nodes_waiting(run, status.round, waiting, now=now) == 0):
+        return []
+    kept = [WaitingNode(name=p.name, since=p.since, pod=p.pod, pod_uid=p.pod_uid, noticed=now)
             for p in status.participants
             if p.name in live and p.name not in asking and p.name not in held]
+    if leader_next is None:
+        return kept
+    return [dataclasses.replace(w, address=leader_next.host, store_port=leader_next.port)
+            if w.name == leader else w for w in kept]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,10 @@ admission policy lets only writers of that run create or change.  A member
 therefore connects only to the store that rank 0's genuine Lease announces:
 the Lease named for the run and rank 0, owned by the run's uid, whose label
 and annotation name the run, carrying the join request this round answered.
+Once a round holds it, rank 0 announces on the same request the store it
+serves for the next round (``nextStorePort``), where a round that keeps its
+place meets (:func:`elasticrun.api.rounds.kept_places`): either store is
+rank 0's.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from elasticrun.api.leases import lease_run, lease_state
-from elasticrun.api.model import StoreAddress
+from elasticrun.api.model import StoreAddress, WaitingNode
 
 
 def _show(store: StoreAddress | None) -> str:
@@ -51,6 +55,15 @@ def announced_store(lease: Mapping[str, Any] | None, run: str, run_uid: str | No
     return StoreAddress(join.address, join.store_port), None
 
 
+def _next(given: StoreAddress | None, announced: StoreAddress | None,
+          join: WaitingNode | None) -> bool:
+    """Whether ``given`` is the next round's store that the request announcing ``announced``
+    also announces."""
+    return given is not None and announced is not None and join is not None \
+        and join.next_store_port is not None \
+        and given == StoreAddress(announced.host, join.next_store_port)
+
+
 def store_problem(given: StoreAddress | None, lease: Mapping[str, Any] | None, run: str,
                   run_uid: str | None, leader: str,
                   answered: dt.datetime | None = None) -> str | None:
@@ -63,12 +76,12 @@ def store_problem(given: StoreAddress | None, lease: Mapping[str, Any] | None, r
     the address alone is compared.
     """
     announced, problem = announced_store(lease, run, run_uid, leader)
-    if problem is None and answered is not None:
-        join = lease_state(lease or {}).join
-        if join is not None and join.since != answered:
-            problem = f"the join request on the Lease of rank 0 ({leader}) is not the one " \
-                      "this round answered"
-    if problem is None and announced != given:
+    join = lease_state(lease or {}).join
+    if problem is None and answered is not None and join is not None \
+            and join.since != answered:
+        problem = f"the join request on the Lease of rank 0 ({leader}) is not the one " \
+                  "this round answered"
+    if problem is None and announced != given and not _next(given, announced, join):
         problem = f"rank 0 ({leader}) announced {_show(announced)}"
     if problem is None:
         return None

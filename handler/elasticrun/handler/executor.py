@@ -33,7 +33,14 @@ from torch.distributed.elastic.rendezvous import (
 from elasticrun.api import rounds
 from elasticrun.api.gateway import readable_lease
 from elasticrun.api.leases import lease_state
-from elasticrun.api.model import Assignment, ElasticRun, StoreAddress, WaitingNode, now
+from elasticrun.api.model import (
+    Assignment,
+    ElasticRun,
+    RunSpec,
+    StoreAddress,
+    WaitingNode,
+    now,
+)
 from elasticrun.api.roundfile import ROUND_FILE_VARIABLE, Round, lost_file, write_round
 from elasticrun.api.stores import store_problem
 from elasticrun.handler import step
@@ -100,7 +107,7 @@ class RoundExecutor:
 
     def __init__(self, settings: RendezvousSettings, session: RunSession, lease: LeaseKeeper,
                  stores: RoundStores, closing: Callable[[], bool],
-                 placed: Callable[[Assignment], None]) -> None:
+                 placed: Callable[[Assignment, RunSpec], None]) -> None:
         self.settings = settings
         self.session = session
         self.lease = lease
@@ -299,7 +306,7 @@ class RoundExecutor:
                            self._report_unreachable)
         if base is None:
             return None
-        self._placed(assignment)
+        self._placed(assignment, run.spec)
         if self.settings.in_place:
             tell_workers(self.settings, Round(round_number, rank, assignment.world_size, host,
                                               port))

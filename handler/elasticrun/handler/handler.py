@@ -59,8 +59,16 @@ from torch.distributed.elastic.rendezvous import (
 from elasticrun.api import rounds
 from elasticrun.api.change import ChangePolicy, change_status
 from elasticrun.api.gateway import RunAccess, RunGateway
-from elasticrun.api.kube import KubeClient
-from elasticrun.api.model import Assignment, ElasticRun, RunStatus, now
+from elasticrun.api.kube import ApiConnectionError, ApiError, KubeClient
+from elasticrun.api.model import (
+    Assignment,
+    ElasticRun,
+    RunSpec,
+    RunStatus,
+    StoreAddress,
+    WaitingNode,
+    now,
+)
 from elasticrun.handler import exitbarrier, step
 from elasticrun.handler import settings as settings_mod
 from elasticrun.handler.calls import ElasticRunForbiddenError, connect_client, who
@@ -113,6 +121,11 @@ class K8sRendezvousHandler(RendezvousHandler):
         self._round = 0
         #: The join request the node's round answered (a kept place answers it again).
         self._since: dt.datetime | None = None
+        #: The store this node announced for the round after ``_round`` (rank 0: see
+        #: :meth:`_announce_next_store`); None until its Lease says so.
+        self._next_store: StoreAddress | None = None
+        #: How many rendezvous have begun (torchrun's and the follower's).
+        self._calls = 0
         #: The store handed to torchrun by its last ``next_rendezvous()`` (where its
         #: agent keeps the exit barrier; in-place rounds of the follower do not move it).
         self._round_store: Store | None = None
@@ -144,6 +157,7 @@ class K8sRendezvousHandler(RendezvousHandler):
     def _next_round(self) -> RendezvousInfo:
         """One rendezvous: torchrun's call, or the in-place follower's."""
         with self._lock:
+            self._calls += 1
             session = self._connect()
             run, woken = session.current()
             executor = self._round_executor(session, self._start_lease(session, run))
@@ -153,13 +167,54 @@ class K8sRendezvousHandler(RendezvousHandler):
                            if rounds.nodes_defer_seal(run.spec) else None)
             known = step.Knowledge(node=self.settings.node_name, run=run,
                                    previous_round=self._round, previous_since=self._since,
+                                   next_store=self._next_store,
                                    join_deadline=started + run.spec.join_timeout,
                                    defer_until=defer_until, woken=woken)
             return executor.run(known)
 
-    def _placed(self, assignment: Assignment) -> None:
+    def _placed(self, assignment: Assignment, spec: RunSpec) -> None:
         """The executor's news: a round holds this node (before torch hears of it)."""
-        self._round, self._since = assignment.round, assignment.since
+        self._round, self._since, self._next_store = assignment.round, assignment.since, None
+        if assignment.rank == 0 and rounds.members_keep_places(spec) \
+                and not self.settings.store_port:
+            threading.Thread(target=self._announce_next_store, args=(self._calls, assignment),
+                             daemon=True, name=f"elasticrun-next-{self.settings.node_name}"
+                             ).start()
+
+    def _announce_next_store(self, call: int, assignment: Assignment) -> None:
+        """Rank 0 of a round: start the next round's store and announce it on the request
+        the round answered, so that the next round keeps this node's place
+        (:func:`~elasticrun.api.rounds.kept_places`) without a new request.
+
+        One write to the node's own Lease, after torchrun's call has returned (it
+        waits for the handler's lock); skipped once a later call has begun, whose
+        request, not this one, the Lease then carries.  Best effort: without it
+        this node asks again when the round re-forms, naming the same store.
+        A pinned ``store_port`` serves one store at a time, so it announces none.
+        """
+        with self._lock:
+            if call != self._calls or self._closing or self._lease is None \
+                    or not self._lease.acquired or assignment.store is None:
+                return
+            try:
+                self._serve_store(self.stores.fresh)
+                port = self.stores.port
+                entry = WaitingNode(name=self.settings.node_name, address=self.settings.address,
+                                    store_port=assignment.store.port, since=assignment.since,
+                                    pod=self.settings.pod, pod_uid=self.settings.pod_uid,
+                                    index=self.settings.pod_index, next_store_port=port)
+                announced = self._lease.announce(entry)
+            except ApiConnectionError as exc:
+                # The write may have landed: the node then waits for the round that keeps
+                # its place rather than ask for another at the same store, and asks once
+                # the operator's wait is over if no such round comes.
+                log.info("%s: announcing the next round's store: %s", self._who(), exc)
+                announced = True
+            except (RendezvousError, ApiError) as exc:
+                log.info("%s: announcing the next round's store: %s", self._who(), exc)
+                return
+            if announced and port is not None:
+                self._next_store = StoreAddress(self.settings.address, port)
 
     def is_closed(self) -> bool:
         run = self._connect().cached_or_read()

@@ -131,6 +131,11 @@ class LeaseKeeper:
         if not annotated and join is not None and not self._gone_with_run():
             self.acquire(join)
 
+    def announce(self, join: WaitingNode) -> bool:
+        """Write ``join`` again, the request a round answered, now with the store this node
+        serves for the next round (``next_store_port``); False: the Lease is gone."""
+        return self._annotate({JOIN_ANNOTATION: join_value(join)})
+
     def report_unreachable(self, leader: str, round_number: int, timeout: float) -> None:
         """Tell the operator that ``leader``'s store did not answer us (best effort).
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from elasticrun.api import rounds
-from elasticrun.api.model import Assignment, ElasticRun, WaitingNode
+from elasticrun.api.model import Assignment, ElasticRun, StoreAddress, WaitingNode
 from elasticrun.api.ordering import newer
 
 #: Stagger between nodes that all hold a last-call timer, so that one seals and
@@ -68,6 +68,9 @@ class Knowledge:
     #: The join request this node's previous round answered (its ``since`` there): a
     #: newer round answering it again kept the node's place (:attr:`kept`).
     previous_since: dt.datetime | None = None
+    #: The store this node announced on that request for the round after its previous
+    #: one (rank 0, :func:`~elasticrun.api.rounds.kept_places`), once its Lease says so.
+    next_store: StoreAddress | None = None
 
     def replace(self, **changes: object) -> Knowledge:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -113,10 +116,10 @@ class Knowledge:
         previous round answered (:func:`~elasticrun.api.rounds.kept_places`);
         only a round that answers it again is this node's while the call has
         made no request of its own.  Once it has, :attr:`assignment` decides.
-        Rank 0's place is never kept (it asks again with the next round's
-        store), so a round that answers rank 0's previous request is a status
-        restored by hand, not rank 0's to take; a member it places finds that
-        rank 0 moved on when it checks the round's store.
+        Rank 0's place is kept only at the store it announced for that round
+        (:attr:`next_store`): any other round that answers rank 0's previous
+        request is a status restored by hand, not rank 0's to take; a member it
+        places finds that rank 0 moved on when it checks the round's store.
         """
         run = self.run
         if self.joined or self.previous_since is None \
@@ -124,7 +127,9 @@ class Knowledge:
                 or run.status.round <= self.previous_round:
             return None
         mine = run.status.assignment(self.node)
-        if mine is None or mine.rank == 0 or mine.since != self.previous_since:
+        if mine is None or mine.since != self.previous_since:
+            return None
+        if mine.rank == 0 and (self.next_store is None or mine.store != self.next_store):
             return None
         return mine
 
@@ -280,7 +285,8 @@ def _first(known: Knowledge, clock: float) -> Action:
     if known.defer_until is None:
         return Join()
     until = min(known.defer_until, known.join_deadline)
-    if clock < until and rounds.may_keep_place(known.run, known.node, known.previous_round):
+    if clock < until and rounds.may_keep_place(known.run, known.node, known.previous_round,
+                                               announced=known.next_store is not None):
         return Wait(until)
     return Join()
 

@@ -28,6 +28,7 @@ from elasticrun.api.model import (
     LostMember,
     Participant,
     RunStatus,
+    StoreAddress,
     WaitingNode,
     capped,
     next_signal,
@@ -524,7 +525,20 @@ def _kept(run: ElasticRun, members: Members, now: dt.datetime) -> list[WaitingNo
             if (lease := members.leases.get(p.name)) is not None
             and lease.owner_uid == run.uid and lease.join is not None
             and not lease.expired(now, window)]
-    return rounds.kept_places(run, live, now)
+    return rounds.kept_places(run, live, now, leader_next=_next_store(run, members))
+
+
+def _next_store(run: ElasticRun, members: Members) -> StoreAddress | None:
+    """The store rank 0 announced for the next round, on the request its round answered
+    (``nextStorePort``), from its Lease of this run; None where it announced none."""
+    leader = run.status.leader
+    member = run.status.participant(leader) if leader is not None else None
+    lease = members.leases.get(leader) if leader is not None else None
+    join = lease.join if lease is not None and lease.owner_uid == run.uid else None
+    if member is None or join is None or join.since != member.since \
+            or not join.address or join.next_store_port is None:
+        return None
+    return StoreAddress(join.address, join.next_store_port)
 
 
 def _assignments_due(run: ElasticRun, new: RunStatus, members: Members
