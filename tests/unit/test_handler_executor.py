@@ -766,6 +766,10 @@ def test_rank_0_announces_the_next_rounds_store_and_a_round_keeping_every_place_
     kept = rounds.kept_places(run, list(members), now(), pending,
                               leader_next=StoreAddress("127.0.0.1", port))
     write_status(server, rounds.seal_round(run, now(), [*pending, *kept]))
+    # As torchrun's agents do: each comes back once its num_nodes_waiting() is positive.
+    for node in members.values():
+        wait_for(node.num_nodes_waiting, BOUND, "the members to hear of the round",
+                 interval=0.01)
     again = {name: pool.submit(node.next_rendezvous) for name, node in members.items()}
     got = {name: call.result(BOUND) for name, call in again.items()}
     assert {name: info.rank for name, info in got.items()} == {leader: 0, other: 1}

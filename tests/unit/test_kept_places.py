@@ -209,6 +209,27 @@ def test_a_member_takes_the_newer_round_that_answers_its_previous_request_again(
     assert next_action(_member(restored, "n0"), BACK, CLOCK) == step.Join()
 
 
+def test_a_member_that_asked_as_its_place_was_kept_takes_the_place_for_its_new_request(
+        ) -> None:
+    """Its wait ran out just as the operator kept its place: the round's other members
+    would wait for it in torch's barrier, so it takes the place, recorded as answering
+    the request it made (which re-forms the round at once, and which the next round
+    keeps)."""
+    run = _round_one()
+    asking = [WaitingNode(name="n0", address="10.0.0.9", store_port=7, since=BACK)]
+    second = rounds.seal_round(run, BACK, [*asking, *rounds.kept_places(run, NAMES, BACK,
+                                                                        asking)])
+    own = WaitingNode(name="n1", since=at(31))
+    asked = _member(second).replace(joined=True, own=own)
+    action = next_action(asked, BACK, CLOCK)
+    assert isinstance(action, step.Complete)
+    assert (action.assignment.round, action.assignment.rank, action.assignment.since) == (
+        2, 1, at(31))
+    # A round that answers neither request is still not its round.
+    assert not isinstance(next_action(asked.replace(previous_since=at(1)), BACK, CLOCK),
+                          step.Complete)
+
+
 def test_rank_0_waits_for_its_kept_place_once_it_announced_the_next_store() -> None:
     status = _disturbed(_round_one().status)
     announced = _member(status, "n0").replace(next_store=NEXT)
@@ -333,3 +354,40 @@ def test_a_follower_takes_a_kept_place_in_place_and_restarts_for_a_newcomer() ->
     small = _round_one(rounds.DEFER_SEAL_FROM - 1)
     assert step.in_place_move(dataclasses.replace(small, status=kept), 1, BACK,
                               node="n1") == "restart"  # no place is kept there
+
+
+# --------------------------------------------------------------------------- the notice
+
+
+def test_a_newcomer_leaves_the_notice_to_the_operator_while_it_defers() -> None:
+    """Where places are kept the operator seals the newcomer's round, or announces it;
+    the newcomer announces itself only once its wait for the operator is over."""
+    run = _round_one()
+    own = WaitingNode(name="n3", since=BACK)
+    newcomer = Knowledge(node="n3", run=run, previous_round=0,
+                         join_deadline=CLOCK + JOIN_TIMEOUT, joined=True, own=own,
+                         defer_until=CLOCK + 10)
+    assert rounds.newcomers_defer_announce(run.spec)
+    assert next_action(newcomer, BACK, CLOCK) == step.Wait(CLOCK + 10)
+    assert next_action(newcomer.replace(pending=(own,), listed=True, listed_at=BACK), BACK,
+                       CLOCK + 10) == step.Announce()
+    # Positive control: from 256 nodes no place is kept, and it announces while deferring.
+    quiet = dataclasses.replace(run, spec=_spec(rounds.QUIET_WATCH_FROM))
+    assert next_action(newcomer.replace(run=quiet), BACK, CLOCK) == step.Announce()
+
+
+def test_the_operator_announces_a_newcomer_it_cannot_seal_at_once() -> None:
+    run = _round_one()
+    leases = _back(joined_leases([*NAMES, "n3"], T0), BACK, "n3")
+    plan = reconcile(run, Members(leases=leases), BACK)  # rank 0 announced no store yet
+    assert not plan.sealed and plan.status is not None
+    assert (plan.status.join_notice, plan.status.signal) == (1, run.status.signal + 1)
+    assert plan.status.stable_round == 0
+    # Sealing at once instead, it writes no notice.
+    sealed_plan = reconcile(run, Members(leases=_announcing(leases)), BACK)
+    assert sealed_plan.sealed and sealed_plan.status is not None
+    assert sealed_plan.status.join_notice == 0
+    # Nor where the newcomer tells the members itself.
+    small = _round_one(rounds.DEFER_SEAL_FROM - 1)
+    plan = reconcile(small, Members(leases=leases), BACK)
+    assert plan.status is None or plan.status.signal == small.status.signal

@@ -817,6 +817,30 @@ def _turn_key(node: WaitingNode) -> tuple[int, dt.datetime, str]:
             node.since or node.arrived or untrusted.EARLIEST, node.name)
 
 
+def announced(status: RunStatus) -> RunStatus:
+    """``status`` once the members of its round are told that a node waits: ``joinNotice``
+    set to the round, the signal moved (what a waiting node's announce patch writes,
+    :func:`elasticrun.api.gateway.announce_patch`, and the operator where places are
+    kept, :func:`newcomers_defer_announce`)."""
+    return status.replace(join_notice=status.round, signal=next_signal(status.signal))
+
+
+def newcomers_defer_announce(spec: RunSpec) -> bool:
+    """Whether a waiting node leaves telling the members to the operator while it defers.
+
+    Where members keep their places (:func:`members_keep_places`), the
+    operator seals the round a newcomer's request re-forms as soon as the
+    request is in; a notice written before that seal sends every member the
+    whole run once more, just ahead of the seal, which it delays (measured at
+    64 nodes: the notice's fan-out, then the seal's write 50 ms later).  So
+    there the operator announces the newcomer itself, only when it cannot
+    seal at once (rank 0 has not announced the next round's store yet, a
+    member it cannot keep), and a newcomer announces itself only once its
+    wait for the operator is over, as where no operator runs.
+    """
+    return members_keep_places(spec)
+
+
 def announce_needed(run: ElasticRun, now: dt.datetime, waiting: Waiting = None) -> bool:
     """Whether a waiting node should tell the members of the running round about itself.
 

@@ -110,20 +110,24 @@ class Knowledge:
 
     @property
     def kept(self) -> Assignment | None:
-        """This node's place kept in a newer round, before this call asked for one.
+        """This node's place kept in a newer round: one that answers again the request this
+        node's previous round answered (:attr:`previous_since`).
 
-        A sealer that keeps a member's place writes the request the member's
-        previous round answered (:func:`~elasticrun.api.rounds.kept_places`);
-        only a round that answers it again is this node's while the call has
-        made no request of its own.  Once it has, :attr:`assignment` decides.
-        Rank 0's place is kept only at the store it announced for that round
-        (:attr:`next_store`): any other round that answers rank 0's previous
-        request is a status restored by hand, not rank 0's to take; a member it
-        places finds that rank 0 moved on when it checks the round's store.
+        A sealer that keeps a member's place writes that request
+        (:func:`~elasticrun.api.rounds.kept_places`).  Rank 0's place is kept
+        only at the store it announced for that round (:attr:`next_store`): any
+        other round that answers rank 0's previous request is a status restored
+        by hand, not rank 0's to take; a member it places finds that rank 0
+        moved on when it checks the round's store.  A node whose wait ran out
+        and that asked just as the operator kept its place takes the place all
+        the same: the round's other members would wait for it in torch's
+        barrier after the rendezvous until the store's timeout.  Its new
+        request, still on its Lease, re-forms that round at once (a member
+        asking again), so the place is recorded as answering the new request,
+        which the next round keeps.
         """
         run = self.run
-        if self.joined or self.previous_since is None \
-                or not rounds.members_keep_places(run.spec) \
+        if self.previous_since is None or not rounds.members_keep_places(run.spec) \
                 or run.status.round <= self.previous_round:
             return None
         mine = run.status.assignment(self.node)
@@ -131,6 +135,8 @@ class Knowledge:
             return None
         if mine.rank == 0 and (self.next_store is None or mine.store != self.next_store):
             return None
+        if self.joined and self.own is not None:
+            return dataclasses.replace(mine, since=self.own.since)
         return mine
 
     @property
@@ -245,7 +251,7 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
         return PodGone(f"{gone.reason}: {gone.message or 'its Pod is gone'}")
     if not known.joined:
         return _first(known, clock)
-    assignment = known.assignment
+    assignment = known.assignment or known.kept
     if assignment is not None:
         return Complete(assignment)
     if known.stale:
@@ -349,13 +355,15 @@ def _deferring(known: Knowledge, defer_until: float, now: dt.datetime, clock: fl
     target (:func:`~elasticrun.api.rounds.target_size`) also by the
     operator's summary of the others (``status.waiting``), since the newcomers
     together decide when the members are told; it wakes when they are due
-    (:func:`~elasticrun.api.rounds.announce_due`).
+    (:func:`~elasticrun.api.rounds.announce_due`).  Where members keep their
+    places the operator tells them (:func:`~elasticrun.api.rounds.newcomers_defer_announce`).
     """
     run = known.run
     own = (known.own,) if known.own is not None else ()
     seen = own if rounds.target_size(run) is None else (
         *own, *(w for w in run.status.waiting if w.name != known.node))
-    if rounds.announce_needed(run, now, seen):
+    if rounds.announce_needed(run, now, seen) \
+            and not rounds.newcomers_defer_announce(run.spec):
         return Announce()
     if clock >= known.join_deadline:
         return TimedOut()

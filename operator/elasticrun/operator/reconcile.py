@@ -487,7 +487,9 @@ def _seal_backstop(run: ElasticRun, new: RunStatus, members: Members, now: dt.da
 
     Where nodes leave sealing to the operator (:func:`rounds.nodes_defer_seal`),
     there is nobody to give a grace to: it seals as soon as the rules allow,
-    with the members whose places it keeps (:func:`_kept`) counted as back.
+    with the members whose places it keeps (:func:`_kept`) counted as back;
+    where it keeps places, a newcomer it cannot seal at once it announces to
+    the members itself (:func:`rounds.newcomers_defer_announce`).
     """
     candidate = run.replace_status(new)
     waiting = (*new.waiting, *_kept(candidate, members, now))
@@ -504,6 +506,9 @@ def _seal_backstop(run: ElasticRun, new: RunStatus, members: Members, now: dt.da
                                      by_lease=rounds.members_told_by_lease(run.spec))
     elif decision.deadline is not None:
         plan.wake(decision.deadline + grace)
+    if not plan.sealed and rounds.newcomers_defer_announce(run.spec) \
+            and rounds.announce_needed(candidate, now, new.waiting):
+        return rounds.announced(new)
     return new
 
 
