@@ -732,6 +732,22 @@ def test_a_woken_member_whose_copy_shows_the_disturbance_starts_from_it_watching
         session.watcher.stop()
 
 
+def test_rank_0_in_place_announces_no_next_store(
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor, tmp_path: Path) -> None:
+    """In-place mode: torchrun's agent keeps its exit barrier in its last round's store, which
+    a store started ahead for every follower round would retire a round early; rank 0
+    asks again instead (the test below is the positive control)."""
+    keeps = dataclasses.replace(spec(2), max_nodes=rounds.DEFER_SEAL_FROM)
+    server.seed_run(RUN_NAME, keeps)
+    members = {name: nodes(name, round_file=tmp_path / f"{name}.json") for name in ("a", "b")}
+    calls = [pool.submit(node.next_rendezvous) for node in members.values()]
+    status = seal_as_the_operator(server, *members)
+    assert sorted(info.rank for info in infos(calls)) == [0, 1]
+    assert status.leader is not None
+    time.sleep(1.0)  # the announcement below comes within milliseconds
+    assert announced_by(server, status.leader) is None
+
+
 def test_rank_0_announces_the_next_rounds_store_and_a_round_keeping_every_place_meets_there(
         server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
     """maxNodes 64 (places kept): once round 1 holds it, rank 0 serves the next round's

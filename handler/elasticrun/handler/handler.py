@@ -176,7 +176,7 @@ class K8sRendezvousHandler(RendezvousHandler):
         """The executor's news: a round holds this node (before torch hears of it)."""
         self._round, self._since, self._next_store = assignment.round, assignment.since, None
         if assignment.rank == 0 and rounds.members_keep_places(spec) \
-                and not self.settings.store_port:
+                and not self.settings.store_port and not self.settings.in_place:
             threading.Thread(target=self._announce_next_store, args=(self._calls, assignment),
                              daemon=True, name=f"elasticrun-next-{self.settings.node_name}"
                              ).start()
@@ -190,7 +190,11 @@ class K8sRendezvousHandler(RendezvousHandler):
         waits for the handler's lock); skipped once a later call has begun, whose
         request, not this one, the Lease then carries.  Best effort: without it
         this node asks again when the round re-forms, naming the same store.
-        A pinned ``store_port`` serves one store at a time, so it announces none.
+        A pinned ``store_port`` serves one store at a time, so it announces none;
+        nor does a node in in-place mode, whose agent keeps its exit barrier in the
+        store of torchrun's last round while the follower re-forms the rounds
+        after it (:class:`~elasticrun.handler.store.RoundStores` keeps one
+        round's store beside the current one).
         """
         with self._lock:
             if call != self._calls or self._closing or self._lease is None \
