@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
-from elasticrun.api import crd
+from elasticrun.api import crd, rounds
 from elasticrun.api.kube import (
     APPLY_PATCH,
     JSON_PATCH,
@@ -53,7 +53,6 @@ from elasticrun.api.model import (
     RunSpec,
     RunStatus,
     new_run_manifest,
-    next_signal,
 )
 from elasticrun.api.naming import lease_name
 
@@ -105,14 +104,15 @@ def announce_patch(status: RunStatus) -> list[dict[str, Any]]:
     since ``status`` was read: the members then hear about the waiting node
     with that other change.
     """
+    told = rounds.announced(status)
     return [
         {"op": "test", "path": "/status/joinNotice", "value": status.join_notice},
         {"op": "test", "path": "/status/signal", "value": status.signal},
-        {"op": "replace", "path": "/status/joinNotice", "value": status.round},
-        {"op": "replace", "path": "/status/signal", "value": next_signal(status.signal)},
+        {"op": "replace", "path": "/status/joinNotice", "value": told.join_notice},
+        {"op": "replace", "path": "/status/signal", "value": told.signal},
         # A round announced to is disturbed (RunStatus.stable_round): "add" sets the
         # field whether or not the writer before us wrote it.
-        {"op": "add", "path": "/status/stableRound", "value": 0},
+        {"op": "add", "path": "/status/stableRound", "value": told.stable_round},
     ]
 
 

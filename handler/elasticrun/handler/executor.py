@@ -94,6 +94,17 @@ def tell_workers(settings: RendezvousSettings, round_: Round) -> None:
     os.environ[ROUND_FILE_VARIABLE] = path
 
 
+def join_request(settings: RendezvousSettings, store_port: int | None, since: dt.datetime,
+                 next_store_port: int | None = None) -> WaitingNode:
+    """This node's join request as its Lease carries it: who asks, where its store for the
+    round listens, since when; and, once a round holds it as rank 0, where its store for
+    the round after listens (``next_store_port``)."""
+    return WaitingNode(name=settings.node_name, address=settings.address,
+                       store_port=store_port, since=since, pod=settings.pod,
+                       pod_uid=settings.pod_uid, index=settings.pod_index,
+                       next_store_port=next_store_port)
+
+
 class RoundExecutor:
     """Carries out :func:`.step.next_action` for the node's ``next_rendezvous`` calls.
 
@@ -251,9 +262,7 @@ class RoundExecutor:
     def _join(self) -> WaitingNode:
         """Ask for the next round: one write to our own Lease, never contended."""
         lease, session = self.lease, self.session
-        entry = WaitingNode(name=self.settings.node_name, address=self.settings.address,
-                            store_port=self.stores.port, since=now(), pod=self.settings.pod,
-                            pod_uid=self.settings.pod_uid, index=self.settings.pod_index)
+        entry = join_request(self.settings, self.stores.port, now())
         try:
             if lease.acquired:
                 session.call("join the run", lambda: lease.set_join(entry))

@@ -66,13 +66,12 @@ from elasticrun.api.model import (
     RunSpec,
     RunStatus,
     StoreAddress,
-    WaitingNode,
     now,
 )
 from elasticrun.handler import exitbarrier, step
 from elasticrun.handler import settings as settings_mod
 from elasticrun.handler.calls import ElasticRunForbiddenError, connect_client, who
-from elasticrun.handler.executor import RoundExecutor, RunSucceededError
+from elasticrun.handler.executor import RoundExecutor, RunSucceededError, join_request
 from elasticrun.handler.follower import Follower
 from elasticrun.handler.lease import LeaseKeeper
 from elasticrun.handler.mailbox import AssignmentWatch
@@ -198,16 +197,14 @@ class K8sRendezvousHandler(RendezvousHandler):
         """
         with self._lock:
             if call != self._calls or self._closing or self._lease is None \
-                    or not self._lease.acquired or assignment.store is None:
+                    or not self._lease.acquired or assignment.store is None \
+                    or assignment.since is None:
                 return
             try:
                 self._serve_store(self.stores.fresh)
                 port = self.stores.port
-                entry = WaitingNode(name=self.settings.node_name, address=self.settings.address,
-                                    store_port=assignment.store.port, since=assignment.since,
-                                    pod=self.settings.pod, pod_uid=self.settings.pod_uid,
-                                    index=self.settings.pod_index, next_store_port=port)
-                announced = self._lease.announce(entry)
+                announced = self._lease.announce(join_request(
+                    self.settings, assignment.store.port, assignment.since, port))
             except ApiConnectionError as exc:
                 # The write may have landed: the node then waits for the round that keeps
                 # its place rather than ask for another at the same store, and asks once
