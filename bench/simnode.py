@@ -76,11 +76,11 @@ from elasticrun.api.naming import lease_name
 from elasticrun.api.rounds import (
     defer_seal_wait,
     may_keep_place,
-    members_keep_places,
     members_told_by_lease,
     members_watch_quietly,
     nodes_waiting,
 )
+from elasticrun.handler.step import Knowledge
 
 #: Bound on one request, and on a whole formation as a node sees it.
 REQUEST_BOUND = 60.0
@@ -387,10 +387,11 @@ class SimNode:
         takes it: a newer round answering its request again.  The run watch goes on from
         that change, for the kept round."""
         run, version = change.run, change.resource_version
-        if run is None or version is None or not members_keep_places(run.spec):
+        if run is None or version is None:
             return None
-        mine = run.status.assignment(self.name)
-        if mine is None or run.status.round <= held or mine.since != self.since:
+        mine = Knowledge(node=self.name, run=run, previous_round=held, join_deadline=0.0,
+                         previous_since=self.since).kept
+        if mine is None:
             return None
         formed: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         formed.set_result({"rank": mine.rank, "world": mine.world_size, "round": mine.round,
