@@ -50,7 +50,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
-from elasticrun.api.gateway import end_selector, round_selector, settled_selector, signal_selector
+from elasticrun.api.gateway import (
+    end_selector,
+    round_selector,
+    settled_selector,
+    signal_selector,
+)
 from elasticrun.api.kube import (
     JSON,
     MERGE_PATCH,
@@ -76,6 +81,7 @@ from elasticrun.api.naming import lease_name
 from elasticrun.api.rounds import (
     defer_seal_wait,
     may_keep_place,
+    members_keep_places,
     members_told_by_lease,
     members_watch_quietly,
     nodes_waiting,
@@ -349,10 +355,12 @@ class SimNode:
         the new request, the old round's assignment withdrawn), then the run
         watch re-opened from the change it saw, and in large runs its Lease watch.
         Told by the quiet watch, it reads nothing, as the handler does: it
-        watches for the run's end instead of the run (:meth:`_follow_end`) until
-        its Lease tells it its place.  Where the operator keeps its place
-        (:func:`~elasticrun.api.rounds.may_keep_place`) it writes nothing and waits
-        for the round that keeps it, as long as the handler does, before it asks.
+        watches for the run to settle, or in the largest runs for its end
+        (:meth:`_follow_end`) until its Lease tells it its place.  Where the
+        operator keeps its place (:func:`~elasticrun.api.rounds.may_keep_place`)
+        it writes nothing and waits for the round that keeps it, as long as the
+        handler does, before it asks; woken by the quiet watch, it first reads
+        the run if it settled (:meth:`_kept_quietly`).
         """
         assert self.lease is not None
         held = int(self.formed.result()["round"]) if self.formed is not None else 0
@@ -363,6 +371,14 @@ class SimNode:
                 and may_keep_place(change.run, self.name, held):
             with contextlib.suppress(TimeoutError):
                 return await asyncio.wait_for(self._kept(change), defer_seal_wait(change.run.spec))
+        if change.run is None and change.resource_version is not None \
+                and self._may_keep_quietly(held):
+            assert self.spec is not None
+            with contextlib.suppress(TimeoutError):
+                quietly = await asyncio.wait_for(
+                    self._kept_quietly(held, change.resource_version), defer_seal_wait(self.spec))
+                if quietly is not None:
+                    return quietly
         join = WaitingNode(name=self.name, address="127.0.0.1", store_port=self.port,
                            since=now())
         self.since = join.since
@@ -401,6 +417,53 @@ class SimNode:
         self.follower = asyncio.create_task(
             self._follow_run(run.status.signal, version, mine.round, run.spec))
         return formed.result()
+
+    def _may_keep_quietly(self, held: int) -> bool:
+        """Whether this node, woken by its quiet watch, may wait for its place kept: as
+        :func:`~elasticrun.api.rounds.may_keep_place` (``woken``) decides for a
+        handler from the copy of the run it holds, which a simulated node does not
+        keep (parsing every round's roster in each node would cost the simulation
+        more than the API server's side of the round).  A member of a run that
+        keeps places, and not its rank 0: a simulated node serves no store, so it
+        announces none and asks again."""
+        formed = self.formed
+        return self.spec is not None and members_keep_places(self.spec) and held > 0 \
+            and formed is not None and formed.result().get("rank") != 0
+
+    async def _kept_quietly(self, held: int, woken: str) -> dict[str, Any] | None:
+        """Woken by the quiet watch (its event at resourceVersion ``woken``): the round that
+        keeps this node's place, as the handler finds it (``step.Read``, then its wait):
+        in the run read no older than ``woken``, or, where that run still re-forms
+        around this node and its rank 0, in the run as the next seal settles it;
+        None where neither holds the node, which then asks."""
+        s = self.shared
+        read = json.loads(await self.requests.request(
+            "GET", run_path(s.namespace, s.run) + "?" + urlencode({"resourceVersion": woken})))
+        place = placed_in(read, self.name, held)
+        if place is None and keeps_waiting(read, self.name, held):
+            self.watch = s.connection(self.tickets)
+            place = placed_in(await self._settled(), self.name, held)
+        if place is None:
+            return None
+        formed: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        formed.set_result({"t_done": time.monotonic(), **place})
+        self.formed = formed
+        self.watch = s.connection(self.tickets)
+        self.follower = asyncio.create_task(self._follow_quietly(place["round"]))
+        return formed.result()
+
+    async def _settled(self) -> dict[str, Any]:
+        """The run once it settles (``RunGateway.watch_settled``'s first event)."""
+        s = self.shared
+        try:
+            async for line in watch_lines(self.watch, runs_path(s.namespace),
+                                           {"fieldSelector": settled_selector(s.run)}):
+                event = s.parse(line)
+                if event.get("type") in ("ADDED", "MODIFIED"):
+                    return dict(event.get("object") or {})
+            return {}
+        finally:
+            self.watch.close()
 
     async def _kept(self, change: Change) -> dict[str, Any]:
         """The round that keeps this node's place, watched from the change it saw."""
@@ -643,6 +706,18 @@ def placed_in(obj: dict[str, Any], node: str, held: int) -> dict[str, Any] | Non
             return {"rank": p["rank"], "world": len(status["participants"]),
                     "round": status["round"]}
     return None
+
+
+def keeps_waiting(obj: dict[str, Any], node: str, held: int) -> bool:
+    """Whether a member of round ``held`` waits for its place in the run object shows (as
+    :func:`~elasticrun.api.rounds.may_keep_place` decides for a handler, on the fields a
+    simulated node reads without parsing the roster): the round re-forms
+    (``stableRound`` 0) and still holds the node and a rank 0."""
+    status = obj.get("status") or {}
+    if int(status.get("round") or 0) != held or status.get("stableRound") != 0:
+        return False
+    members = {p.get("name"): p.get("rank") for p in status.get("participants") or ()}
+    return node in members and 0 in members.values()
 
 
 def knows_of_change(run: ElasticRun, my_round: int) -> bool:

@@ -330,12 +330,13 @@ def test_deferring_nodes_seal_themselves_when_no_operator_does(
     assert read_run(cluster.client, namespace, "unattended").status.round == 1
 
 
-def _form_three(make_handler: Any, run: str, max_nodes: int
+def _form_three(make_handler: Any, run: str, max_nodes: int, **conf: Any
                 ) -> tuple[list[Any], dict[str, Outcome]]:
-    """Three nodes of ``run`` (at least 2, at most ``max_nodes``, a last call of 2 s)
-    formed in one round, ranked 0 to 2: the handlers, and their outcomes by node name."""
+    """Three nodes of ``run`` (at least 2, at most ``max_nodes``, a last call of 2 s, and
+    ``conf``) formed in one round, ranked 0 to 2: the handlers, and their outcomes by
+    node name."""
     nodes = [make_handler(run, f"n{i}", min_nodes=2, max_nodes=max_nodes,
-                          last_call_timeout=2) for i in range(3)]
+                          last_call_timeout=2, **conf) for i in range(3)]
     outcomes = rendezvous_all(nodes)
     _ok(outcomes)
     assert sorted(o.rank for o in outcomes.values()) == [0, 1, 2]
@@ -389,12 +390,18 @@ def test_a_quiet_run_tells_its_members_by_the_seals_broadcast_and_they_rejoin_on
     """maxNodes 256: the operator's seal moves the signal and every node receives the run
     with it; holding its round, each member watches it quietly, hears of a loss in one
     event of metadata, and learns its next place from one event, the run as the next
-    seal settled it: no read of the run, no LIST, no assignment on its Lease."""
+    seal settled it: no read of the run, no LIST, no assignment on its Lease.  (A
+    heartbeat of two renewals keeps no place, so the members ask again; below, they
+    keep their places.)"""
     from elasticrun.api import rounds
     from elasticrun.api.leases import lease_state
+    from elasticrun.api.model import RunSpec
 
     lists, reads = _Counted(monkeypatch, "leases"), _Counted(monkeypatch, "read")
-    nodes, outcomes = _form_three(make_handler, "quiet", rounds.QUIET_WATCH_FROM)
+    conf = {"heartbeat_timeout": 10, "lease_renew_interval": 5}
+    assert not rounds.members_keep_places(RunSpec(
+        min_nodes=2, max_nodes=rounds.QUIET_WATCH_FROM, **conf))
+    nodes, outcomes = _form_three(make_handler, "quiet", rounds.QUIET_WATCH_FROM, **conf)
     ranks = {name: o.rank for name, o in outcomes.items()}
     run = read_run(cluster.client, namespace, "quiet")
     assert run.status.round == 1 and run.status.signal == 1
@@ -533,6 +540,68 @@ def test_members_keep_their_places_in_the_rounds_the_operator_seals(
     assert _requests(cluster, namespace, "kept", stayed) == before
     assert {n: third.participant(n).since for n in stayed} == before  # type: ignore[union-attr]
     assert before[leader] == asked[leader], "rank 0 never asked again"
+
+
+def test_quiet_members_keep_their_places_and_ask_again_once_rank_0_is_lost(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """maxNodes 256 (members watch their round quietly): when the operator finds a
+    member's Lease expired, its one write removes the member and seals the survivors'
+    round keeping every place, rank 0's at the store it announced; each survivor, woken
+    by its quiet watch, reads the run, finds its place kept there, and takes it writing
+    nothing.  Once rank 0 itself is lost no place can be kept: the run
+    re-forms, and the survivors read so and ask again (the positive control)."""
+    from elasticrun.api import rounds
+
+    reads = _Counted(monkeypatch, "read")
+    conf = {"min_nodes": 2, "max_nodes": rounds.QUIET_WATCH_FROM, "last_call_timeout": 2,
+            "heartbeat_timeout": 3, "lease_renew_interval": 1}
+    nodes = [make_handler("calm", f"n{i}", **conf) for i in range(4)]
+    _ok(rendezvous_all(nodes))
+    first = read_run(cluster.client, namespace, "calm").status
+    leader = first.leader
+    assert leader is not None and rounds.members_keep_places(read_run(
+        cluster.client, namespace, "calm").spec)
+    wait_for(lambda: _next_store(cluster, namespace, "calm", leader), 15,
+             "rank 0's announcement of the next round's store")
+    announced = _next_store(cluster, namespace, "calm", leader)
+    by_rank = {first.participant(n.settings.node_name).rank: n  # type: ignore[union-attr]
+               for n in nodes}
+    for node in nodes:
+        wait_for(lambda node=node: node.watcher.quiet_round == 1, 15, "the quiet watch")
+    reads.count = 0
+    by_rank[3].lease.stop_renewing()  # a partitioned node: alive, silent
+    survivors = [by_rank[0], by_rank[1], by_rank[2]]
+    names = [n.settings.node_name for n in survivors]
+    before = _requests(cluster, namespace, "calm", names)
+    wait_for(lambda: all(n.num_nodes_waiting() > 0 for n in survivors), 15,
+             "the survivors to hear of the expired Lease")
+    second = rendezvous_all(survivors)
+    _ok(second)
+    assert reads.count == 3, "each survivor read the run once"
+    run = read_run(cluster.client, namespace, "calm").status
+    assert run.round == 2 and run.leader == leader and run.store == announced
+    assert {p.name: p.rank for p in run.participants} == {
+        name: first.participant(name).rank for name in names}  # type: ignore[union-attr]
+    assert {o.world_size for o in second.values()} == {3}
+    assert _requests(cluster, namespace, "calm", names) == before, "no survivor asked"
+    # Rank 0 lost: the run re-forms, and the survivors ask again.
+    for node in survivors:
+        wait_for(lambda node=node: node.watcher.quiet_round == 2, 15, "the quiet watch")
+    by_rank[0].lease.stop_renewing()
+    rest = [by_rank[1], by_rank[2]]
+    wait_for(lambda: all(n.num_nodes_waiting() > 0 for n in rest), 15,
+             "the survivors to hear of rank 0's expired Lease")
+    third = rendezvous_all(rest)
+    _ok(third)
+    assert reads.count == 5
+    stayed = [n.settings.node_name for n in rest]
+    asked = _requests(cluster, namespace, "calm", stayed)
+    assert all(asked[name] != before[name] for name in stayed), (before, asked)
+    final = read_run(cluster.client, namespace, "calm").status
+    assert final.round == 3 and sorted(p.rank for p in final.participants) == [0, 1]
+    assert {final.participant(name).since for name in stayed} == {  # type: ignore[union-attr]
+        asked[name] for name in stayed}
 
 
 def _store_port(cluster: Cluster, namespace: str, run: str, node: str) -> int | None:

@@ -111,7 +111,10 @@ def large_spec() -> RunSpec:
 
 def quiet_spec() -> RunSpec:
     """A run whose members watch their rounds quietly and learn their places from the
-    seal's broadcast (maxNodes 256)."""
-    quiet = dataclasses.replace(large_spec(), max_nodes=rounds.QUIET_WATCH_FROM)
+    seal's broadcast (maxNodes 256), asking again when disturbed: its heartbeat spans
+    two renewals, so no place is kept (``rounds.members_keep_places``)."""
+    quiet = dataclasses.replace(large_spec(), max_nodes=rounds.QUIET_WATCH_FROM,
+                                heartbeat_timeout=20)
     assert rounds.members_watch_quietly(quiet) and not rounds.members_told_by_lease(quiet)
+    assert not rounds.members_keep_places(quiet)
     return quiet

@@ -716,8 +716,6 @@ def test_a_woken_member_whose_copy_shows_the_disturbance_starts_from_it_watching
                  interval=0.01)
         # Positive control: from the copy held before the loss, the call starts stale.
         assert session.current() == (held, version)
-        wait_for(lambda: gateway.reached["watch_end"], BOUND, "the watch for the run's end",
-                 interval=0.01)
         session.watcher.watch_quietly(1)
         wait_for(lambda: session.watcher.disturbed(1), BOUND, "round 1 disturbed again",
                  interval=0.01)
@@ -748,14 +746,17 @@ def test_rank_0_in_place_announces_no_next_store(
     assert announced_by(server, status.leader) is None
 
 
+@pytest.mark.parametrize("max_nodes", [rounds.DEFER_SEAL_FROM, rounds.QUIET_WATCH_FROM])
 def test_rank_0_announces_the_next_rounds_store_and_a_round_keeping_every_place_meets_there(
-        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
-    """maxNodes 64 (places kept): once round 1 holds it, rank 0 serves the next round's
-    store and announces it on the request round 1 answered; the operator's round for a
-    newcomer keeps both members' places at that store, and they take it writing nothing."""
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor, max_nodes: int) -> None:
+    """Places kept (64 nodes: members watch the whole run; 256: quietly): once round 1
+    holds it, rank 0 serves the next round's store and announces it on the request round 1
+    answered; the operator's round for a newcomer keeps both members' places at that
+    store, and they take it writing nothing.  Woken by the quiet watch, each first asks
+    whether the run re-forms (it does not: the seal was the disturbance)."""
     from elasticrun.api.leases import lease_state
 
-    keeps = dataclasses.replace(spec(2), max_nodes=rounds.DEFER_SEAL_FROM)
+    keeps = dataclasses.replace(spec(2), max_nodes=max_nodes)
     assert rounds.members_keep_places(keeps)
     server.seed_run(RUN_NAME, keeps)
     members = {name: nodes(name) for name in ("a", "b")}
@@ -786,9 +787,15 @@ def test_rank_0_announces_the_next_rounds_store_and_a_round_keeping_every_place_
     for node in members.values():
         wait_for(node.num_nodes_waiting, BOUND, "the members to hear of the round",
                  interval=0.01)
+    reads = {name: nodes.gateways[name].reached["read"] for name in members}
+    quietly = rounds.members_watch_quietly(keeps)
     again = {name: pool.submit(node.next_rendezvous) for name, node in members.items()}
     got = {name: call.result(BOUND) for name, call in again.items()}
     assert {name: info.rank for name, info in got.items()} == {leader: 0, other: 1}
+    # Each learned its place from its watch, or woken by its quiet watch from the one read
+    # of the run it makes first; not from a read once its wait ran out.
+    assert {name: nodes.gateways[name].reached["read"] - reads[name] for name in members} == {
+        name: int(quietly) for name in members}
     assert newcomer.result(BOUND).rank == 2
     assert {info.bootstrap_store_info.master_port  # type: ignore[union-attr]
             for info in [*got.values(), newcomer.result(BOUND)]} == {port}
@@ -796,6 +803,48 @@ def test_rank_0_announces_the_next_rounds_store_and_a_round_keeping_every_place_
     assert {p.name: p.since for p in second.participants if p.name != "c"} == first
     assert {name: lease_state(server.lease_of(RUN_NAME, name) or {}).join.since  # type: ignore[union-attr]
             for name in members} == first, "the members wrote no new request"
+    assert all(nodes.gateways[name].reached["watch_round"] for name in members) is quietly
+
+
+def test_woken_members_ask_again_once_their_rank_0_is_lost(
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
+    """maxNodes 256 (places kept, members watch quietly): a round that lost its rank 0
+    keeps no place; woken, the members read the run, find it without its rank 0, and
+    each writes a new request, which the next round answers."""
+    from elasticrun.api.leases import lease_state
+
+    keeps = dataclasses.replace(spec(2), max_nodes=rounds.QUIET_WATCH_FROM)
+    server.seed_run(RUN_NAME, keeps)
+    members = {name: nodes(name) for name in ("a", "b", "c")}
+    calls = [pool.submit(node.next_rendezvous) for node in members.values()]
+    status = seal_as_the_operator(server, *members)
+    assert sorted(info.rank for info in infos(calls)) == [0, 1, 2]
+    first = {p.name: p.since for p in status.participants}
+    leader = status.leader
+    assert leader is not None
+    wait_for(lambda: announced_by(server, leader), BOUND, "rank 0's announcement",
+             interval=0.01)
+    survivors = {name: node for name, node in members.items() if name != leader}
+    lose(server, leader, rounds.POD_DELETED)
+    for node in survivors.values():
+        wait_for(node.num_nodes_waiting, BOUND, "the survivors to hear of the loss",
+                 interval=0.01)
+    reads = {name: nodes.gateways[name].reached["read"] for name in survivors}
+    started = time.monotonic()
+    again = {name: pool.submit(node.next_rendezvous) for name, node in survivors.items()}
+    requests = {}
+    for name in survivors:
+        wait_for(lambda name=name: lease_state(server.lease_of(RUN_NAME, name) or {}).join
+                 is not None and lease_state(server.lease_of(RUN_NAME, name) or {}).join.since
+                 != first[name], BOUND, f"{name}'s new request")
+        requests[name] = nodes.gateways[name].reached["read"] - reads[name]
+    assert requests == {name: 1 for name in survivors}, "each read the run first"
+    # They asked on the answer, not once the wait for a kept place ran out.
+    assert time.monotonic() - started < rounds.defer_seal_wait(keeps)
+    seal_as_the_operator(server, *survivors)
+    got = {name: call.result(BOUND) for name, call in again.items()}
+    assert sorted(info.rank for info in got.values()) == [0, 1]
+    assert {info.world_size for info in got.values()} == {2}
 
 
 def announced_by(server: FakeApiServer, node: str) -> int | None:

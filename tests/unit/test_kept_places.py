@@ -44,9 +44,9 @@ def _round_one(max_nodes: int = KEEPS) -> ElasticRun:
 
 @pytest.mark.parametrize(("max_nodes", "keeps"), [
     (rounds.DEFER_SEAL_FROM - 1, False), (rounds.DEFER_SEAL_FROM, True),
-    (rounds.QUIET_WATCH_FROM - 1, True), (rounds.QUIET_WATCH_FROM, False),
-    (rounds.TELL_BY_LEASE_FROM, False)])
-def test_places_are_kept_where_the_operator_seals_and_members_watch_the_whole_run(
+    (rounds.QUIET_WATCH_FROM - 1, True), (rounds.QUIET_WATCH_FROM, True),
+    (rounds.TELL_BY_LEASE_FROM - 1, True), (rounds.TELL_BY_LEASE_FROM, False)])
+def test_places_are_kept_where_the_operator_seals_and_does_not_write_every_lease(
         max_nodes: int, keeps: bool) -> None:
     assert rounds.members_keep_places(_spec(max_nodes)) is keeps
 
@@ -177,7 +177,7 @@ def test_a_member_of_a_disturbed_round_waits_for_its_place_instead_of_asking() -
 
 
 @pytest.mark.parametrize("why", ["undisturbed", "rank 0", "rank 0 lost", "nodes seal",
-                                 "quiet watch"])
+                                 "told by lease"])
 def test_a_member_asks_where_its_place_cannot_be_kept(why: str) -> None:
     status, node, max_nodes = _disturbed(_round_one().status), "n1", KEEPS
     if why == "undisturbed":  # its own request is what tells the others
@@ -190,8 +190,75 @@ def test_a_member_asks_where_its_place_cannot_be_kept(why: str) -> None:
     elif why == "nodes seal":
         max_nodes = rounds.DEFER_SEAL_FROM - 1
     else:
-        max_nodes = rounds.QUIET_WATCH_FROM
+        max_nodes = rounds.TELL_BY_LEASE_FROM
     assert next_action(_member(status, node, max_nodes), T0, CLOCK) == step.Join()
+    # The positive control: where the place can be kept, the member waits.
+    assert next_action(_member(_disturbed(_round_one().status)), T0, CLOCK) == step.Wait(
+        CLOCK + 10)
+
+
+QUIET = rounds.QUIET_WATCH_FROM
+
+
+def _woken(node: str = "n1") -> Knowledge:
+    """Member ``node`` of round 1 of a run its members watch quietly, woken by that watch:
+    its copy shows round 1 undisturbed, the disturbance came at resourceVersion 10."""
+    return _member(_round_one(QUIET).status, node, QUIET).replace(woken="10")
+
+
+def _read(status: RunStatus) -> ElasticRun:
+    """The run a woken member read, newer than the disturbance that woke it."""
+    return ElasticRun("r", "ns", _spec(QUIET), status, "11")
+
+
+def test_a_woken_member_reads_the_run_before_it_asks_again() -> None:
+    """Its copy cannot say what disturbed the round: the seal that keeps its place, or what
+    keeps none (rank 0 lost); the copy it reads decides, as any member's does."""
+    assert _woken().stale
+    assert next_action(_woken(), T0, CLOCK) == step.Read()
+    # Past the operator's wait it asks without reading.
+    assert next_action(_woken(), T0, CLOCK + 10) == step.Join()
+    # The run it read: the round re-forms with its rank 0 (it waits for its place) ...
+    disturbed = _woken().replace(run=_read(_disturbed(_round_one(QUIET).status)))
+    assert not disturbed.stale
+    assert next_action(disturbed, T0, CLOCK) == step.Wait(CLOCK + 10)
+    # ... or without it (it asks at once).
+    lost = rounds.remove_member(_round_one(QUIET).status, "n0", rounds.POD_DELETED, T0)
+    assert lost is not None and lost.leader is None
+    assert next_action(_woken().replace(run=_read(lost)), T0, CLOCK) == step.Join()
+
+
+def test_a_woken_member_asks_at_once_where_its_place_cannot_be_kept() -> None:
+    # Rank 0 before it announced the next store, and once it has (the positive control).
+    assert next_action(_woken("n0"), T0, CLOCK) == step.Join()
+    assert next_action(_woken("n0").replace(next_store=NEXT), T0, CLOCK) == step.Read()
+    # A copy that shows the round disturbed is no woken member's: it says what happened.
+    disturbed = _woken().replace(run=_member(_disturbed(_round_one(QUIET).status), "n1",
+                                             QUIET).run)
+    assert not rounds.may_keep_place(disturbed.run, "n1", 1, woken=True)
+    assert rounds.may_keep_place(disturbed.run, "n1", 1)
+    # Where the operator tells members on their Leases no place is kept.
+    told = _member(_round_one(rounds.TELL_BY_LEASE_FROM).status, "n1",
+                   rounds.TELL_BY_LEASE_FROM).replace(woken="10")
+    assert next_action(told, T0, CLOCK) == step.Join()
+
+
+def test_a_woken_member_takes_the_settled_round_that_keeps_its_place() -> None:
+    run = _round_one(QUIET)
+    newcomer = [WaitingNode(name="n3", since=BACK)]
+    second = rounds.seal_round(run, BACK, [*newcomer, *rounds.kept_places(
+        run, NAMES, BACK, newcomer, leader_next=NEXT)])
+    assert second.stable_round == 2
+    settled = _woken().replace(run=_read(second))
+    assert not settled.stale
+    action = next_action(settled, BACK, CLOCK)
+    assert isinstance(action, step.Complete)
+    assert (action.assignment.round, action.assignment.rank) == (2, 1)
+    # A settled round without it: it asks.
+    without = rounds.seal_round(run, BACK, [*newcomer, *rounds.kept_places(
+        run, ["n0", "n2"], BACK, newcomer, leader_next=NEXT)])
+    dropped = settled.replace(run=_read(without))
+    assert next_action(dropped, BACK, CLOCK) == step.Join()
 
 
 def test_a_member_takes_the_newer_round_that_answers_its_previous_request_again() -> None:
@@ -318,7 +385,7 @@ def test_the_operator_seals_a_newcomers_round_at_once_once_rank_0_announced_its_
     assert not reconcile(run, Members(leases=quiet), BACK).sealed
 
 
-@pytest.mark.parametrize("max_nodes", [rounds.DEFER_SEAL_FROM - 1, rounds.QUIET_WATCH_FROM])
+@pytest.mark.parametrize("max_nodes", [rounds.DEFER_SEAL_FROM - 1, rounds.TELL_BY_LEASE_FROM])
 def test_the_operator_keeps_no_place_elsewhere(max_nodes: int) -> None:
     run = _round_one(max_nodes)
     leases = _back(joined_leases([*NAMES, "n3"], T0), BACK + dt.timedelta(seconds=5),
@@ -371,8 +438,8 @@ def test_a_newcomer_leaves_the_notice_to_the_operator_while_it_defers() -> None:
     assert next_action(newcomer, BACK, CLOCK) == step.Wait(CLOCK + 10)
     assert next_action(newcomer.replace(pending=(own,), listed=True, listed_at=BACK), BACK,
                        CLOCK + 10) == step.Announce()
-    # Positive control: from 256 nodes no place is kept, and it announces while deferring.
-    quiet = dataclasses.replace(run, spec=_spec(rounds.QUIET_WATCH_FROM))
+    # Positive control: from 2,048 nodes no place is kept, and it announces while deferring.
+    quiet = dataclasses.replace(run, spec=_spec(rounds.TELL_BY_LEASE_FROM))
     assert next_action(newcomer.replace(run=quiet), BACK, CLOCK) == step.Announce()
 
 

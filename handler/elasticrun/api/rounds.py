@@ -142,10 +142,16 @@ def members_keep_places(spec: RunSpec) -> bool:
     request (``nextStorePort``); until the operator has seen that, rank 0 asks
     again with that store, and the round seals once it has.  Each member,
     waiting meanwhile instead of writing (:func:`may_keep_place`), knows its
-    kept place by the request its previous round answered.  Not yet from
-    :data:`QUIET_WATCH_FROM`: a member woken by its quiet watch learns only
-    that its round is disturbed, not whether it lost its rank 0, in which case
-    nothing can be kept.
+    kept place by the request its previous round answered.  A member woken by
+    its quiet watch (:func:`members_watch_quietly`) learns only that its round
+    is disturbed, not whether it lost its rank 0, in which case nothing can be
+    kept: such a member reads the run (no older than the disturbance, from the
+    API server's cache) before it decides, as every other member does from
+    the run it holds.  The operator's seal that keeps places is often the
+    disturbance itself (the loss and the seal in one status write), and the
+    read then holds the member's place.  Not where the operator tells
+    members on their Leases (:func:`members_told_by_lease`): its seal writes
+    every member's Lease all the same.
 
     A place kept for a member that froze shortly before would hold every
     other agent in torch's barrier after the rendezvous (its store waits for
@@ -156,18 +162,22 @@ def members_keep_places(spec: RunSpec) -> bool:
     renewals by then, so none of them is kept.  Shorter heartbeats keep no
     place (the CRD's defaults, 15 s and 5 s, span three renewals and do).
     """
-    return nodes_defer_seal(spec) and not members_watch_quietly(spec) \
+    return nodes_defer_seal(spec) and not members_told_by_lease(spec) \
         and spec.heartbeat_timeout >= keep_window(spec) + spec.lease_renew_interval
 
 
 def may_keep_place(run: ElasticRun, node: str, previous_round: int, *,
-                   announced: bool = False) -> bool:
+                   announced: bool = False, woken: bool = False) -> bool:
     """Whether ``node``, a member of ``previous_round``, waits for the seal to keep its
     place rather than ask again (:func:`members_keep_places`).
 
     Only while the round it held is the run's current one and disturbed
     (``stableRound`` 0: a loss, a restart, an announced node), still holds the
-    node, which is not held back, and still has its rank 0.  Rank 0 itself
+    node, which is not held back, and still has its rank 0.  ``woken``: the
+    node's quiet watch said that the round is disturbed, which ``run``, a copy
+    from before, cannot show (its round is stable there); the node then reads
+    the run, and decides again from that copy (:func:`members_keep_places`).
+    Rank 0 itself
     waits only once its Lease announces the next round's store (``announced``);
     before that it asks again, naming that store.  A member whose own workers
     failed in a round nothing else disturbed asks again: its request is what
@@ -175,7 +185,8 @@ def may_keep_place(run: ElasticRun, node: str, previous_round: int, *,
     """
     status = run.status
     if not members_keep_places(run.spec) or run.closed or previous_round <= 0 \
-            or status.round != previous_round or status.stable_round != 0:
+            or status.round != previous_round \
+            or status.stable_round != (previous_round if woken else 0):
         return False
     me = status.participant(node)
     return me is not None and (me.rank != 0 or announced) and status.leader is not None \

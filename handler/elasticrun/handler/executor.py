@@ -144,7 +144,7 @@ class RoundExecutor:
                 if isinstance(action, step.Complete):
                     self._watch()
                     round_number = action.assignment.round
-                    if known.stale:
+                    if known.woken is not None:
                         # What ends the new round comes from its quiet watch while the
                         # node reaches the store (RunSession.newest reads the run then).
                         session.follow(known.run.spec, stale=True, holding=round_number)
@@ -187,11 +187,7 @@ class RoundExecutor:
                 f"{self._who()}: removed from round {known.previous_round} because its Pod "
                 f"is going ({action.message}); not asking for another round")
         if isinstance(action, step.Join):
-            own = self._join()
-            session.check_watch()  # the join found our Lease deleted with the run
-            if rounds.members_told_by_lease(run.spec):
-                self._watch_assignments()
-            return known.replace(joined=True, own=own, listed=False)
+            return self._ask(known)
         if isinstance(action, step.List):
             listed_at = now()
             pending = session.pending(run)
@@ -203,8 +199,9 @@ class RoundExecutor:
         if isinstance(action, step.Announce):
             return known.replace(run=session.announce(run))
         if isinstance(action, step.Read):
-            fresh = known.replace(run=session.read_or_raise(), listed=False)
-            session.follow(fresh.run.spec, stale=fresh.stale)
+            fresh = known.replace(run=session.read_or_raise(known.woken), listed=False)
+            if fresh.kept is None:  # a kept place's quiet watch comes with Complete
+                session.follow(fresh.run.spec, stale=fresh.stale)
             return fresh
         if isinstance(action, step.TimedOut):
             self._leave_waiting()
@@ -258,6 +255,19 @@ class RoundExecutor:
             self.mailbox.start()
 
     # ------------------------------------------------------------------ requests
+
+    def _ask(self, known: step.Knowledge) -> step.Knowledge:
+        """Join, and watch for the answer: a member woken from a stale copy for the run
+        to settle (from now, opened as the request is written), on its Lease in the
+        largest runs."""
+        session, spec = self.session, known.run.spec
+        if known.stale:
+            session.follow(spec, stale=True)
+        own = self._join()
+        session.check_watch()  # the join found our Lease deleted with the run
+        if rounds.members_told_by_lease(spec):
+            self._watch_assignments()
+        return known.replace(joined=True, own=own, listed=False)
 
     def _join(self) -> WaitingNode:
         """Ask for the next round: one write to our own Lease, never contended."""

@@ -92,14 +92,15 @@ class RunSession:
         round that this copy does not show yet (None: the copy is current).
 
         A member told by its quiet watch that its round is disturbed rejoins
-        from the copy it holds, without reading the run, and watches it as a
-        stale copy is watched (:meth:`follow`).  Otherwise the cached run if the
-        watch trusts it, else the run read (or created) afresh, watched fully.
+        from the copy it holds, without reading the run; the executor watches it
+        as a stale copy is watched (:meth:`follow`) once it asks again, since a
+        member that may keep its place reads the run first (``step.Read``).
+        Otherwise the cached run if the watch trusts it, else the run read (or
+        created) afresh, watched fully.
         """
         watcher = self.watcher
         woken, held = watcher.disturbed_version, watcher.latest
         if held is not None and woken is not None and newer(woken, held.resource_version):
-            self.follow(held.spec, stale=True)
             self.check_watch()
             return held, woken
         watcher.watch_fully()

@@ -207,7 +207,8 @@ class TimedOut:
 
 @dataclass(frozen=True)
 class Read:
-    """Read the run afresh: the node's copy is stale and its wait for its place ran out."""
+    """Read the run afresh, no older than the disturbance that woke the node: its copy is
+    stale, and its place may be kept or its wait for its place ran out."""
 
 
 @dataclass(frozen=True)
@@ -284,6 +285,11 @@ def _first(known: Knowledge, clock: float) -> Action:
     (:func:`~elasticrun.api.rounds.may_keep_place`) writes nothing and waits
     for the seal, for as long as a deferring node gives the operator; past
     that, or once its place can no longer be kept, it asks as every node does.
+    A member woken by its quiet watch, whose copy predates the disturbance
+    (:attr:`Knowledge.stale`) and cannot say whether its place can be kept
+    (its rank 0 lost?), reads the run first (:class:`Read`, no older than the
+    disturbance): the operator's seal that keeps its place is often the
+    disturbance itself, which that read then holds.
     """
     kept = known.kept
     if kept is not None:
@@ -291,10 +297,11 @@ def _first(known: Knowledge, clock: float) -> Action:
     if known.defer_until is None:
         return Join()
     until = min(known.defer_until, known.join_deadline)
-    if clock < until and rounds.may_keep_place(known.run, known.node, known.previous_round,
-                                               announced=known.next_store is not None):
-        return Wait(until)
-    return Join()
+    if clock >= until or not rounds.may_keep_place(
+            known.run, known.node, known.previous_round,
+            announced=known.next_store is not None, woken=known.stale):
+        return Join()
+    return Read() if known.stale else Wait(until)
 
 
 def _sealing(known: Knowledge, decision: rounds.SealDecision, now: dt.datetime,
