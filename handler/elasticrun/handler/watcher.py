@@ -15,10 +15,11 @@ every member the whole run, roster included (178 kB at 2,048 nodes), when all
 it needs is one bit, "round R is disturbed"; the quiet watch's first event is
 that bit, about 1 kB at any size.  The watcher keeps it
 (:meth:`RunWatcher.disturbed`) and stops watching until the node's next
-``next_rendezvous()``.  That call rejoins without reading the run, so it holds
-a copy from before the disturbance, whose signal every later status write
-moves past: a signal watch from it would send the whole run on each, starting
-with the disturbance itself.  It waits instead for the run to settle
+``next_rendezvous()``.  That call rejoins without reading the run (unless its
+place may be kept: :func:`~elasticrun.api.rounds.members_keep_places`), so it
+holds a copy from before the disturbance, whose signal every later status
+write moves past: a signal watch from it would send the whole run on each,
+starting with the disturbance itself.  It waits instead for the run to settle
 (:meth:`RunWatcher.watch_for_settled`: the whole run, once, when a newer round
 is sealed or the run has ended), or, in the largest runs, whose members the
 operator tells on their Leases, for the run's end only
