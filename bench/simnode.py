@@ -376,7 +376,8 @@ class SimNode:
             assert self.spec is not None
             with contextlib.suppress(TimeoutError):
                 quietly = await asyncio.wait_for(
-                    self._kept_quietly(held, change.resource_version), defer_seal_wait(self.spec))
+                    self._kept_quietly(held, change.resource_version, change.raw),
+                    defer_seal_wait(self.spec))
                 if quietly is not None:
                     return quietly
         join = WaitingNode(name=self.name, address="127.0.0.1", store_port=self.port,
@@ -430,14 +431,15 @@ class SimNode:
         return self.spec is not None and members_keep_places(self.spec) and held > 0 \
             and formed is not None and formed.result().get("rank") != 0
 
-    async def _kept_quietly(self, held: int, woken: str) -> dict[str, Any] | None:
+    async def _kept_quietly(self, held: int, woken: str, sent: dict[str, Any] | None
+                            ) -> dict[str, Any] | None:
         """Woken by the quiet watch (its event at resourceVersion ``woken``): the round that
         keeps this node's place, as the handler finds it (``step.Read``, then its wait):
         in the run read no older than ``woken``, or, where that run still re-forms
         around this node and its rank 0, in the run as the next seal settles it;
         None where neither holds the node, which then asks."""
         s = self.shared
-        read = json.loads(await self.requests.request(
+        read = sent if sent is not None else json.loads(await self.requests.request(
             "GET", run_path(s.namespace, s.run) + "?" + urlencode({"resourceVersion": woken})))
         place = placed_in(read, self.name, held)
         if place is None and keeps_waiting(read, self.name, held):
@@ -591,13 +593,16 @@ class SimNode:
         (:meth:`rejoin`).  None when the watch ended first."""
         s = self.shared
         query = {"fieldSelector": round_selector(s.run, round_number)}
+        whole = self.spec is not None and members_keep_places(self.spec)
         try:
             async for line in watch_lines(self.watch, runs_path(s.namespace), query,
-                                           METADATA_ONLY):
+                                           JSON if whole else METADATA_ONLY):
                 event = s.parse(line)
                 if event.get("type") in ("ADDED", "MODIFIED"):
-                    meta = (event.get("object") or {}).get("metadata") or {}
-                    return Change(time.monotonic(), None, str(meta.get("resourceVersion")))
+                    obj = event.get("object") or {}
+                    meta = obj.get("metadata") or {}
+                    return Change(time.monotonic(), None, str(meta.get("resourceVersion")),
+                                  obj if whole else None)
             return None
         finally:
             self.watch.close()
@@ -693,6 +698,8 @@ class Change:
     t: float
     run: ElasticRun | None
     resource_version: str | None
+    #: The whole run the quiet watch sent where places are kept (unparsed).
+    raw: dict[str, Any] | None = None
 
 
 def placed_in(obj: dict[str, Any], node: str, held: int) -> dict[str, Any] | None:

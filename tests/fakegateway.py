@@ -515,13 +515,14 @@ class FakeGateway(Faults):
         return self.server.watch(self._run, lambda run: field_selected(run, selector),
                                  resource_version, timeout_seconds)
 
-    def watch_round(self, round_number: int, timeout_seconds: int) -> FakeWatch:
+    def watch_round(self, round_number: int, timeout_seconds: int, whole: bool = False
+                    ) -> FakeWatch:
         """As the real one: metadata only, from now, while the run matches
         :func:`~elasticrun.api.gateway.round_selector`, read as the API server reads it."""
         self._request("watch_round")
         selector = round_selector(self.name, round_number)
         return self.server.watch(self._run, lambda run: field_selected(run, selector), None,
-                                 timeout_seconds, metadata_only=True)
+                                 timeout_seconds, metadata_only=not whole)
 
     def watch_settled(self, timeout_seconds: int) -> FakeWatch:
         """As the real one: the whole run, from now, while it matches

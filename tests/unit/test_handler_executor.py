@@ -752,8 +752,8 @@ def test_rank_0_announces_the_next_rounds_store_and_a_round_keeping_every_place_
     """Places kept (64 nodes: members watch the whole run; 256: quietly): once round 1
     holds it, rank 0 serves the next round's store and announces it on the request round 1
     answered; the operator's round for a newcomer keeps both members' places at that
-    store, and they take it writing nothing.  Woken by the quiet watch, each first asks
-    whether the run re-forms (it does not: the seal was the disturbance)."""
+    store, and they take it writing nothing.  Woken by the quiet watch, each finds its
+    place in the run that watch sends (the seal was the disturbance)."""
     from elasticrun.api.leases import lease_state
 
     keeps = dataclasses.replace(spec(2), max_nodes=max_nodes)
@@ -787,15 +787,16 @@ def test_rank_0_announces_the_next_rounds_store_and_a_round_keeping_every_place_
     for node in members.values():
         wait_for(node.num_nodes_waiting, BOUND, "the members to hear of the round",
                  interval=0.01)
+        assert node.watcher is not None and node.watcher.latest is not None
+        assert node.watcher.latest.status.round == 2, "the event carried the round"
     reads = {name: nodes.gateways[name].reached["read"] for name in members}
     quietly = rounds.members_watch_quietly(keeps)
     again = {name: pool.submit(node.next_rendezvous) for name, node in members.items()}
     got = {name: call.result(BOUND) for name, call in again.items()}
     assert {name: info.rank for name, info in got.items()} == {leader: 0, other: 1}
-    # Each learned its place from its watch, or woken by its quiet watch from the one read
-    # of the run it makes first; not from a read once its wait ran out.
-    assert {name: nodes.gateways[name].reached["read"] - reads[name] for name in members} == {
-        name: int(quietly) for name in members}
+    # Each learned its place from its watch (woken quietly, from the whole run that watch
+    # sends where places are kept), never from a read.
+    assert {name: nodes.gateways[name].reached["read"] for name in members} == reads
     assert newcomer.result(BOUND).rank == 2
     assert {info.bootstrap_store_info.master_port  # type: ignore[union-attr]
             for info in [*got.values(), newcomer.result(BOUND)]} == {port}
@@ -809,8 +810,9 @@ def test_rank_0_announces_the_next_rounds_store_and_a_round_keeping_every_place_
 def test_woken_members_ask_again_once_their_rank_0_is_lost(
         server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor) -> None:
     """maxNodes 256 (places kept, members watch quietly): a round that lost its rank 0
-    keeps no place; woken, the members read the run, find it without its rank 0, and
-    each writes a new request, which the next round answers."""
+    keeps no place; woken by the quiet watch, which sends the whole run where places are
+    kept, the members find it without its rank 0, and each writes a new request at once,
+    which the next round answers."""
     from elasticrun.api.leases import lease_state
 
     keeps = dataclasses.replace(spec(2), max_nodes=rounds.QUIET_WATCH_FROM)
@@ -838,7 +840,7 @@ def test_woken_members_ask_again_once_their_rank_0_is_lost(
                  is not None and lease_state(server.lease_of(RUN_NAME, name) or {}).join.since
                  != first[name], BOUND, f"{name}'s new request")
         requests[name] = nodes.gateways[name].reached["read"] - reads[name]
-    assert requests == {name: 1 for name in survivors}, "each read the run first"
+    assert requests == {name: 0 for name in survivors}, "the quiet watch sent the run"
     # They asked on the answer, not once the wait for a kept place ran out.
     assert time.monotonic() - started < rounds.defer_seal_wait(keeps)
     seal_as_the_operator(server, *survivors)

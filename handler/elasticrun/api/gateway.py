@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from elasticrun.api import crd, rounds
 from elasticrun.api.kube import (
     APPLY_PATCH,
+    JSON,
     JSON_PATCH,
     MERGE_PATCH,
     METADATA_ONLY,
@@ -169,7 +170,8 @@ class RunAccess(Protocol):
     def watch_run(self, signal: int, resource_version: str | None,
                   timeout_seconds: int) -> EventStream: ...
 
-    def watch_round(self, round_number: int, timeout_seconds: int) -> EventStream: ...
+    def watch_round(self, round_number: int, timeout_seconds: int, whole: bool = False
+                    ) -> EventStream: ...
 
     def watch_end(self, timeout_seconds: int) -> EventStream: ...
 
@@ -375,18 +377,23 @@ class RunGateway:
                                  {"fieldSelector": signal_selector(self.name, signal),
                                   "resourceVersion": resource_version}, timeout_seconds)
 
-    def watch_round(self, round_number: int, timeout_seconds: int) -> Watch:
+    def watch_round(self, round_number: int, timeout_seconds: int, whole: bool = False
+                    ) -> Watch:
         """The quiet watch of a member of round ``round_number``: the run's metadata once
         its ``status.stableRound`` is not that round (:attr:`RunStatus.stable_round`).
 
-        Metadata only, so an event costs the same at any size of the roster; from
+        Metadata only, so an event costs the same at any size of the roster;
+        ``whole``: the whole run instead, where the member's place may be kept
+        (:func:`~elasticrun.api.rounds.members_keep_places`) and it needs the run
+        to find it, encoded once for every member watching, where a read after
+        the event would be encoded once per member.  From
         no resourceVersion, so the server first sends the run as it is now if it
         matches already (the round was disturbed before the watch opened), and
         nothing while the round stays undisturbed.
         """
         return self.client.watch(runs_path(self.namespace),
                                  {"fieldSelector": round_selector(self.name, round_number)},
-                                 timeout_seconds, accept=METADATA_ONLY)
+                                 timeout_seconds, accept=JSON if whole else METADATA_ONLY)
 
     def watch_end(self, timeout_seconds: int) -> Watch:
         """The watch of a member rejoining from a copy of the run older than its round's

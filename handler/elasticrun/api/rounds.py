@@ -108,7 +108,9 @@ def members_watch_quietly(spec: RunSpec) -> bool:
     metadata only, for ``status.stableRound`` off R (about 1 kB an event at any
     size), and once woken waits for the run to settle
     (:meth:`~elasticrun.handler.session.RunSession.follow`), so it is sent the
-    whole run once a round, with the next seal.
+    whole run once a round, with the next seal.  Where members keep their
+    places (:func:`members_keep_places`) the event is the whole run, which the
+    member needs to find its place: one copy a round all the same.
     """
     return spec.max_nodes >= QUIET_WATCH_FROM
 
@@ -145,11 +147,13 @@ def members_keep_places(spec: RunSpec) -> bool:
     kept place by the request its previous round answered.  A member woken by
     its quiet watch (:func:`members_watch_quietly`) learns only that its round
     is disturbed, not whether it lost its rank 0, in which case nothing can be
-    kept: such a member reads the run (no older than the disturbance, from the
-    API server's cache) before it decides, as every other member does from
-    the run it holds.  The operator's seal that keeps places is often the
-    disturbance itself (the loss and the seal in one status write), and the
-    read then holds the member's place.  Not where the operator tells
+    kept: so where places are kept that watch sends the whole run, encoded
+    once for all members, and the member decides from it as every other
+    member does from the run it holds (a member left with an older copy reads
+    the run first, no older than the disturbance).  The operator's seal that
+    keeps places is often the disturbance itself (the loss and the seal in
+    one status write), whose event then holds the member's place.  Not where
+    the operator tells
     members on their Leases (:func:`members_told_by_lease`): its seal writes
     every member's Lease all the same.
 

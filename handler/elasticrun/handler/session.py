@@ -131,7 +131,7 @@ class RunSession:
         """
         watcher = self.watcher
         if holding and rounds.members_watch_quietly(spec) and not self.settings.in_place:
-            watcher.watch_quietly(holding)
+            watcher.watch_quietly(holding, whole=rounds.members_keep_places(spec))
         elif stale and rounds.members_told_by_lease(spec):
             watcher.watch_for_end()
         elif stale:

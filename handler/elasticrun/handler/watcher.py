@@ -15,8 +15,12 @@ every member the whole run, roster included (178 kB at 2,048 nodes), when all
 it needs is one bit, "round R is disturbed"; the quiet watch's first event is
 that bit, about 1 kB at any size.  The watcher keeps it
 (:meth:`RunWatcher.disturbed`) and stops watching until the node's next
-``next_rendezvous()``.  That call rejoins without reading the run (unless its
-place may be kept: :func:`~elasticrun.api.rounds.members_keep_places`), so it
+``next_rendezvous()``.  Where its place may be kept
+(:func:`~elasticrun.api.rounds.members_keep_places`) the event carries the
+whole run instead (``watch_quietly(whole=True)``), kept in the cache: the
+member needs it to find its place, often sealed by the very write that woke
+it, and a watch event is encoded once for all members where a read is encoded
+once per member.  Otherwise the call rejoins without reading the run, so it
 holds a copy from before the disturbance, whose signal every later status
 write moves past: a signal watch from it would send the whole run on each,
 starting with the disturbance itself.  It waits instead for the run to settle
@@ -105,6 +109,7 @@ class RunWatcher:
         #: watched until the next switch, which clears it.
         self._watching: Watching = "full"
         self._quiet_round = 0
+        self._quiet_whole = False
         self._told = False
         #: The resourceVersion of the run in the quiet watch's event.
         self._disturbed_version: str | None = None
@@ -181,9 +186,11 @@ class RunWatcher:
 
     # ------------------------------------------------------------------ quiet watch
 
-    def watch_quietly(self, round_number: int) -> None:
+    def watch_quietly(self, round_number: int, whole: bool = False) -> None:
         """From now on watch only for round ``round_number`` being disturbed
-        (:meth:`RunGateway.watch_round`): the node holds it in a large run."""
+        (:meth:`RunGateway.watch_round`): the node holds it in a large run.  ``whole``:
+        the event carries the whole run, kept in the cache."""
+        self._quiet_whole = whole
         self._switch("quiet", round_number)
 
     def watch_fully(self) -> None:
@@ -401,8 +408,9 @@ class RunWatcher:
         whoever waits.  A watch the server ended is opened again without a read:
         a deleted run is noticed by the Lease renewal (:meth:`recheck`).
         """
+        whole = self._quiet_whole
         if watching == "quiet":
-            watch = self.access.watch_round(quiet_round, self.watch_timeout)
+            watch = self.access.watch_round(quiet_round, self.watch_timeout, whole)
         elif watching == "settled":
             watch = self.access.watch_settled(self.watch_timeout)
         else:
@@ -415,7 +423,8 @@ class RunWatcher:
                     # Deleted, or the field went back to our round (never written so).
                     self._relist()
                     return
-                if watching == "settled" and kind != "DELETED":
+                if (watching == "settled" or (watching == "quiet" and whole)) \
+                        and kind != "DELETED":
                     self.offer(obj)
                 elif watching != "quiet":
                     self._relist()
