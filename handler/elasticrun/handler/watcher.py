@@ -400,13 +400,15 @@ class RunWatcher:
         run to settle, or for its end.  Its first event is the news, after which nothing
         is watched until the next switch.
 
-        The quiet watch's event is the run as metadata, whose resourceVersion is
-        kept (:attr:`disturbed_version`); a DELETED event is no news there: the
-        run is read, and the round watched again.  The settled run comes whole
-        and is kept in the cache; the end comes as metadata, and the run is read
-        once (so is a deleted run, whichever of the two saw it go).  Each wakes
-        whoever waits.  A watch the server ended is opened again without a read:
-        a deleted run is noticed by the Lease renewal (:meth:`recheck`).
+        The quiet watch's event is the run as metadata, or whole where
+        :meth:`watch_quietly` asked for it (then kept in the cache too); its
+        resourceVersion is kept (:attr:`disturbed_version`); a DELETED event is no
+        news there: the run is read, and the round watched again.  The settled run
+        comes whole and is kept in the cache; the end comes as metadata, and the
+        run is read once (so is a deleted run, whichever of the two saw it go).
+        Each wakes whoever waits.  A watch the server ended is opened again
+        without a read: a deleted run is noticed by the Lease renewal
+        (:meth:`recheck`).
         """
         whole = self._quiet_whole
         if watching == "quiet":
