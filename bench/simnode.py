@@ -359,8 +359,8 @@ class SimNode:
         (:meth:`_follow_end`) until its Lease tells it its place.  Where the
         operator keeps its place (:func:`~elasticrun.api.rounds.may_keep_place`)
         it writes nothing and waits for the round that keeps it, as long as the
-        handler does, before it asks; woken by the quiet watch, it first reads
-        the run if it settled (:meth:`_kept_quietly`).
+        handler does, before it asks; woken by the quiet watch, it looks for its
+        place in the run that watch sent (:meth:`_kept_quietly`).
         """
         assert self.lease is not None
         held = int(self.formed.result()["round"]) if self.formed is not None else 0
@@ -434,17 +434,18 @@ class SimNode:
     async def _kept_quietly(self, held: int, woken: str, sent: dict[str, Any] | None
                             ) -> dict[str, Any] | None:
         """Woken by the quiet watch (its event at resourceVersion ``woken``): the round that
-        keeps this node's place, as the handler finds it (``step.Read``, then its wait):
-        in the run read no older than ``woken``, or, where that run still re-forms
-        around this node and its rank 0, in the run as the next seal settles it;
-        None where neither holds the node, which then asks."""
+        keeps this node's place, as the handler finds it: in the run the event
+        ``sent`` (or, without one, read no older than ``woken``, ``step.Read``), or,
+        where that run still re-forms around this node and its rank 0, in the run as
+        the next seal settles it; None where neither holds the node, which then
+        asks."""
         s = self.shared
         read = sent if sent is not None else json.loads(await self.requests.request(
             "GET", run_path(s.namespace, s.run) + "?" + urlencode({"resourceVersion": woken})))
         place = placed_in(read, self.name, held)
         if place is None and keeps_waiting(read, self.name, held):
             self.watch = s.connection(self.tickets)
-            place = placed_in(await self._settled(), self.name, held)
+            place = placed_in(await self._settled() or {}, self.name, held)
         if place is None:
             return None
         formed: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -454,8 +455,9 @@ class SimNode:
         self.follower = asyncio.create_task(self._follow_quietly(place["round"]))
         return formed.result()
 
-    async def _settled(self) -> dict[str, Any]:
-        """The run once it settles (``RunGateway.watch_settled``'s first event)."""
+    async def _settled(self) -> dict[str, Any] | None:
+        """The run once it settles (``RunGateway.watch_settled``'s first event, on
+        :attr:`watch`); None when the watch ended first."""
         s = self.shared
         try:
             async for line in watch_lines(self.watch, runs_path(s.namespace),
@@ -463,7 +465,7 @@ class SimNode:
                 event = s.parse(line)
                 if event.get("type") in ("ADDED", "MODIFIED"):
                     return dict(event.get("object") or {})
-            return {}
+            return None
         finally:
             self.watch.close()
 
@@ -545,17 +547,7 @@ class SimNode:
         (``RunGateway.watch_settled``): its first event, the whole run, places the node
         when it holds the node's next round; otherwise the narrow watch goes on from
         that run."""
-        s = self.shared
-        settled: dict[str, Any] | None = None
-        try:
-            async for line in watch_lines(self.watch, runs_path(s.namespace),
-                                           {"fieldSelector": settled_selector(s.run)}):
-                event = s.parse(line)
-                if event.get("type") in ("ADDED", "MODIFIED"):
-                    settled = event.get("object") or {}
-                    break
-        finally:
-            self.watch.close()
+        settled = await self._settled()
         if settled is None:
             return None
         formed = self.formed
@@ -565,7 +557,7 @@ class SimNode:
             if not formed.done():
                 formed.set_result({"t_done": time.monotonic(), **place})
             return None  # the caller watches the round it holds quietly
-        self.watch = s.connection(self.tickets)
+        self.watch = self.shared.connection(self.tickets)
         return await self._follow_signal(int((settled.get("status") or {}).get("signal") or 0),
                                          str((settled.get("metadata") or {})
                                              .get("resourceVersion")), held)
