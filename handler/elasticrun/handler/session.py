@@ -93,10 +93,11 @@ class RunSession:
 
         A member told by its quiet watch that its round is disturbed rejoins
         from the copy it holds, without reading the run; the executor watches it
-        as a stale copy is watched (:meth:`follow`) once it asks again, since a
-        member that may keep its place reads the run first (``step.Read``).
-        Otherwise the cached run if the watch trusts it, else the run read (or
-        created) afresh, watched fully.
+        as a stale copy is watched (:meth:`follow`) once it asks again.  (Where
+        places are kept the quiet watch's event is the whole run, so the copy is
+        current; one left older reads the run first, ``step.Read``.)  Otherwise
+        the cached run if the watch trusts it, else the run read (or created)
+        afresh, watched fully.
         """
         watcher = self.watcher
         woken, held = watcher.disturbed_version, watcher.latest

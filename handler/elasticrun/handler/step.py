@@ -285,11 +285,11 @@ def _first(known: Knowledge, clock: float) -> Action:
     (:func:`~elasticrun.api.rounds.may_keep_place`) writes nothing and waits
     for the seal, for as long as a deferring node gives the operator; past
     that, or once its place can no longer be kept, it asks as every node does.
-    A member woken by its quiet watch, whose copy predates the disturbance
-    (:attr:`Knowledge.stale`) and cannot say whether its place can be kept
-    (its rank 0 lost?), reads the run first (:class:`Read`, no older than the
-    disturbance): the operator's seal that keeps its place is often the
-    disturbance itself, which that read then holds.
+    A member woken by its quiet watch whose copy still predates the
+    disturbance (:attr:`Knowledge.stale`; where places are kept the event
+    itself is the whole run, so that is rare) cannot say whether its place can
+    be kept (its rank 0 lost?): it reads the run first (:class:`Read`, no older
+    than the disturbance) and decides from that copy.
     """
     kept = known.kept
     if kept is not None:
