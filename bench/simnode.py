@@ -22,7 +22,10 @@ the narrow watch (``status.signal!=S`` from the resourceVersion it read,
 runs of 256 nodes or more, the watch of its own Lease, where the operator writes
 its place in the round, then, holding that round, the handler's quiet watch
 (metadata only, ``status.stableRound!=R``, :func:`elasticrun.api.gateway.round_selector`),
-and renews its Lease with the handler's merge patch.  It
+and renews its Lease with the handler's merge patch.  Placed in a round it does
+not lead, it reads its rank 0's Lease before it counts as holding the round, as
+a handler reads it to check the round's store before connecting
+(:meth:`SimNode.check_store`).  It
 leaves sealing to the operator, as a real node of a run of 64 nodes or more does
 (:func:`elasticrun.api.rounds.nodes_defer_seal`); it does not host a TCPStore.
 Each node has its own connections (requests, run watch, Lease watch), as a handler's
@@ -412,7 +415,7 @@ class SimNode:
             return None
         formed: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         formed.set_result({"rank": mine.rank, "world": mine.world_size, "round": mine.round,
-                           "t_done": change.t})
+                           "leader": mine.leader, "t_done": change.t})
         self.formed = formed
         self.watch = self.shared.connection(self.tickets)
         self.follower = asyncio.create_task(
@@ -651,8 +654,20 @@ class SimNode:
             told = read_assignment((meta.get("annotations") or {}).get(ASSIGNMENT_ANNOTATION))
             if told is not None and told.since == join.since:
                 return {"t_done": time.monotonic(), "rank": told.rank,
-                        "world": told.world_size, "round": told.round}
+                        "world": told.world_size, "round": told.round, "leader": told.leader}
         raise ConnectionError("the Lease watch ended before a round formed")
+
+    async def check_store(self, place: dict[str, Any]) -> None:
+        """Read the Lease of the round's rank 0, as a handler that did not seal the round
+        does before it connects to that rank 0's store (``RoundExecutor``'s check of
+        the store against what rank 0 announced, :func:`~elasticrun.api.gateway.readable_lease`),
+        and stamp ``place`` with when the node would then hold its round.  Rank 0
+        itself reads nothing: it serves the store."""
+        leader = place.get("leader")
+        if place.get("rank") != 0 and leader:
+            await self.requests.request(
+                "GET", lease_path(self.shared.namespace, lease_name(self.shared.run, leader)))
+        place["t_done"] = time.monotonic()
 
     async def renew(self, interval: float) -> None:
         """The handler's renewal: a merge patch of renewTime, every ``interval``; a frozen
@@ -700,10 +715,12 @@ def placed_in(obj: dict[str, Any], node: str, held: int) -> dict[str, Any] | Non
     status = obj.get("status") or {}
     if int(status.get("round") or 0) <= held:
         return None
-    for p in status.get("participants") or ():
+    participants = status.get("participants") or ()
+    for p in participants:
         if p.get("name") == node:
-            return {"rank": p["rank"], "world": len(status["participants"]),
-                    "round": status["round"]}
+            leader = next((q.get("name") for q in participants if q.get("rank") == 0), None)
+            return {"rank": p["rank"], "world": len(participants), "round": status["round"],
+                    "leader": leader}
     return None
 
 
@@ -731,6 +748,7 @@ async def _form(node: SimNode, start_at: float, interval: float,
     result: dict[str, Any] = {"node": node.name, "t_start": time.monotonic()}
     try:
         result.update(await asyncio.wait_for(node.rendezvous(interval), REQUEST_BOUND * 5))
+        await node.check_store(result)
     except Exception as exc:  # reported to the coordinator
         result.update({"t_done": time.monotonic(), "error": f"{type(exc).__name__}: {exc}"})
     await out.put(result)
@@ -755,6 +773,7 @@ async def _follow(node: SimNode, rejoins: int, out: asyncio.Queue[dict[str, Any]
                                       "t_start": time.monotonic()}
             try:
                 result.update(await asyncio.wait_for(node.rejoin(change), REQUEST_BOUND * 5))
+                await node.check_store(result)
             except Exception as exc:  # reported to the coordinator
                 result["error"] = f"{type(exc).__name__}: {exc}"
             result.setdefault("t_done", time.monotonic())

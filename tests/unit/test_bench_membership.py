@@ -45,9 +45,11 @@ def _status(round_: int, *names: str) -> dict[str, Any]:
 
 
 def test_a_node_is_placed_by_a_round_after_the_one_it_held_that_holds_it() -> None:
+    # With the round's rank 0, whose Lease the node reads before it holds the round.
     assert placed_in(_status(2, "a", "b", "new"), "new", held=1) == {
-        "rank": 2, "world": 3, "round": 2}
-    assert placed_in(_status(1, "a", "b"), "b", held=0) == {"rank": 1, "world": 2, "round": 1}
+        "rank": 2, "world": 3, "round": 2, "leader": "a"}
+    assert placed_in(_status(1, "b", "a"), "b", held=0) == {
+        "rank": 0, "world": 2, "round": 1, "leader": "b"}
 
 
 def test_the_round_it_held_or_one_without_it_places_nobody() -> None:
