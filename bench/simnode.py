@@ -716,12 +716,16 @@ def placed_in(obj: dict[str, Any], node: str, held: int) -> dict[str, Any] | Non
     if int(status.get("round") or 0) <= held:
         return None
     participants = status.get("participants") or ()
+    mine, leader = None, None
     for p in participants:
         if p.get("name") == node:
-            leader = next((q.get("name") for q in participants if q.get("rank") == 0), None)
-            return {"rank": p["rank"], "world": len(participants), "round": status["round"],
-                    "leader": leader}
-    return None
+            mine = p
+        if p.get("rank") == 0:
+            leader = p.get("name")
+    if mine is None:
+        return None
+    return {"rank": mine["rank"], "world": len(participants), "round": status["round"],
+            "leader": leader}
 
 
 def keeps_waiting(obj: dict[str, Any], node: str, held: int) -> bool:

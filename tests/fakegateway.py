@@ -517,8 +517,8 @@ class FakeGateway(Faults):
 
     def watch_round(self, round_number: int, timeout_seconds: int, whole: bool = False
                     ) -> FakeWatch:
-        """As the real one: metadata only, from now, while the run matches
-        :func:`~elasticrun.api.gateway.round_selector`, read as the API server reads it."""
+        """As the real one: metadata only (``whole``: the whole run), from now, while the run
+        matches :func:`~elasticrun.api.gateway.round_selector`, read as the API server reads it."""
         self._request("watch_round")
         selector = round_selector(self.name, round_number)
         return self.server.watch(self._run, lambda run: field_selected(run, selector), None,
