@@ -123,7 +123,7 @@ lint: setup
 
 # The chart carries real copies of these (helm warns about, and a registry drops,
 # links); tests/unit/test_chart_files.py fails while they differ.
-CHART_FILES := crds/elasticrun.dev_elasticruns.yaml admission/elasticrun-leases.yaml
+CHART_FILES := crds/elasticrun.dev_elasticruns.yaml crds/elasticrun.dev_elasticrunslices.yaml admission/elasticrun-leases.yaml
 chart-files:
 	@for f in $(CHART_FILES); do cp deploy/$$f charts/elasticrun/files/$$f; done
 

@@ -26,7 +26,7 @@ from elasticrun.api.model import RunSpec, new_run_manifest
 
 from bench.pool import Pool
 from bench.proc import cpu_seconds, free_port, wait_quiet
-from bench.servers import CRD_FILE, ControlPlane, EtcdV2Server
+from bench.servers import CRD_FILES, ControlPlane, EtcdV2Server
 from controlplane import apiserver
 from controlplane.operatorproc import OperatorProcess
 
@@ -213,16 +213,16 @@ class EtcdV2Backend(Backend):
 class K8sBackend(Backend):
     name = "k8s"
     counted_how = ("server side: the API server's audit log (Metadata level), requests on the "
-                   "run's ElasticRun and Leases in its namespace, once per auditID; a 409 is a "
-                   "lost CAS. Writes = create/update/patch/delete, Lease renewals apart.")
+                   "run's ElasticRun, slices and Leases in its namespace, once per auditID; a "
+                   "409 is a lost CAS. Writes = create/update/patch/delete, Lease renewals apart.")
 
-    def __init__(self, directory: Path, crd_file: Path = CRD_FILE) -> None:
+    def __init__(self, directory: Path, crd_files: Sequence[Path] = CRD_FILES) -> None:
         self.directory = directory
-        self.crd_file = crd_file
+        self.crd_files = tuple(crd_files)
         self.cp: ControlPlane | None = None
 
     def start(self, log_dir: Path) -> None:
-        self.cp = ControlPlane(self.directory, self.crd_file)
+        self.cp = ControlPlane(self.directory, self.crd_files)
         self.cp.start()
 
     def stop(self) -> None:

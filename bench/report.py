@@ -16,7 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from elasticrun.api.rounds import QUIET_WATCH_FROM, TELL_BY_LEASE_FROM
+from elasticrun.api import slices
+from elasticrun.api.rounds import QUIET_WATCH_FROM, TELL_IN_SLICES_FROM
 
 from bench import resize_report, scale_report
 from bench.stats import growth_exponent, summary
@@ -360,9 +361,9 @@ def _formation_tables(data: dict[str, Any], lines: list[str]) -> dict[str, Any]:
               f"roster is O(N). These runs are below {QUIET_WATCH_FROM} nodes; from "
               f"{QUIET_WATCH_FROM} a member holding its round watches it quietly and is sent "
               "the run once a round, with the next seal, and from "
-              f"{TELL_BY_LEASE_FROM:,} the operator tells each member its place on its own "
-              "Lease instead, where the bytes of a round grow linearly (the scale section "
-              "below).", ""]
+              f"{TELL_IN_SLICES_FROM:,} the operator tells the round's places in "
+              f"{slices.SLICE_COUNT} `ElasticRunSlice` objects instead, each member watching "
+              "its own slice by name (the scale section below).", ""]
 
     cpu = {b: _per_n(rows[b], "server_cpu_s") for b in present}
     client = {b: _per_n(rows[b], "client_cpu_s") for b in present}

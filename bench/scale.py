@@ -61,6 +61,7 @@ from bench.membership import monotonic_of, removal, until_all  # noqa: E402
 from bench.pool import Pool, worker_env  # noqa: E402
 from bench.proc import cpu_seconds, machine, stop_pid  # noqa: E402
 from bench.run import FLOOR_PHASES, arguments, commit, directories, versions  # noqa: E402
+from bench.servers import crd_files  # noqa: E402
 from bench.stats import summary  # noqa: E402
 from controlplane import apiserver  # noqa: E402
 
@@ -97,7 +98,7 @@ class Plan:
         return cls(mixed_sizes=(8, 16), sample=2, real_sizes=(8,), c10d_sizes=(8,),
                    baseline_sizes=(8,), frozen_sizes=(8,), reps=1, workers=2, sim_processes=2,
                    formation_bound=60.0, floor_reps=1,
-                   regimes=(rounds.QUIET_WATCH_FROM, rounds.TELL_BY_LEASE_FROM))
+                   regimes=(rounds.QUIET_WATCH_FROM, rounds.TELL_IN_SLICES_FROM))
 
 
 #: Simulated nodes renew their Lease at the run's interval, from its creation on; the
@@ -525,9 +526,9 @@ def regimes(plan: Plan, backend: K8sBackend, log_dir: Path, operator_pid: int
 
     How a run tells its members depends on its ``maxNodes``, not on how many
     nodes came (:func:`~elasticrun.api.rounds.members_watch_quietly`,
-    :func:`~elasticrun.api.rounds.members_told_by_lease`), so a small round of
+    :func:`~elasticrun.api.rounds.members_told_in_slices`), so a small round of
     a large run takes the large run's way: the quiet watch and the settled
-    rejoin, or places told on the Leases, of the simulated nodes and the real
+    rejoin, or places told in slices, of the simulated nodes and the real
     handlers alike.
     """
     if not plan.regimes:
@@ -658,7 +659,7 @@ def _python_path(value: str) -> Iterator[None]:
 
 
 def baseline(plan: Plan, rev: str, work: Path, log_dir: Path) -> list[dict[str, Any]]:
-    """The protocol before this one, same harness: ``rev``'s handler, operator and CRD.
+    """The protocol before this one, same harness: ``rev``'s handler, operator and CRDs.
 
     ``rev`` is taken from git into a scratch folder (``git archive``), given its
     own control plane, and measured on real rounds of :attr:`Plan.baseline_sizes`,
@@ -670,8 +671,7 @@ def baseline(plan: Plan, rev: str, work: Path, log_dir: Path) -> list[dict[str, 
                              check=True, timeout=60).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True, timeout=60)
     paths = os.pathsep.join(map(str, [ROOT, tree / "handler", tree / "operator", ROOT / "tests"]))
-    backend = K8sBackend(work / "controlplane-baseline",
-                         tree / "deploy" / "crds" / "elasticrun.dev_elasticruns.yaml")
+    backend = K8sBackend(work / "controlplane-baseline", crd_files(tree))
     rows: list[dict[str, Any]] = []
     try:
         backend.start(log_dir)

@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from elasticrun.api import crd, rounds
+from elasticrun.api import crd, rounds, slices
 from elasticrun.api.model import RunSpec
-from elasticrun.api.rounds import DEFER_SEAL_FROM, QUIET_WATCH_FROM, TELL_BY_LEASE_FROM
+from elasticrun.api.rounds import DEFER_SEAL_FROM, QUIET_WATCH_FROM, TELL_IN_SLICES_FROM
 
 from bench.stats import growth_exponent, summary
 
@@ -61,7 +61,7 @@ def _floor_table(mixed: list[dict[str, Any]]) -> list[str]:
              "Our newcomer: once the round of N formed, one more real handler calls "
              "`next_rendezvous()`; timed until every member and the newcomer hold the next "
              "round of N + 1 (real handlers: `next_rendezvous()` returned; simulated members: "
-             "their run watch or their Lease showed their place). The run is created with "
+             "their run watch or their slice showed their place). The run is created with "
              "`minNodes = N`, `maxNodes = N + 1` and `lastCallTimeoutSeconds = 0` (the first "
              "round seals at its N-th request); before the newcomer asks, its last call "
              "becomes as long as the phase's bound (`scale.newcomer_timing`), so that the "
@@ -74,7 +74,7 @@ def _floor_table(mixed: list[dict[str, Any]]) -> list[str]:
              "each member comes back as soon as its `num_nodes_waiting()` is positive (real "
              "handlers ask it whenever their cache changes, torch's agent every 100 ms), and "
              "the round seals the moment every member is back (`rounds.decide_seal`'s first "
-             f"rule): from N = {DEFER_SEAL_FROM} to {TELL_BY_LEASE_FROM - 1:,} the operator "
+             f"rule): from N = {DEFER_SEAL_FROM} to {TELL_IN_SLICES_FROM - 1:,} the operator "
              "seals the newcomer's round as soon as its request is in, keeping every "
              "member's place and rank 0's at the next round's store it announced "
              "(`rounds.members_keep_places`: no notice, no member writes; from "
@@ -140,11 +140,19 @@ def _ways(max_nodes: int) -> str:
     """How a run of ``max_nodes`` tells its members their places and their round's news,
     by the rules the handler and the operator follow (:mod:`elasticrun.api.rounds`)."""
     spec = RunSpec(min_nodes=1, max_nodes=max_nodes)
-    if rounds.members_told_by_lease(spec):
-        return "places on their Leases, news by the quiet watch"
+    if rounds.members_told_in_slices(spec):
+        return "places in slices, news by the quiet watch"
     if rounds.members_watch_quietly(spec):
         return "places by the seal's broadcast, news by the quiet watch"
     return "places and news by the full watch"
+
+
+def slice_writes(by_kind: dict[str, int]) -> int:
+    """The writes of ``ElasticRunSlice`` objects among a window's requests by kind (the
+    audit log's ``verb resource``; failed ones, ``... -> code``, are not writes)."""
+    verbs = ("create", "update", "patch", "delete")
+    return sum(count for kind, count in by_kind.items()
+               if kind in {f"{verb} {crd.SLICE_PLURAL}" for verb in verbs})
 
 
 def _regimes_table(regimes: list[dict[str, Any]]) -> list[str]:
@@ -154,14 +162,15 @@ def _regimes_table(regimes: list[dict[str, Any]]) -> list[str]:
     lines = ["### Large runs' ways at a small N", "",
              "A mixed round of the smallest N in a run of each `maxNodes` (`scale.regimes`): "
              "how a run tells its members depends on its `maxNodes`, not on how many nodes "
-             "came, so these rounds take the large runs' ways at a small N. *Operator Lease "
-             "writes*: `patch leases` by the operator in the formation (one per member where "
-             "places are told on the Leases).", "",
+             "came, so these rounds take the large runs' ways at a small N. *Operator slice "
+             "writes*: writes of `elasticrunslices` in the formation, which only the operator "
+             f"makes (at most {slices.SLICE_COUNT} a round, where places are told in "
+             "slices).", "",
              "| N | maxNodes | members told | formation | newcomer | loss "
-             "| operator Lease writes |",
+             "| operator slice writes |",
              "|---|---|---|---|---|---|---|"]
     for r in regimes:
-        told = r.get("by_kind", {}).get("patch leases (operator)", 0)
+        told = slice_writes(r.get("by_kind", {}))
         lines.append(f"| {r['n']:,} | {r['max_nodes']:,} | {_ways(r['max_nodes'])} | "
                      f"{_s(r.get('latency_s'))} | {_s(r.get('newcomer_s'), 3)} | "
                      f"{_s(r.get('loss_s'), 3)} | {told:,} |")
@@ -396,7 +405,7 @@ def render(data: dict[str, Any], plot: str | None) -> str:
         f"{plan['sim_processes']} asyncio processes (`bench/simnode.py`: the handler's own "
         "request bodies, one request and one watch connection per node, from "
         f"{QUIET_WATCH_FROM} nodes the quiet watch of its round once it holds one, and from "
-        f"{TELL_BY_LEASE_FROM:,} nodes a second watch, of its own Lease; placed in a round "
+        f"{TELL_IN_SLICES_FROM:,} nodes a second watch, of its slice by name; placed in a round "
         "it does not lead, one read of its rank 0's Lease, as a handler checks the round's "
         "store against it before connecting). The real handlers "
         "join 1.5 s ahead, so that rank 0, whose TCPStore every real handler reaches, is one "
@@ -418,8 +427,8 @@ def render(data: dict[str, Any], plot: str | None) -> str:
     lines += [*_targets(data, facts), ""]
     mixed = data.get("mixed", [])
     lines += ["## Server work per round (mixed rounds)", "",
-              "From the API server: requests on the run's ElasticRun and Leases from its audit "
-              "log (Lease renewals apart), bytes of its responses "
+              "From the API server: requests on the run's ElasticRun, slices and Leases from its "
+              "audit log (Lease renewals apart), bytes of its responses "
               "(`apiserver_response_sizes`) plus watch events "
               "(`apiserver_watch_events_sizes`) for `elasticrun.dev` and "
               "`coordination.k8s.io`, CPU of kube-apiserver + etcd; the operator's CPU beside "
@@ -446,16 +455,19 @@ def render(data: dict[str, Any], plot: str | None) -> str:
     lines += ["", f"Fitted growth over N = {FIT_FROM}…{FIT_TO:,} (log-log least squares): "
               + ", ".join(f"{label} **{_exp(_fit(mixed, key))}**"
                           for key, label in fitted.items()) + ".", "",
-              f"Every seal below N = {TELL_BY_LEASE_FROM:,} sends every node the run, roster "
+              f"Every seal below N = {TELL_IN_SLICES_FROM:,} sends every node the run, roster "
               f"included, once (from N = {QUIET_WATCH_FROM} a member holding its round watches "
               "it quietly, and is sent the run once a round, with the next seal); from "
-              f"N = {TELL_BY_LEASE_FROM:,} (`rounds.TELL_BY_LEASE_FROM`) the operator's seal "
-              "writes each member's rank on the member's Lease instead. The largest row is a "
-              "regime of its own: writes go from N + c to 2N + c there, and bytes per node from "
-              "O(N) to a constant, which is why the fits above over the whole range show writes "
-              "steeper and bytes flatter than either regime. Fitted over "
-              f"N = {FIT_FROM}…{TELL_BY_LEASE_FROM // 2:,} alone: "
-              + ", ".join(f"{label} **{_exp(_fit(mixed, key, end=TELL_BY_LEASE_FROM // 2))}**"
+              f"N = {TELL_IN_SLICES_FROM:,} (`rounds.TELL_IN_SLICES_FROM`) the operator's seal "
+              f"writes the round's places into {slices.SLICE_COUNT} `ElasticRunSlice` objects of "
+              f"about {TELL_IN_SLICES_FROM // slices.SLICE_COUNT} places each instead, and each "
+              "member watches its own slice by name. The largest row is a regime of its own: "
+              "bytes per node go from the whole roster to one slice's places there (and the "
+              f"operator's writes of a seal from one to at most {slices.SLICE_COUNT + 1}), "
+              "which is why the fits above over the whole range show bytes flatter than "
+              "either regime. Fitted over "
+              f"N = {FIT_FROM}…{TELL_IN_SLICES_FROM // 2:,} alone: "
+              + ", ".join(f"{label} **{_exp(_fit(mixed, key, end=TELL_IN_SLICES_FROM // 2))}**"
                           for key, label in fitted.items()) + ".", ""]
     largest = max((r for r in mixed if r.get("formed")), key=lambda r: r["n"], default=None)
     if largest is not None:

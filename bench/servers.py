@@ -1,7 +1,7 @@
 """The servers each backend needs, started inside the benchmark and stopped by PID.
 
 * ``k8s``: the project's own :class:`LocalControlPlane` (kube-apiserver + etcd,
-  audit log on), with the ElasticRun CRD applied.
+  audit log on), with elasticrun's CRDs applied (ElasticRun, ElasticRunSlice).
 * ``etcd-v2``: Debian's etcd 3.4 (the last line that serves the v2 API, behind
   ``--enable-v2``), on a free loopback port, data in a temporary directory.
 * ``c10d`` needs none: one of the nodes hosts the TCPStore, as torch does.
@@ -21,6 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,22 @@ from controlplane.localcluster import LocalControlPlane
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_FILE = ROOT / "deploy" / "crds" / "elasticrun.dev_elasticruns.yaml"
+#: The slices a sealed round's places are told in, in the largest runs
+#: (:mod:`elasticrun.api.slices`).
+SLICE_CRD_FILE = ROOT / "deploy" / "crds" / "elasticrun.dev_elasticrunslices.yaml"
+#: The CRDs a control plane of this tree serves, in the order to apply them.
+CRD_FILES = (CRD_FILE, SLICE_CRD_FILE)
 ETCD_V2_BINARY = os.environ.get("BENCH_ETCD_V2", "/usr/bin/etcd")
 READY_BOUND = 60.0
+
+
+def crd_files(tree: Path) -> tuple[Path, ...]:
+    """The CRD files of the source tree ``tree`` (another revision's, extracted), in the
+    order to apply them: the ElasticRun's, then the ElasticRunSlice's where ``tree``
+    has one (a revision before slices has not)."""
+    crds = tree / CRD_FILE.relative_to(ROOT).parent
+    slice_file = crds / SLICE_CRD_FILE.name
+    return (crds / CRD_FILE.name, *((slice_file,) if slice_file.is_file() else ()))
 
 
 class SetupError(RuntimeError):
@@ -121,31 +136,36 @@ class EtcdV2Server:
 
 
 class ControlPlane:
-    """The local kube-apiserver + etcd, with the CRD served and an admin client."""
+    """The local kube-apiserver + etcd, with the CRDs served and an admin client."""
 
-    def __init__(self, directory: Path, crd_file: Path = CRD_FILE) -> None:
+    def __init__(self, directory: Path, crd_files: Sequence[Path] = CRD_FILES) -> None:
         self.local = LocalControlPlane(directory)
-        self.crd_file = crd_file
+        self.crd_files = tuple(crd_files)
         self.client: KubeClient | None = None
 
     def start(self) -> None:
         state = self.local.start()
         self.client = KubeClient(load_credentials(str(state.kubeconfig)), timeout=30)
-        manifest = yaml.safe_load(self.crd_file.read_text())
-        self.client.request("PATCH", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
-                            f"{crd.CRD_NAME}", body=manifest,
-                            query={"fieldManager": "elasticrun-bench", "force": "true"},
-                            content_type=APPLY_PATCH)
+        manifests = [yaml.safe_load(path.read_text()) for path in self.crd_files]
+        for manifest in manifests:
+            self.client.request("PATCH", "/apis/apiextensions.k8s.io/v1/"
+                                f"customresourcedefinitions/{manifest['metadata']['name']}",
+                                body=manifest,
+                                query={"fieldManager": "elasticrun-bench", "force": "true"},
+                                content_type=APPLY_PATCH)
         deadline = time.monotonic() + READY_BOUND
-        while True:
-            try:
-                self.client.request("GET", f"/apis/{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}")
-                return
-            except ApiError:
-                if time.monotonic() > deadline:
-                    raise SetupError("the ElasticRun CRD was not served within "
-                                     f"{READY_BOUND:.0f}s") from None
-                time.sleep(0.2)
+        for manifest in manifests:
+            names = manifest["spec"]["names"]
+            path = f"/apis/{manifest['spec']['group']}/{crd.VERSION}/{names['plural']}"
+            while True:
+                try:
+                    self.client.request("GET", path)
+                    break
+                except ApiError:
+                    if time.monotonic() > deadline:
+                        raise SetupError(f"the {names['kind']} CRD was not served within "
+                                         f"{READY_BOUND:.0f}s") from None
+                    time.sleep(0.2)
 
     @property
     def api(self) -> KubeClient:

@@ -16,19 +16,20 @@ renewal was written.
 
 A simulated node sends what a real handler of a large run sends, built by the
 product's own code: it reads the run, creates its Lease with its join request
-(:func:`elasticrun.api.leases.node_lease`, ``WaitingNode`` as the handler writes it), opens
-the narrow watch (``status.signal!=S`` from the resourceVersion it read,
-:func:`elasticrun.api.gateway.signal_selector`) and, in
-runs of 256 nodes or more, the watch of its own Lease, where the operator writes
-its place in the round, then, holding that round, the handler's quiet watch
-(metadata only, ``status.stableRound!=R``, :func:`elasticrun.api.gateway.round_selector`),
-and renews its Lease with the handler's merge patch.  Placed in a round it does
-not lead, it reads its rank 0's Lease before it counts as holding the round, as
-a handler reads it to check the round's store before connecting
-(:meth:`SimNode.check_store`).  It
-leaves sealing to the operator, as a real node of a run of 64 nodes or more does
+(:func:`elasticrun.api.leases.node_lease`, ``WaitingNode`` as the handler writes
+it), opens the narrow watch (``status.signal!=S`` from the resourceVersion it
+read, :func:`elasticrun.api.gateway.signal_selector`) and, in the largest runs
+(:func:`elasticrun.api.rounds.members_told_in_slices`), the watch of its slice by
+name, the one ``ElasticRunSlice`` of the run's 32 where the operator writes its
+place in the round (:mod:`elasticrun.api.slices`), then, holding that round, the
+handler's quiet watch (metadata only, ``status.stableRound!=R``,
+:func:`elasticrun.api.gateway.round_selector`), and renews its Lease with the
+handler's merge patch.  Placed in a round it does not lead, it reads its rank
+0's Lease before it counts as holding the round, as a handler reads it to check
+the round's store before connecting (:meth:`SimNode.check_store`).  It leaves
+sealing to the operator, as a real node of a run of 64 nodes or more does
 (:func:`elasticrun.api.rounds.nodes_defer_seal`); it does not host a TCPStore.
-Each node has its own connections (requests, run watch, Lease watch), as a handler's
+Each node has its own connections (requests, run watch, slice watch), as a handler's
 connection pool does, so the API server serves exactly the connections,
 requests and bytes of real nodes.
 
@@ -53,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
+from elasticrun.api import slices
 from elasticrun.api.gateway import (
     end_selector,
     round_selector,
@@ -72,12 +74,10 @@ from elasticrun.api.kube import (
     runs_path,
 )
 from elasticrun.api.leases import (
-    ASSIGNMENT_ANNOTATION,
     JOIN_ANNOTATION,
     UNREACHABLE_ANNOTATION,
     join_value,
     node_lease,
-    read_assignment,
 )
 from elasticrun.api.model import ElasticRun, RunSpec, WaitingNode, format_time, now, parse_run
 from elasticrun.api.naming import lease_name
@@ -85,7 +85,7 @@ from elasticrun.api.rounds import (
     defer_seal_wait,
     may_keep_place,
     members_keep_places,
-    members_told_by_lease,
+    members_told_in_slices,
     members_watch_quietly,
     nodes_waiting,
 )
@@ -305,6 +305,9 @@ class SimNode:
         self.mailbox = shared.connection(self.tickets)
         #: The name of its Lease, once created; the holder it writes there, as a handler's.
         self.lease: str | None = None
+        #: The run's uid, as the node first read it: its Lease's owner, and the name of
+        #: the slices its place is told in (:func:`elasticrun.api.slices.slice_name`).
+        self.run_uid: str | None = None
         self.holder = f"{name}@{uuid.uuid4().hex[:8]}"
         #: The run's spec, as the node first read it.
         self.spec: RunSpec | None = None
@@ -327,7 +330,7 @@ class SimNode:
     async def rendezvous(self, interval: float) -> dict[str, Any]:
         """Read the run, join through the Lease, wait for the round on both watches.
 
-        A large run's node learns its place from its own Lease; a seal that
+        The largest runs' nodes learn their places from their slices; a seal that
         moves the signal (a node's, or an older operator's under ``--baseline``)
         reaches it on the narrow run watch instead.  Whichever comes first forms
         it.  The run watch stays open afterwards (:attr:`follower`), as a
@@ -341,25 +344,26 @@ class SimNode:
                            since=now())
         self.since = join.since
         self.lease = lease_name(s.run, self.name)
+        self.run_uid = str(meta["uid"])
         body = node_lease(s.run, self.name, self.holder, spec["heartbeatTimeoutSeconds"],
                           meta["uid"], now(), join)  # the handler's body
-        created = json.loads(await self.requests.request("POST", leases_path(s.namespace), body))
+        await self.requests.request("POST", leases_path(s.namespace), body)
         self.renewed_at = time.monotonic()
         self.renewal = asyncio.create_task(self.renew(interval))
         signal = (run.get("status") or {}).get("signal", 0)
         self.spec = RunSpec.from_dict(spec)
-        return await self._placed(self.spec, join, signal,
-                                  meta["resourceVersion"], created["metadata"]["resourceVersion"])
+        return await self._placed(self.spec, join, signal, meta["resourceVersion"])
 
     async def rejoin(self, change: Change) -> dict[str, Any]:
         """Ask for the next round, as a member's handler does when its round changed.
 
         One merge patch of its Lease's annotations (the handler's ``set_join``:
-        the new request, the old round's assignment withdrawn), then the run
-        watch re-opened from the change it saw, and in large runs its Lease watch.
+        the new request, any report of an unreachable rank 0 withdrawn), then
+        the run watch re-opened from the change it saw, and in the largest runs
+        its slice watch.
         Told by the quiet watch, it reads nothing, as the handler does: it
         watches for the run to settle, or in the largest runs for its end
-        (:meth:`_follow_end`) until its Lease tells it its place.  Where the
+        (:meth:`_follow_end`) until its slice tells it its place.  Where the
         operator keeps its place (:func:`~elasticrun.api.rounds.may_keep_place`)
         it writes nothing and waits for the round that keeps it, as long as the
         handler does, before it asks; woken by the quiet watch, it looks for its
@@ -386,20 +390,17 @@ class SimNode:
         join = WaitingNode(name=self.name, address="127.0.0.1", store_port=self.port,
                            since=now())
         self.since = join.since
-        patched = json.loads(await self.requests.request(
-            "PATCH", lease_path(self.shared.namespace, self.lease),
-            {"metadata": {"annotations": {JOIN_ANNOTATION: join_value(join),
-                                          UNREACHABLE_ANNOTATION: None,
-                                          ASSIGNMENT_ANNOTATION: None}}}, MERGE_PATCH))
+        await self.requests.request(
+            "PATCH", lease_path(self.shared.namespace, self.lease), join_patch(join),
+            MERGE_PATCH)
         self.watch = self.shared.connection(self.tickets)
         self.mailbox = self.shared.connection(self.tickets)
-        lease_version = patched["metadata"]["resourceVersion"]
         if change.run is None:
             assert self.spec is not None
-            return await self._placed(self.spec, join, None, None, lease_version)
+            return await self._placed(self.spec, join, None, None)
         assert change.resource_version is not None
         return await self._placed(change.run.spec, join, change.run.status.signal,
-                                  change.resource_version, lease_version)
+                                  change.resource_version)
 
     def _kept_in(self, change: Change, held: int) -> dict[str, Any] | None:
         """Its place kept in the round the change showed (the operator may seal it as soon
@@ -477,14 +478,14 @@ class SimNode:
         assert change.run is not None and change.resource_version is not None
         self.watch = self.shared.connection(self.tickets)
         self.mailbox = self.shared.connection(self.tickets)
-        unused = WaitingNode(name=self.name)  # no Lease watch: runs told on Leases keep no place
+        unused = WaitingNode(name=self.name)  # no slice watch: runs told in slices keep no place
         return await self._placed(change.run.spec, unused, change.run.status.signal,
-                                  change.resource_version, "")
+                                  change.resource_version)
 
     async def _placed(self, spec: RunSpec, join: WaitingNode, signal: int | None,
-                      run_version: str | None, lease_version: str) -> dict[str, Any]:
+                      run_version: str | None) -> dict[str, Any]:
         """Wait for the round that answers ``join``: on the run watch (from ``signal`` and
-        ``run_version``; None: for the run's end only), or on the Lease."""
+        ``run_version``; None: for the run's end only), or on its slice."""
         held = int(self.formed.result()["round"]) if self.formed is not None else 0
         formed: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.formed = formed
@@ -492,8 +493,8 @@ class SimNode:
             self._follow_run(signal, run_version, held, spec))
         waits: list[asyncio.Future[Any]] = [formed, self.follower]
         mailbox = None
-        if members_told_by_lease(spec):  # as the handler does
-            mailbox = asyncio.create_task(self._from_lease(join, lease_version))
+        if members_told_in_slices(spec):  # as the handler does
+            mailbox = asyncio.create_task(self._from_slice(join))
             waits.append(mailbox)
         try:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -524,7 +525,7 @@ class SimNode:
         if signal is not None and resource_version is not None:
             first: Coroutine[Any, Any, Change | None] = self._follow_signal(
                 signal, resource_version, held)
-        elif members_told_by_lease(spec):
+        elif members_told_in_slices(spec):
             first = self._follow_end()
         else:
             first = self._follow_settled(held)
@@ -644,18 +645,32 @@ class SimNode:
             resource_version = str((seen.get("metadata") or {}).get("resourceVersion"))
             self.watch = s.connection(self.tickets)
 
-    async def _from_lease(self, join: WaitingNode, resource_version: str) -> dict[str, Any]:
-        assert self.lease is not None
-        query = {"fieldSelector": f"metadata.name={self.lease}",
-                 "resourceVersion": resource_version}
-        async for line in watch_lines(self.mailbox, leases_path(self.shared.namespace),
-                                       query):
-            meta = (json.loads(line).get("object") or {}).get("metadata") or {}
-            told = read_assignment((meta.get("annotations") or {}).get(ASSIGNMENT_ANNOTATION))
+    async def _from_slice(self, join: WaitingNode) -> dict[str, Any]:
+        """The place that answers ``join``, from the node's slice, watched by name.
+
+        The slice is selected by name (``metadata.name``), as the API server's
+        watch cache dispatches by name: the node receives the events of the one
+        slice its place is told in, and nobody else's.  As the handler's, the
+        watch names no resourceVersion: the server first sends the slice as it
+        is, if the operator has written it, then its changes.  Only the
+        place that answers ``join`` (its ``since``) counts: a place of the
+        node's earlier request, or of another run, is none.  Each event's bytes
+        are the same for every member of the slice, so each is parsed once per
+        process.
+        """
+        s = self.shared
+        assert self.run_uid is not None
+        name = slices.slice_name(self.run_uid, slices.slice_index(self.name))
+        query = {"fieldSelector": f"metadata.name={name}"}
+        async for line in watch_lines(self.mailbox, slices.slices_path(s.namespace), query):
+            event = s.parse(line)
+            if event.get("type") not in ("ADDED", "MODIFIED"):
+                continue
+            told = slices.read_place(event.get("object"), s.run, self.name)
             if told is not None and told.since == join.since:
                 return {"t_done": time.monotonic(), "rank": told.rank,
                         "world": told.world_size, "round": told.round, "leader": told.leader}
-        raise ConnectionError("the Lease watch ended before a round formed")
+        raise ConnectionError("the slice watch ended before a round formed")
 
     async def check_store(self, place: dict[str, Any]) -> None:
         """Read the Lease of the round's rank 0, as a handler that did not seal the round
@@ -707,6 +722,14 @@ class Change:
     resource_version: str | None
     #: The whole run the quiet watch sent where places are kept (unparsed).
     raw: dict[str, Any] | None = None
+
+
+def join_patch(join: WaitingNode) -> dict[str, Any]:
+    """The merge patch of a node's Lease that asks for the next round, as a handler's
+    ``set_join`` writes it: the request ``join``, and no report of an unreachable rank 0
+    (such a report was about the round the node is leaving)."""
+    return {"metadata": {"annotations": {JOIN_ANNOTATION: join_value(join),
+                                         UNREACHABLE_ANNOTATION: None}}}
 
 
 def placed_in(obj: dict[str, Any], node: str, held: int) -> dict[str, Any] | None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from elasticrun.api import crd, rounds
+from elasticrun.api import crd, rounds, slices
 from elasticrun.api.kube import (
     APPLY_PATCH,
     ApiConnectionError,
@@ -187,12 +187,13 @@ class Demo:
         c.line("info", "starting a local kube-apiserver + etcd (first run builds them: minutes)")
         state = self.cp.start()
         self.client = KubeClient(load_credentials(str(state.kubeconfig)), timeout=15)
-        crd_manifest = crd.crd_manifest()
-        self.client.request(
-            "PATCH", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd.CRD_NAME}",
-            body=crd_manifest, query={"fieldManager": "elasticrun-demo", "force": "true"},
-            content_type=APPLY_PATCH)
-        self._wait(self._served, 30, "the ElasticRun CRD")
+        for manifest in crd.crd_manifests():
+            name = manifest["metadata"]["name"]
+            self.client.request(
+                "PATCH", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}",
+                body=manifest, query={"fieldManager": "elasticrun-demo", "force": "true"},
+                content_type=APPLY_PATCH)
+        self._wait(self._served, 30, "the ElasticRun and ElasticRunSlice CRDs")
         self.client.request("POST", "/api/v1/namespaces", body={
             "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
         spec = RunSpec(min_nodes=2, max_nodes=3, join_timeout=300, last_call_timeout=5,
@@ -212,9 +213,11 @@ class Demo:
                        f"kubectl describe er {RUN} -n {NAMESPACE}")
 
     def _served(self) -> bool:
+        """Whether both resources are served (a list works), not only Established."""
         assert self.client is not None
         try:
             self.client.request("GET", runs_path(NAMESPACE))
+            self.client.request("GET", slices.slices_path(NAMESPACE))
         except ApiError:
             return False
         return True

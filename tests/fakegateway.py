@@ -28,8 +28,7 @@ rely on:
 own; :class:`~elasticrun.api.gateway.RunAccess`, and the operator's
 :class:`~elasticrun.api.gateway.RunControl`), answering the protocol outcomes
 exactly as :class:`~elasticrun.api.gateway.RunGateway` does (409 of a seal,
-422 of an announce, 404 of a read as ``None`` or ``False``, an assignment on
-a Lease gone or replaced as ``False``).  :class:`FakeOperatorGateway` is the
+422 of an announce, 404 of a read as ``None`` or ``False``).  :class:`FakeOperatorGateway` is the
 operator's :class:`~elasticrun.api.gateway.OperatorAccess`: one
 :class:`FakeGateway` per run, applies, deletions and Events.  Their fault
 injection (:meth:`Faults.fail_next`, :meth:`Faults.on_next`) fails or
@@ -60,7 +59,6 @@ from elasticrun.api.gateway import (
     RunControl,
     annotations_removal,
     announce_patch,
-    assign_patch,
     end_selector,
     round_selector,
     settled_selector,
@@ -77,8 +75,9 @@ from elasticrun.api.kube import (
     runs_path,
 )
 from elasticrun.api.leases import leases_of
-from elasticrun.api.model import Assignment, RunSpec, RunStatus, new_run_manifest
+from elasticrun.api.model import RunSpec, RunStatus, new_run_manifest
 from elasticrun.api.naming import label_value, lease_name
+from elasticrun.api.slices import slices_path
 
 RUN, LEASE = "run", "lease"
 #: (kind, name): RUN or LEASE, else the collection's path (``.../roles``, ``.../events``).
@@ -590,20 +589,11 @@ class FakeGateway(Faults):
         return self._answer("delete_lease", lambda: self.server.delete(self._lease(node)),
                             NOT_FOUND) is not None
 
-    def watch_lease(self, node: str, resource_version: str | None,
+    def watch_slice(self, name: str, resource_version: str | None,
                     timeout_seconds: int) -> FakeWatch:
-        self._request("watch_lease")
-        return self.server.watch(self._lease(node), lambda _: True, resource_version,
-                                 timeout_seconds)
-
-    # ------------------------------------------------------------------ the operator's writes
-
-    def assign(self, node: str, assignment: Assignment, uid: str) -> bool:
-        """As the real gateway: False when the Lease is gone (404) or another object (the
-        merge's 422 on ``metadata.uid``; a 409 of an injected conflict)."""
-        patch = assign_patch(assignment, uid)
-        return self._answer("assign", lambda: self.server.merge(self._lease(node), patch),
-                            NOT_FOUND | CONFLICT | TEST_FAILED) is not None
+        self._request("watch_slice")
+        return self.server.watch((slices_path(self.namespace), name), lambda _: True,
+                                 resource_version, timeout_seconds)
 
     def lease_path(self, lease: str) -> str:
         return lease_path(self.namespace, lease)

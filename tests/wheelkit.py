@@ -42,7 +42,7 @@ from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 #: What the sdist is made from (pyproject's package-dir, readme, license; the
-#: CRD that handler/elasticrun/api/crd.yaml links to).
+#: CRDs that handler/elasticrun/api/crd.yaml and slice_crd.yaml link to).
 SOURCES = ("pyproject.toml", "README.md", "LICENSE", "handler", "operator", "deploy/crds")
 
 

@@ -150,8 +150,8 @@ def tally(events: Iterable[dict[str, Any]], namespace: str) -> RequestTally:
 
     Lease renewals (a node's ``patch`` of its Lease) are steady-state traffic,
     counted apart from ``writes``; creating and deleting a Lease are writes, and
-    so is the operator's patch of a Lease (a member's assignment), counted as
-    ``patch leases (operator)``.
+    so would be a patch of a Lease by the operator, which writes none, counted as
+    ``patch leases (operator)`` should it ever.
     """
     result = RequestTally()
     for entry in audit_entries(events, namespace):

@@ -26,7 +26,7 @@ from elasticrun.api import crd
 from elasticrun.api.kube import ApiError, KubeClient, load_credentials
 from elasticrun.operator import runrbac
 
-from conftest import CRD_FILE, ROOT, Cluster
+from conftest import CRD_FILES, ROOT, Cluster
 
 CHART = ROOT / "charts" / "elasticrun"
 HELM_BUILD = ROOT / "tests" / "helmtool" / "build.sh"
@@ -233,7 +233,7 @@ def pin_webhook(docs: list[dict[str, Any]], namespace: str) -> list[dict[str, An
 
 def apply_chart(cluster: Cluster, docs: list[dict[str, Any]], namespace: str,
                 request: pytest.FixtureRequest) -> None:
-    """Apply everything but the CRD (checked against the live one) and cert-manager kinds."""
+    """Apply everything but the CRDs (checked against the live ones) and cert-manager kinds."""
     request.addfinalizer(lambda: delete_cluster_scoped(cluster, docs))
     for doc in by_kind(docs, "CustomResourceDefinition"):
         assert_same_as_live_crd(cluster, doc)
@@ -258,11 +258,17 @@ def apply_chart(cluster: Cluster, docs: list[dict[str, Any]], namespace: str,
         assert spec["args"] == deployment["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
+def crd_sources() -> dict[str, dict[str, Any]]:
+    """deploy/crds/'s CRDs by name (elasticruns.elasticrun.dev, ...)."""
+    sources = [yaml.safe_load(path.read_text()) for path in CRD_FILES]
+    return {source["metadata"]["name"]: source for source in sources}
+
+
 def assert_same_as_live_crd(cluster: Cluster, rendered: dict[str, Any]) -> None:
-    live = yaml.safe_load(cluster.kubectl(
-        "get", "crd", crd.CRD_NAME, "-o", "yaml").stdout)
-    source = yaml.safe_load(CRD_FILE.read_text())
-    assert rendered["spec"] == source["spec"]
+    name = rendered["metadata"]["name"]
+    assert name in {crd.CRD_NAME, crd.SLICE_CRD_NAME}, name
+    live = yaml.safe_load(cluster.kubectl("get", "crd", name, "-o", "yaml").stdout)
+    assert rendered["spec"] == crd_sources()[name]["spec"]
     for key in ("group", "names", "scope"):
         assert live["spec"][key] == rendered["spec"][key]
     assert [v["name"] for v in live["spec"]["versions"]] == \

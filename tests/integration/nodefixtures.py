@@ -25,7 +25,7 @@ import yaml
 from elasticrun.api.kube import ApiError, KubeClient, load_credentials
 
 from chartkit import Helm, apply, build_helm
-from conftest import CRD_FILE, ROOT, Cluster
+from conftest import CRD_FILES, ROOT, Cluster
 from controlplane import addons
 from controlplane.localcluster import NODE, LocalControlPlane
 from controlplane.node import host_paths, read_tunables
@@ -52,7 +52,8 @@ def node_cluster() -> Iterator[Cluster]:
         state = local.start()
         client = KubeClient(load_credentials(str(state.kubeconfig)), timeout=30)
         cluster = Cluster(state.kubeconfig, client, local)
-        cluster.apply(yaml.safe_load(CRD_FILE.read_text()))
+        for path in CRD_FILES:
+            cluster.apply(yaml.safe_load(path.read_text()))
         install_chart(cluster, workdir)
         yield cluster
         client.close()

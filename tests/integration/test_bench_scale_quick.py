@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from elasticrun.api import rounds
+from elasticrun.api import crd, rounds
+from elasticrun.api.slices import SLICE_COUNT
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,12 +93,12 @@ def test_each_mixed_round_times_a_loss_until_every_survivor_knew(
 def test_the_large_runs_ways_of_telling_members_form_admit_and_lose_at_a_small_n(
         scale_run: tuple[Path, dict[str, Any]]) -> None:
     """The quiet watch and the settled rejoin (from ``QUIET_WATCH_FROM``), and the places
-    told on the Leases (from ``TELL_BY_LEASE_FROM``), of simulated nodes and real handlers,
+    told on the Leases (from ``TELL_IN_SLICES_FROM``), of simulated nodes and real handlers,
     which the mixed rounds of the quick run are too small to take."""
     out, data = scale_run
     rows = data["regimes"]
     assert [r["max_nodes"] for r in rows] == [rounds.QUIET_WATCH_FROM,
-                                              rounds.TELL_BY_LEASE_FROM]
+                                              rounds.TELL_IN_SLICES_FROM]
     n = min(data["plan"]["mixed_sizes"])
     for row in rows:
         assert row["n"] == n and row["errors"] == [], row
@@ -105,10 +106,18 @@ def test_the_large_runs_ways_of_telling_members_form_admit_and_lose_at_a_small_n
         assert row["newcomer_errors"] == [] and row["newcomer_worlds"] == [n + 1], row
         assert row["newcomer_held"] == n + 1, row  # every member rejoined, and the newcomer
         assert row["loss_told"] == n and row["loss_s"] is not None, row
-    broadcast, by_lease = rows
-    # Places by the seal's broadcast: the operator writes no Lease; on the Leases: one each.
-    assert "patch leases (operator)" not in broadcast["by_kind"], broadcast
-    assert by_lease["by_kind"]["patch leases (operator)"] == n, by_lease
+    broadcast, in_slices = rows
+
+    def slice_writes(row: dict[str, Any]) -> int:
+        written = {f"{verb} {crd.SLICE_PLURAL}" for verb in ("create", "update", "patch")}
+        return sum(count for kind, count in row["by_kind"].items() if kind in written)
+
+    # Places by the seal's broadcast: no slice written; in slices (the formation counted):
+    # one write of each slice a member hashes into.  The operator writes no Lease in either.
+    assert slice_writes(broadcast) == 0, broadcast
+    assert 0 < slice_writes(in_slices) <= min(n, SLICE_COUNT), in_slices
+    for row in rows:
+        assert not [k for k in row["by_kind"] if k.startswith("patch leases (operator)")], row
     page = (out / "benchmarks-scale.md").read_text()
     assert "### Large runs' ways at a small N" in page
 

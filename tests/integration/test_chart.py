@@ -4,13 +4,14 @@ Rendered objects are applied for real (server-side apply, not a dry run) into
 fresh namespaces. Two things are adapted before applying, both because the
 API server is shared by the whole test session: the webhook's namespaceSelector
 is pinned to the test's namespace (a failurePolicy=Fail webhook that matched
-other tests' pods would break them), and the CRD, which the session already
-installed from deploy/crds/, is compared and dry-run applied instead.
+other tests' pods would break them), and the CRDs, which the session already
+installed from deploy/crds/, are compared and dry-run applied instead.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from chartkit import (
     by_kind,
     one,
 )
-from conftest import CRD_FILE, ROOT, Cluster
+from conftest import CRD_FILE, CRD_FILES, ROOT, SLICE_CRD_FILE, Cluster
 
 #: The fixtures helm, helm_binary and extra_namespace.
 pytest_plugins = ("chartfixtures",)
@@ -52,33 +53,61 @@ def test_helm_lint_passes_strict(helm: Helm, values: dict[str, Any]) -> None:
     assert "WARNING" not in result.stdout and result.stderr == "", result.stderr
 
 
-def test_chart_crd_is_the_single_source_of_truth(helm: Helm) -> None:
-    copy = CHART / "files" / "crds" / CRD_FILE.name
-    assert not copy.is_symlink() and copy.read_bytes() == CRD_FILE.read_bytes()
-    rendered = one(helm.template("r", "er-system"), "CustomResourceDefinition")
-    source = yaml.safe_load(CRD_FILE.read_text())
-    annotations = rendered["metadata"].pop("annotations")
-    assert annotations == {"helm.sh/resource-policy": "keep"}
-    assert rendered == source
-    # The handler package ships the same file.
-    packaged = ROOT / "handler" / "elasticrun" / "api" / "crd.yaml"
-    assert packaged.resolve() == CRD_FILE.resolve()
+#: Each CRD file of deploy/crds/ and the package data of elasticrun.api that links to it.
+PACKAGED_CRDS = {CRD_FILE: "crd.yaml", SLICE_CRD_FILE: "slice_crd.yaml"}
 
 
-def test_crd_can_be_left_out_or_not_kept(helm: Helm) -> None:
+def test_chart_crds_are_the_single_source_of_truth(helm: Helm) -> None:
+    assert set(PACKAGED_CRDS) == set(CRD_FILES)
+    rendered = {d["metadata"]["name"]: d
+                for d in by_kind(helm.template("r", "er-system"), "CustomResourceDefinition")}
+    # Both CRDs, in the order they are applied (the run's before its slices').
+    assert list(rendered) == [crd.CRD_NAME, crd.SLICE_CRD_NAME]
+    for path, package_data in PACKAGED_CRDS.items():
+        copy = CHART / "files" / "crds" / path.name
+        assert not copy.is_symlink() and copy.read_bytes() == path.read_bytes()
+        source = yaml.safe_load(path.read_text())
+        got = rendered[source["metadata"]["name"]]
+        annotations = got["metadata"].pop("annotations")
+        assert annotations == {"helm.sh/resource-policy": "keep"}
+        assert got == source
+        # The handler package ships the same file.
+        packaged = ROOT / "handler" / "elasticrun" / "api" / package_data
+        assert packaged.resolve() == path.resolve()
+    assert rendered[crd.SLICE_CRD_NAME]["spec"]["names"]["kind"] == crd.SLICE_KIND
+    assert rendered[crd.SLICE_CRD_NAME]["spec"]["names"]["plural"] == crd.SLICE_PLURAL
+    assert rendered[crd.SLICE_CRD_NAME]["spec"]["scope"] == "Namespaced"
+
+
+def test_crds_can_be_left_out_or_not_kept(helm: Helm) -> None:
     assert by_kind(helm.template("r", "x", {"crds": {"install": False}}),
                    "CustomResourceDefinition") == []
-    loose = one(helm.template("r", "x", {"crds": {"keep": False}}), "CustomResourceDefinition")
-    assert "annotations" not in loose["metadata"]
+    loose = by_kind(helm.template("r", "x", {"crds": {"keep": False}}),
+                    "CustomResourceDefinition")
+    assert [d["metadata"]["name"] for d in loose] == [crd.CRD_NAME, crd.SLICE_CRD_NAME]
+    assert all("annotations" not in d["metadata"] for d in loose)
 
 
 def test_packaged_chart_carries_the_crd_contents(helm: Helm, tmp_path: Path) -> None:
-    """A published chart carries the CRD itself (files/ holds copies, not links)."""
+    """A published chart carries both CRDs themselves (files/ holds copies, not links)."""
     helm.run("package", str(CHART), "--destination", str(tmp_path))
     (archive,) = tmp_path.glob("elasticrun-*.tgz")
-    rendered = one(documents_of(helm.run("template", "r", str(archive)).stdout),
-                   "CustomResourceDefinition")
-    assert rendered["spec"] == yaml.safe_load(CRD_FILE.read_text())["spec"]
+    rendered = by_kind(documents_of(helm.run("template", "r", str(archive)).stdout),
+                       "CustomResourceDefinition")
+    assert [d["spec"] for d in rendered] == [
+        yaml.safe_load(path.read_text())["spec"] for path in CRD_FILES]
+
+
+def test_a_missing_crd_copy_fails_the_render_naming_it(helm: Helm, tmp_path: Path) -> None:
+    chart = tmp_path / "elasticrun"
+    shutil.copytree(CHART, chart)
+    (chart / "files" / "crds" / SLICE_CRD_FILE.name).unlink()
+    result = helm.run("template", "r", str(chart), check=False)
+    assert result.returncode != 0
+    assert (f"files/crds/{SLICE_CRD_FILE.name} is missing or empty: "
+            "run `make chart-files`") in result.stderr
+    # Without the CRDs in the chart the file is never read.
+    assert helm.run("template", "r", str(chart), "--set", "crds.install=false").returncode == 0
 
 
 def documents_of(text: str) -> list[dict[str, Any]]:
@@ -214,6 +243,45 @@ def test_namespaced_operator_with_network_policy_applies(
     assert hook["failurePolicy"] == "Ignore"
     assert hook["namespaceSelector"]["matchExpressions"][0] == {
         "key": NAMESPACE_LABEL, "operator": "In", "values": [team_a, team_b]}
+
+
+#: Every verb the operator needs on slices: server-side apply (create, patch, and
+#: update), reading them back, and deleting them with their run on TTL cleanup.
+OPERATOR_SLICE_VERBS = ["get", "list", "watch", "create", "update", "patch", "delete"]
+#: What a verb that changes an object may be called (RBAC's write verbs, and "*").
+WRITE_VERBS = {"create", "update", "patch", "delete", "deletecollection", "*"}
+
+
+def slice_verbs(rules: list[dict[str, Any]]) -> set[str]:
+    """Every verb ``rules`` grant on elasticrunslices, wildcards included."""
+    verbs: set[str] = set()
+    for rule in rules:
+        if set(rule["apiGroups"]) & {"elasticrun.dev", "*"} and \
+                set(rule["resources"]) & {crd.SLICE_PLURAL, "*"}:
+            verbs |= set(rule["verbs"])
+    return verbs
+
+
+@pytest.mark.parametrize("scope", ["cluster", "namespaces"])
+def test_only_the_operator_writes_slices_and_training_pods_read_them(
+        helm: Helm, scope: str) -> None:
+    docs = helm.template("r", "er-system", {"trainingNamespaces": ["team"],
+                                            "operator": {"scope": scope}})
+    operator = one(docs, "ClusterRole") if scope == "cluster" else \
+        one(docs, "Role", "r-elasticrun-operator")
+    assert [r for r in operator["rules"] if crd.SLICE_PLURAL in r["resources"]] == [
+        {"apiGroups": [crd.GROUP], "resources": [crd.SLICE_PLURAL],
+         "verbs": OPERATOR_SLICE_VERBS}]
+    if scope == "namespaces":
+        assert operator["metadata"]["namespace"] == "team"
+        assert slice_verbs(one(docs, "ClusterRole")["rules"]) == set()
+    training = one(docs, "Role", "r-elasticrun-training")
+    assert training["metadata"]["namespace"] == "team"
+    assert slice_verbs(training["rules"]) == {"get", "list", "watch"}
+    assert not slice_verbs(training["rules"]) & WRITE_VERBS
+    # Runs stay writable by training pods: the slice rule is a rule of its own.
+    assert "patch" in next(r for r in training["rules"]
+                           if r["resources"] == [crd.PLURAL])["verbs"]
 
 
 def test_cert_manager_mode_mounts_the_issued_secret(

@@ -195,6 +195,7 @@ def test_helm_package_carries_the_schema_and_real_files_and_warns_of_nothing(
         members = {m.name: m for m in tar.getmembers()}
         assert members["elasticrun/values.schema.json"].isfile()
         for name in ("files/crds/elasticrun.dev_elasticruns.yaml",
+                     "files/crds/elasticrun.dev_elasticrunslices.yaml",
                      "files/admission/elasticrun-leases.yaml"):
             assert members[f"elasticrun/{name}"].isfile()
     linted = helm.run("lint", "--strict", str(archive))

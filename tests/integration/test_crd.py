@@ -1,16 +1,17 @@
-"""The ElasticRun CRD, as the real API server enforces it."""
+"""The ElasticRun and ElasticRunSlice CRDs, as the real API server enforces them."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import threading
 from typing import Any
 
 import pytest
 
-from elasticrun.api import crd
+from elasticrun.api import crd, slices
 from elasticrun.api.kube import APPLY_PATCH, ApiError, run_path, runs_path
-from elasticrun.api.model import RunSpec, parse_run
+from elasticrun.api.model import Assignment, RunSpec, StoreAddress, parse_run
 
 from conftest import Cluster
 
@@ -217,3 +218,72 @@ def test_model_round_trips_what_the_server_accepts(cluster: Cluster, namespace: 
     assert parsed.status.to_dict() == stored["status"]
     assert parsed.status.participant("b") is not None
     assert parsed.status.participant("b").rank == 1  # type: ignore[union-attr]
+
+
+# --------------------------------------------------------------------------- slices
+
+
+def test_slice_crd_is_established_and_served(cluster: Cluster, namespace: str) -> None:
+    got = cluster.client.request(
+        "GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd.SLICE_CRD_NAME}")
+    assert got["spec"]["scope"] == "Namespaced"
+    assert got["spec"]["names"]["kind"] == crd.SLICE_KIND
+    assert {"Established", "NamesAccepted"} <= {
+        c["type"] for c in got["status"]["conditions"] if c["status"] == "True"}
+    assert cluster.client.request("GET", slices.slices_path(namespace))["items"] == []
+
+
+def _place(rank: int) -> Assignment:
+    """A member's place in round 3, answering its join request of ``SINCE``."""
+    return Assignment(round=3, rank=rank, world_size=2, store=StoreAddress("10.0.0.1", 29400),
+                      leader="a", since=SINCE)
+
+
+SINCE = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
+
+
+def test_an_operator_slice_is_stored_as_written_and_read_by_name(
+        cluster: Cluster, namespace: str) -> None:
+    run = create(cluster, namespace, "sliced", minNodes=2, maxNodes=2)
+    uid = run["metadata"]["uid"]
+    by_slice = slices.due(3, [("a", _place(0)), ("b", _place(1))], frozenset())
+    for piece in by_slice:
+        cluster.client.request(
+            "PATCH", slices.slice_path(namespace, slices.slice_name(uid, piece.index)),
+            body=piece.manifest("sliced", namespace, uid),
+            query={"fieldManager": "elasticrun-operator", "force": "true"},
+            content_type=APPLY_PATCH)
+    name = slices.slice_name(uid, slices.slice_index("b"))
+    stored = cluster.client.request("GET", slices.slice_path(namespace, name))
+    assert stored["spec"]["run"] == "sliced" and stored["spec"]["round"] == 3
+    assert stored["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert slices.read_place(stored, "sliced", "b") == _place(1)
+    # What a member watches: its own slice by name, nothing else of the run's.
+    listed = cluster.client.request("GET", slices.slices_path(namespace),
+                                    query={"fieldSelector": f"metadata.name={name}"})
+    assert [i["metadata"]["name"] for i in listed["items"]] == [name]
+    labelled = cluster.client.request("GET", slices.slices_path(namespace),
+                                      query={"labelSelector": f"{crd.RUN_LABEL}=sliced"})
+    assert len(labelled["items"]) == len(by_slice)
+    out = cluster.kubectl("get", crd.SLICE_PLURAL, name, "-n", namespace).stdout
+    assert out.splitlines()[0].split() == ["NAME", "RUN", "ROUND", "AGE"]
+    assert out.splitlines()[1].split()[:3] == [name, "sliced", "3"]
+
+
+@pytest.mark.parametrize(("spec", "expected"), [
+    ({"run": "r", "round": 0, "assignments": {}},
+     "spec.round in body should be greater than or equal to 1"),
+    ({"run": "r", "round": 1}, "spec.assignments: Required value"),
+    ({"run": "r", "round": 1, "assignments": {"a": "x" * 1025}},
+     "spec.assignments.a: Too long: may not be more than 1024 bytes"),
+    ({"run": "r", "round": 1, "assignments": {"a": 7}},
+     'spec.assignments.a in body must be of type string: "integer"'),
+])
+def test_invalid_slices_are_rejected(cluster: Cluster, namespace: str, spec: dict[str, Any],
+                                     expected: str) -> None:
+    body = {"apiVersion": crd.API_VERSION, "kind": crd.SLICE_KIND,
+            "metadata": {"name": "bad", "namespace": namespace}, "spec": spec}
+    with pytest.raises(ApiError) as info:
+        cluster.client.request("POST", slices.slices_path(namespace), body=body)
+    assert info.value.status == 422, info.value
+    assert expected in info.value.message

@@ -21,7 +21,6 @@ import pytest
 from elasticrun.api import crd
 from elasticrun.api.gateway import RunGateway
 from elasticrun.api.kube import OPERATOR_USER_AGENT, ApiError, delete_preconditions, lease_path
-from elasticrun.api.leases import ASSIGNMENT_ANNOTATION
 from elasticrun.api.model import format_time, now, parse_run
 from elasticrun.operator import webhook
 from elasticrun.operator.elector import LEASE_NAME
@@ -206,8 +205,8 @@ def test_a_stale_leaders_late_writes_are_refused_by_the_api_server(
         make_handler: Any, cluster: Cluster, namespace: str) -> None:
     """docs/security.md row 81: what fences a write the old leader had already sent when
     it froze, through the operator's own gateway and DeleteOptions: the status
-    compare-and-set on the resourceVersion it decided on, the Lease deletion and the
-    assignment on the uid it observed."""
+    compare-and-set on the resourceVersion it decided on, the Lease deletion on the uid
+    it observed."""
     nodes = [make_handler("fence", f"f{i}", min_nodes=2, lease_renew_interval=1)
              for i in range(2)]
     assert {o.rank for o in rendezvous_all(nodes).values()} == {0, 1}
@@ -216,8 +215,6 @@ def test_a_stale_leaders_late_writes_are_refused_by_the_api_server(
     observed = gateway.lease("f1")
     assert observed is not None
     old_uid = observed["metadata"]["uid"]
-    assignment = stale.status.assignment("f1")
-    assert assignment is not None
 
     # Meanwhile the new leader wrote the run, and f1's Lease was re-created (deleted,
     # then made again by its node's next renewal).
@@ -229,20 +226,18 @@ def test_a_stale_leaders_late_writes_are_refused_by_the_api_server(
                        "f1 to re-create its Lease")
 
     # The old leader's late writes: a seal of a round from its copy, the deletion of the
-    # Lease it observed, an assignment on it.
+    # Lease it observed.
     late = {**stale.status.to_dict(), "round": stale.status.round + 1}
     assert gateway.replace_status(stale.resource_version, late, "elasticrun-operator") is None
     with pytest.raises(ApiError) as refused:
         cluster.client.request("DELETE", gateway.lease_path(observed["metadata"]["name"]),
                                body=delete_preconditions(old_uid))
     assert refused.value.status == 409
-    assert gateway.assign("f1", assignment, old_uid) is False
     after = read_run(cluster.client, namespace, "fence")
     assert after.status.round == fresh.status.round == stale.status.round
     assert after.resource_version == fresh.resource_version
     kept = gateway.lease("f1")
     assert kept is not None and kept["metadata"]["uid"] == renewed["metadata"]["uid"]
-    assert ASSIGNMENT_ANNOTATION not in (kept["metadata"].get("annotations") or {})
 
 
 def test_a_lease_writer_cannot_crash_or_spin_the_elector_and_it_recovers(

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-from elasticrun.api import crd
+from elasticrun.api import crd, slices
 from elasticrun.api.kube import lease_path, leases_path
 from elasticrun.api.naming import lease_name
 
@@ -351,7 +351,7 @@ def test_the_largest_runs_tell_each_member_its_place_on_its_lease(
     from elasticrun.api import rounds
 
     lists = _Counted(monkeypatch, "leases")
-    nodes, outcomes = _form_three(make_handler, "told", rounds.TELL_BY_LEASE_FROM)
+    nodes, outcomes = _form_three(make_handler, "told", rounds.TELL_IN_SLICES_FROM)
     ranks = {name: o.rank for name, o in outcomes.items()}
     assert {o.world_size for o in outcomes.values()} == {3}
     run = read_run(cluster.client, namespace, "told")
@@ -394,7 +394,6 @@ def test_a_quiet_run_tells_its_members_by_the_seals_broadcast_and_they_rejoin_on
     heartbeat of two renewals keeps no place, so the members ask again; below, they
     keep their places.)"""
     from elasticrun.api import rounds
-    from elasticrun.api.leases import lease_state
     from elasticrun.api.model import RunSpec
 
     lists, reads = _Counted(monkeypatch, "leases"), _Counted(monkeypatch, "read")
@@ -431,8 +430,9 @@ def test_a_quiet_run_tells_its_members_by_the_seals_broadcast_and_they_rejoin_on
         assert node.watcher.events_received - seen[name] == 2
         assert node.watcher.latest.status.round == 2
         assert node.mailbox is None
-        lease = cluster.client.request("GET", lease_path(namespace, lease_name("quiet", name)))
-        assert lease_state(lease).assignment is None
+    told_in_slices = cluster.client.request("GET", slices.slices_path(namespace), query={
+        "labelSelector": f"{crd.RUN_LABEL}=quiet"})
+    assert told_in_slices["items"] == []  # told by the broadcast alone
     assert (reads.count, lists.count) == (0, 0)
     for node in survivors:
         wait_for(lambda node=node: node.watcher.quiet_round == 2, 15, "the quiet watch again")

@@ -43,6 +43,7 @@ from rdzv import read_run, rendezvous_all, run_deleted, start_rendezvous
 pytest_plugins = ("chartfixtures",)
 
 TRAINER = "elasticrun-trainer"
+SLICES = f"{crd.SLICE_PLURAL}.{crd.GROUP}"
 #: The workloads whose size the operator reads by name (status.desired): get only.
 OWNER_KINDS = ("jobs.batch", "statefulsets.apps", "jobsets.jobset.x-k8s.io",
                "trainjobs.trainer.kubeflow.org")
@@ -109,6 +110,7 @@ def test_training_service_account_has_exactly_the_handlers_rights(
     assert listed_rules(cluster, trainer, namespace) == {
         "elasticruns.elasticrun.dev": {"get", "list", "watch", "create", "patch", "update"},
         "elasticruns.elasticrun.dev/status": {"get", "patch", "update"},
+        "elasticrunslices.elasticrun.dev": {"get", "list", "watch"},
         "leases.coordination.k8s.io": {"get", "list", "watch", "create", "patch", "update",
                                        "delete"},
     }
@@ -119,7 +121,11 @@ def test_training_service_account_has_exactly_the_handlers_rights(
                      namespace=namespace)
     for verb in ("create", "update", "delete"):
         assert can_i(cluster, trainer, verb, "leases.coordination.k8s.io", namespace=namespace)
-    # ... and nothing more.
+    for verb in ("get", "list", "watch"):
+        assert can_i(cluster, trainer, verb, SLICES, namespace=namespace), verb
+    # ... and nothing more: only the operator writes slices.
+    for verb in ("create", "update", "patch", "delete", "deletecollection"):
+        assert not can_i(cluster, trainer, verb, SLICES, namespace=namespace), verb
     assert not can_i(cluster, trainer, "delete", "elasticruns.elasticrun.dev",
                      namespace=namespace)
     assert not can_i(cluster, trainer, "deletecollection", "leases.coordination.k8s.io",
@@ -211,11 +217,16 @@ def test_operator_cluster_role_reads_no_secrets_and_writes_only_its_webhook(
             assert not may(cluster, operator, verb, kind), (verb, kind)
     for verb in ("get", "list", "watch", "patch", "update", "delete"):
         assert can_i(cluster, operator, verb, "elasticruns.elasticrun.dev"), verb
+    # Slices: written by server-side apply, deleted with their run on TTL cleanup.
+    for verb in ("get", "list", "watch", "create", "patch", "update", "delete"):
+        assert can_i(cluster, operator, verb, SLICES), verb
+    assert not can_i(cluster, operator, "deletecollection", SLICES)
     # The webhook writes nothing, so the operator never creates runs.
     assert not can_i(cluster, operator, "create", "elasticruns.elasticrun.dev")
     assert can_i(cluster, operator, "update", "elasticruns.elasticrun.dev/status")
     assert can_i(cluster, operator, "delete", "leases.coordination.k8s.io")
-    assert not can_i(cluster, operator, "create", "leases.coordination.k8s.io")
+    for verb in ("create", "patch", "update"):  # a member's Lease is the member's to write
+        assert not can_i(cluster, operator, verb, "leases.coordination.k8s.io"), verb
     assert can_i(cluster, operator, "create", "events")
     assert not can_i(cluster, operator, "list", "namespaces")  # kopf needs none cluster-wide
     assert can_i(cluster, operator, "watch", "customresourcedefinitions.apiextensions.k8s.io")
@@ -240,7 +251,9 @@ def test_namespaced_operator_sees_only_its_namespaces(
     assert can_i(cluster, operator, "watch", "pods", namespace=team)
     assert can_i(cluster, operator, "patch", "elasticruns.elasticrun.dev/status",
                  namespace=team)
-    for resource in ("pods", "elasticruns.elasticrun.dev", "leases.coordination.k8s.io"):
+    assert can_i(cluster, operator, "create", SLICES, namespace=team)
+    for resource in ("pods", "elasticruns.elasticrun.dev", "leases.coordination.k8s.io",
+                     SLICES):
         assert not can_i(cluster, operator, "list", resource, namespace=other), resource
         assert not can_i(cluster, operator, "list", resource), resource
     for kind in OWNER_KINDS:

@@ -17,11 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from elasticrun.api import rounds
+from elasticrun.api import rounds, slices
 from elasticrun.api.kube import ApiError, lease_path, leases_path, run_path
-from elasticrun.api.leases import ASSIGNMENT_ANNOTATION, read_assignment
 from elasticrun.api.model import ElasticRun
-from elasticrun.api.naming import lease_name
 
 from conftest import ROOT, Cluster, wait_for
 from controlplane.node import NODE_IP, NODE_NAME, host_paths, read_tunables
@@ -92,21 +90,27 @@ def test_job_example_trains_through_a_deleted_pod(node_cluster: Cluster,
                                                  node_namespace: str) -> None:
     ns, run = node_namespace, "llama-job"
     # maxNodes 2,048 makes it one of the largest runs: the chart's operator seals without
-    # moving the signal and tells each pod its rank on the pod's own Lease.
-    create_run(node_cluster, ns, elastic_run(run, 2, rounds.TELL_BY_LEASE_FROM))
+    # moving the signal and tells each pod its rank in the run's slices, which the pods
+    # may only read (the chart's training Role).
+    create_run(node_cluster, ns, elastic_run(run, 2, rounds.TELL_IN_SLICES_FROM))
     apply_example(node_cluster, ns, EXAMPLES / "job.yaml", LONG_TRAINING)
     first = wait_for(lambda: round_with(node_cluster, ns, run, 2), 180,
                      "the Job's two pods in one round", interval=0.5)
     assert first.status.signal == 0
+    assert first.uid is not None
     for member in first.status.participants:
-        # The operator writes the assignments on the members' Leases after its status
-        # write (in parallel, each once per round): wait for each, bounded.
-        def told_on_lease(name: str = member.name) -> Any:
-            lease = node_cluster.client.request("GET", lease_path(ns, lease_name(run, name)))
-            return read_assignment(
-                (lease["metadata"].get("annotations") or {}).get(ASSIGNMENT_ANNOTATION))
+        # The operator writes the round's slices after its status write: wait for each
+        # member's, bounded.
+        def told_in_slice(name: str = member.name, uid: str = first.uid) -> Any:
+            path = slices.slice_path(ns, slices.slice_name(uid, slices.slice_index(name)))
+            try:
+                return slices.read_place(node_cluster.client.request("GET", path), run, name)
+            except ApiError as exc:
+                if exc.not_found:
+                    return None
+                raise
 
-        told = wait_for(told_on_lease, 30, f"{member.name}'s assignment on its Lease")
+        told = wait_for(told_in_slice, 30, f"{member.name}'s place in its slice")
         assert (told.round, told.rank, told.world_size) == (first.status.round, member.rank, 2)
     victim = first.status.participants[-1].name
     survivor = first.status.participants[0].name

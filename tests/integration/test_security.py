@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousError
 
-from elasticrun.api import crd, rounds
+from elasticrun.api import crd, rounds, slices
 from elasticrun.api.kube import (
     MERGE_PATCH,
     ApiError,
@@ -251,14 +251,14 @@ def _runs_with_own_accounts(cluster: Cluster, namespace: str, tmp_path: Path,
                             large_b: bool = False) -> dict[str, Path]:
     """run-a and run-b, each naming its own ServiceAccount; kubeconfigs with their tokens.
 
-    ``large_b``: run-b has ``maxNodes`` 2,048, so its members are told their ranks on
-    their own Leases.  Returns once the operator made the per-run Roles.
+    ``large_b``: run-b has ``maxNodes`` 2,048, so its members are told their ranks in
+    its slices.  Returns once the operator made the per-run Roles.
     """
     kubeconfigs = {}
     for run in ("run-a", "run-b"):
         _service_account(cluster, namespace, f"sa-{run}")
         _run(cluster, namespace, run, f"sa-{run}",
-             max_nodes=rounds.TELL_BY_LEASE_FROM if large_b and run == "run-b" else 2)
+             max_nodes=rounds.TELL_IN_SLICES_FROM if large_b and run == "run-b" else 2)
         kubeconfigs[run] = token_kubeconfig(
             cluster, request_token(cluster, namespace, f"sa-{run}"),
             tmp_path / f"{run}.kubeconfig", namespace)
@@ -317,8 +317,8 @@ def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
     kubeconfigs = _runs_with_own_accounts(cluster, namespace, tmp_path, large_b=True)
     # Each run's pods, on nothing but their own ServiceAccount's token, form their rounds.
     # run-b is one of the largest runs (maxNodes 2,048): its members are told their ranks
-    # on their own Leases, which they watch by name.
-    for run, max_nodes in (("run-a", 2), ("run-b", rounds.TELL_BY_LEASE_FROM)):
+    # in its slices, which they watch by name.
+    for run, max_nodes in (("run-a", 2), ("run-b", rounds.TELL_IN_SLICES_FROM)):
         nodes = [make_handler(run, f"{run}-{i}", min_nodes=2, max_nodes=max_nodes,
                               kubeconfig=kubeconfigs[run], heartbeat_timeout=SHORT_HEARTBEAT,
                               lease_renew_interval=SHORT_RENEW, last_call_timeout=1)
@@ -328,15 +328,15 @@ def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
             assert all(n.mailbox is not None and n.mailbox.latest is not None
                        and n.mailbox.latest.round == 1 for n in nodes)
     formed = time.monotonic() - started
-    assert read_run(cluster.client, namespace, "run-b").status.signal == 0  # told on Leases
+    assert read_run(cluster.client, namespace, "run-b").status.signal == 0  # told in slices
     # Renewals keep working by name: no Lease expires for longer than the heartbeat (the
-    # operator that would remove its node is the one that told run-b's members their
-    # ranks on those Leases: it watches them).
+    # operator that would remove its node watches them).
     consistently(lambda: all(read_run(cluster.client, namespace, run).status.lost_members
                              == () for run in ("run-a", "run-b")),
                  outlasting(SHORT_HEARTBEAT), "a member's Lease expired")
     a = KubeClient(load_credentials(str(kubeconfigs["run-a"])), timeout=10)
     raw_b = cluster.client.request("GET", run_path(namespace, "run-b"))
+    slice_b = slices.slice_name(raw_b["metadata"]["uid"], slices.slice_index("run-b-0"))
     refused = {
         "get run-b": _status(None, lambda: a.request("GET", run_path(namespace, "run-b"))),
         "update run-b status": _status(None, lambda: a.request(
@@ -353,8 +353,29 @@ def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
         "watch run-b's Lease": _status(None, lambda: a.watch(
             leases_path(namespace),
             {"fieldSelector": f"metadata.name={lease_name('run-b', 'run-b-0')}"}, 1).close()),
+        "watch run-b's slice": _status(None, lambda: a.watch(
+            slices.slices_path(namespace), {"fieldSelector": f"metadata.name={slice_b}"},
+            1).close()),
     }
     assert set(refused.values()) == {403}, refused
+    # run-b's own pods read their slice, by name, and may not write it: only the operator
+    # tells places.
+    b = KubeClient(load_credentials(str(kubeconfigs["run-b"])), timeout=10)
+    assert slices.read_place(b.request("GET", slices.slice_path(namespace, slice_b)),
+                             "run-b", "run-b-0") is not None
+    own = {
+        "patch its slice": _status(None, lambda: b.request(
+            "PATCH", slices.slice_path(namespace, slice_b), body={"spec": {"round": 9}},
+            content_type=MERGE_PATCH)),
+        "delete its slice": _status(None, lambda: b.request(
+            "DELETE", slices.slice_path(namespace, slice_b))),
+        "create a slice": _status(None, lambda: b.request(
+            "POST", slices.slices_path(namespace), body={
+                "apiVersion": crd.API_VERSION, "kind": crd.SLICE_KIND,
+                "metadata": {"name": "forged"},
+                "spec": {"run": "run-b", "round": 9, "assignments": {}}})),
+    }
+    assert set(own.values()) == {403}, own
     # The handler says so in torch's terms, naming the missing permission.
     intruder = make_handler("run-b", "intruder", min_nodes=2, kubeconfig=kubeconfigs["run-a"],
                             api_timeout=5)
@@ -371,7 +392,9 @@ def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
            fault="a pod of run A (its ServiceAccount token) reads and writes run B, its status "
                  "and its Leases",
            expected="403 for every one of them; each run's own pods form their rounds",
-           observed=f"all 6 refused (403), handler raised ElasticRunForbiddenError; both runs "
+           observed=f"all {len(refused)} refused (403), run-b's own pods refused writing its "
+                    f"slices ({len(own)} tries, 403), handler raised ElasticRunForbiddenError; "
+                    "both runs "
                     f"formed on their own tokens ({formed:.1f}s incl. Role set-up); the "
                     "operator ran on the chart's role (perRunRBAC) without a 403",
            recovery_seconds=None)

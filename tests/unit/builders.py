@@ -105,7 +105,7 @@ def idle_client() -> KubeClient:
 def large_spec() -> RunSpec:
     """A run whose operator tells members on their Leases (the largest runs), formed by
     one node."""
-    return RunSpec(min_nodes=1, max_nodes=rounds.TELL_BY_LEASE_FROM, join_timeout=60,
+    return RunSpec(min_nodes=1, max_nodes=rounds.TELL_IN_SLICES_FROM, join_timeout=60,
                    last_call_timeout=1, heartbeat_timeout=30, lease_renew_interval=10)
 
 
@@ -115,6 +115,6 @@ def quiet_spec() -> RunSpec:
     two renewals, so no place is kept (``rounds.members_keep_places``)."""
     quiet = dataclasses.replace(large_spec(), max_nodes=rounds.QUIET_WATCH_FROM,
                                 heartbeat_timeout=20)
-    assert rounds.members_watch_quietly(quiet) and not rounds.members_told_by_lease(quiet)
+    assert rounds.members_watch_quietly(quiet) and not rounds.members_told_in_slices(quiet)
     assert not rounds.members_keep_places(quiet)
     return quiet

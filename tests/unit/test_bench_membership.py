@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
+from collections.abc import AsyncIterator
 from typing import Any
 
-from elasticrun.api.model import LostMember
+import pytest
 
+from elasticrun.api import slices
+from elasticrun.api.kube import Credentials
+from elasticrun.api.leases import JOIN_ANNOTATION, UNREACHABLE_ANNOTATION, read_join
+from elasticrun.api.model import Assignment, LostMember, StoreAddress, WaitingNode
+
+from bench import simnode
 from bench.membership import monotonic_of, removal, until_all
-from bench.simnode import placed_in
+from bench.simnode import Connection, Shared, SimNode, join_patch, placed_in
 from builders import T0, at, running_run
 
 
@@ -56,3 +65,93 @@ def test_the_round_it_held_or_one_without_it_places_nobody() -> None:
     assert placed_in(_status(1, "a", "b"), "b", held=1) is None  # its old round
     assert placed_in(_status(2, "a", "b"), "c", held=1) is None  # not admitted
     assert placed_in({}, "a", held=0) is None  # no round yet
+
+
+RUN, NAMESPACE, UID, NODE = "run", "ns", "0b6f3c1e-5d2a-4c8e-9f10-3a7b2c4d5e6f", "node-0042"
+SINCE = at(5)
+
+
+class _NoAuth:
+    def auth_settings(self) -> dict[str, Any]:
+        return {}
+
+
+def _node() -> SimNode:
+    shared = Shared("127.0.0.1", 6443, None, Credentials("https://127.0.0.1:6443", None, None,
+                                                         None, True, _NoAuth()), NAMESPACE, RUN)
+    node = SimNode(shared, NODE, 29500)
+    node.run_uid = UID
+    return node
+
+
+def _slice(place: Assignment, run: str = RUN, round_: int | None = None,
+           node: str = NODE) -> dict[str, Any]:
+    """The node's slice as the operator writes it, holding ``place`` (of round ``round_``,
+    the place's own unless named)."""
+    [piece] = slices.due(place.round if round_ is None else round_, [(node, place)],
+                         frozenset())
+    return piece.manifest(run, NAMESPACE, UID)
+
+
+def _place(since: Any = SINCE, round_: int = 3) -> Assignment:
+    return Assignment(round=round_, rank=5, world_size=8,
+                      store=StoreAddress("10.0.0.7", 29500), leader="node-0001", since=since)
+
+
+def _told(events: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+          ) -> tuple[dict[str, Any], list[tuple[Connection, str, dict[str, Any]]]]:
+    """What ``SimNode._from_slice`` takes from a watch that sends ``events``, and the watches
+    it opened (connection, path, query)."""
+    opened: list[tuple[Connection, str, dict[str, Any]]] = []
+
+    async def lines(connection: Connection, path: str, query: dict[str, Any],
+                    accept: str = "") -> AsyncIterator[bytes]:
+        opened.append((connection, path, query))
+        for event in events:
+            yield json.dumps(event).encode()
+
+    monkeypatch.setattr(simnode, "watch_lines", lines)
+    node = _node()
+    told = asyncio.run(node._from_slice(WaitingNode(name=NODE, since=SINCE)))
+    assert [c for c, _, _ in opened] == [node.mailbox]
+    return told, opened
+
+
+def test_a_node_watches_its_own_slice_by_name_from_how_it_is_now(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _, opened = _told([{"type": "ADDED", "object": _slice(_place())}], monkeypatch)
+    [(_, path, query)] = opened
+    assert path == f"/apis/elasticrun.dev/v1alpha1/namespaces/{NAMESPACE}/elasticrunslices"
+    index = slices.slice_index(NODE)
+    assert query == {"fieldSelector": f"metadata.name={UID}-{index:02d}"}
+
+
+def test_a_node_takes_the_place_its_slice_tells_for_its_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    told, _ = _told([{"type": "MODIFIED", "object": _slice(_place())}], monkeypatch)
+    assert {k: v for k, v in told.items() if k != "t_done"} == {
+        "rank": 5, "world": 8, "round": 3, "leader": "node-0001"}
+
+
+@pytest.mark.parametrize("event", [
+    {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "4712"}}},
+    {"type": "MODIFIED", "object": _slice(_place(), run="other")},  # another run's
+    {"type": "MODIFIED", "object": _slice(_place(), round_=4)},  # a place of another round
+    {"type": "MODIFIED", "object": _slice(_place(since=at(1), round_=2))},  # its last request's
+    {"type": "MODIFIED", "object": _slice(_place(), node="node-0043")},  # another node's place
+    {"type": "DELETED", "object": _slice(_place())},
+], ids=["bookmark", "other-run", "other-round", "other-since", "other-node", "deleted"])
+def test_a_slice_event_that_does_not_answer_the_request_is_not_its_place(
+        event: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConnectionError, match="slice watch ended"):
+        _told([event], monkeypatch)
+    told, _ = _told([event, {"type": "MODIFIED", "object": _slice(_place())}], monkeypatch)
+    assert (told["round"], told["rank"]) == (3, 5)  # the next event that answers it
+
+
+def test_the_join_patch_asks_again_and_withdraws_only_an_unreachable_report() -> None:
+    join = WaitingNode(name=NODE, address="127.0.0.1", store_port=29500, since=SINCE)
+    annotations = join_patch(join)["metadata"]["annotations"]
+    assert set(annotations) == {JOIN_ANNOTATION, UNREACHABLE_ANNOTATION}
+    assert annotations[UNREACHABLE_ANNOTATION] is None
+    assert read_join(NODE, annotations[JOIN_ANNOTATION], "test") == (join, None)

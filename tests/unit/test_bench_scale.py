@@ -9,15 +9,19 @@ member of the round of N in it, whichever member is the last to ask again.
 from __future__ import annotations
 
 import dataclasses
+import shutil
+from pathlib import Path
 
 import pytest
+import yaml
 
 from elasticrun.api.model import ElasticRun, WaitingNode
-from elasticrun.api.rounds import decide_seal, members_told_by_lease, members_watch_quietly
+from elasticrun.api.rounds import decide_seal, members_told_in_slices, members_watch_quietly
 
 from bench import scale_report
 from bench.backends import Timing, run_spec
 from bench.scale import NEWCOMER, Plan, mixed_timing, newcomer_timing
+from bench.servers import CRD_FILES, ROOT, crd_files
 from builders import at, sealed
 
 SIZES = [*Plan.quick().mixed_sizes, 1024]
@@ -82,12 +86,12 @@ def test_the_newcomer_phase_changes_only_the_last_call_of_the_mixed_run() -> Non
 
 def _telling(timing: Timing) -> tuple[bool, bool]:
     spec = run_spec(timing)
-    return members_watch_quietly(spec), members_told_by_lease(spec)
+    return members_watch_quietly(spec), members_told_in_slices(spec)
 
 
 def test_the_quick_plan_reaches_every_way_a_run_tells_its_members() -> None:
     """The suite runs ``--quick``: its small rounds must take the full watch, the quiet watch
-    with the seal's broadcast, and the places told on the Leases, or a broken one goes
+    with the seal's broadcast, and the places told in slices, or a broken one goes
     unnoticed until ``make bench-scale``."""
     quick = Plan.quick()
     ways = {_telling(mixed_timing(n)) for n in quick.mixed_sizes}
@@ -103,4 +107,28 @@ def test_the_regimes_table_names_each_runs_ways_by_the_rules() -> None:
     named = {scale_report._ways(m) for m in quick.regimes}
     assert len(named) == len(quick.regimes)
     assert scale_report._ways(min(quick.mixed_sizes) + 1) not in named
-    assert "Leases" in scale_report._ways(max(quick.regimes))
+    assert "slices" in scale_report._ways(max(quick.regimes))
+
+
+def test_the_operators_slice_writes_are_its_writes_of_slices_alone() -> None:
+    by_kind = {"create elasticrunslices": 2, "patch elasticrunslices": 30,
+               "patch elasticrunslices -> 409": 4, "watch elasticrunslices": 64,
+               "patch leases": 64, "patch elasticruns/status": 1}
+    assert scale_report.slice_writes(by_kind) == 32
+    assert scale_report.slice_writes({}) == 0
+
+
+def test_a_control_plane_of_this_tree_serves_both_crds() -> None:
+    assert crd_files(ROOT) == CRD_FILES
+    kinds = [yaml.safe_load(path.read_text())["spec"]["names"]["kind"] for path in CRD_FILES]
+    assert kinds == ["ElasticRun", "ElasticRunSlice"]
+
+
+def test_a_tree_without_the_slice_crd_serves_the_elasticrun_crd_alone(tmp_path: Path) -> None:
+    """A baseline revision from before slices: its own ElasticRun CRD, and nothing else."""
+    crds = tmp_path / "deploy" / "crds"
+    crds.mkdir(parents=True)
+    shutil.copy(CRD_FILES[0], crds)
+    assert crd_files(tmp_path) == (crds / CRD_FILES[0].name,)
+    shutil.copy(CRD_FILES[1], crds)
+    assert crd_files(tmp_path) == (crds / CRD_FILES[0].name, crds / CRD_FILES[1].name)

@@ -1,6 +1,6 @@
 """The chart's files/ are copies of deploy/, never links, and never stale.
 
-deploy/ is the one source of the CRD and the admission policy (kubectl apply,
+deploy/ is the one source of the CRDs and the admission policy (kubectl apply,
 the wheel). The chart reads its own copies because helm warns about symbolic
 links on every render and a chart pulled from a registry holds only what was
 packaged; `make chart-files` refreshes them.
@@ -35,6 +35,15 @@ def test_each_chart_file_is_a_real_copy_of_its_source(name: str) -> None:
 def test_the_chart_reads_only_files_the_target_copies() -> None:
     read = set()
     for template in (ROOT / "charts" / "elasticrun" / "templates").glob("*"):
-        read |= set(re.findall(r'\.Files\.Get "files/([^"]+)"', template.read_text()))
+        # A path the template reads: ``.Files.Get "files/..."``, or an item of a
+        # list it ranges over (the CRDs); a fail message is never a bare quoted path.
+        read |= set(re.findall(r'"files/([^"\s]+)"', template.read_text()))
     on_disk = {str(p.relative_to(FILES)) for p in FILES.rglob("*") if not p.is_dir()}
     assert read == set(_listed()) == on_disk
+
+
+def test_every_crd_in_deploy_is_copied_into_the_chart() -> None:
+    crds = {f"crds/{p.name}" for p in (ROOT / "deploy" / "crds").glob("*.yaml")}
+    assert crds == {"crds/elasticrun.dev_elasticruns.yaml",
+                    "crds/elasticrun.dev_elasticrunslices.yaml"}
+    assert crds <= set(_listed())

@@ -194,7 +194,7 @@ def test_a_held_newcomer_wakes_at_the_window_end_to_announce() -> None:
 def test_a_deferring_newcomer_counts_the_others_in_the_summary() -> None:
     # Large runs: the node does not list; its own request (at 5 s) and the operator's summary.
     # (From 2,048 nodes: below that, where places are kept, the operator announces.)
-    large = rounds.TELL_BY_LEASE_FROM
+    large = rounds.TELL_IN_SLICES_FROM
     summary = sealed("a", "b").replace(waiting=newcomers("c", start=4))
     alone = defers(wants(sealed("a", "b"), 4), node="d", max_nodes=large, wait=60)
     assert next_action(alone, at(6), CLOCK) == step.Wait(until=CLOCK + LAST_CALL - 1)

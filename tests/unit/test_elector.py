@@ -231,7 +231,6 @@ def test_every_request_of_the_controllers_executor_and_observer_is_fenced(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The executor and the observer send through ``OperatorAccess``: over the fenced
     client, every write of theirs is refused while not leading."""
-    from elasticrun.api.model import Assignment
     from elasticrun.operator.controller import Controller
     from elasticrun.operator.metrics import Metrics
 
@@ -242,10 +241,9 @@ def test_every_request_of_the_controllers_executor_and_observer_is_fenced(
     access = controller.executor.access
     assert controller.observer.access is access
     run = access.run("ns", "r")
-    told = Assignment(round=1, rank=0, world_size=1, store=None, leader="a")
     writes = [lambda: access.apply("/x", {}, "m"), lambda: access.delete("/x", "uid"),
               lambda: access.post_event("ns", {}), lambda: run.replace_status("1", {}, "m"),
-              lambda: run.remove_annotations(["a"]), lambda: run.assign("a", told, "uid")]
+              lambda: run.remove_annotations(["a"])]
     for write in writes:
         with pytest.raises(NotLeaderError):
             write()

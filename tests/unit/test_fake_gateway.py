@@ -2,9 +2,8 @@
 
 The executor's unit tests are only as good as the fake under them: these pin
 the resourceVersion fencing, the 404s, the announce patch's ``test`` semantics,
-the watch events, the uid that fences the operator's assignments and
-deletions, its applies and Events, and the fault injection
-(``tests/fakegateway.py``).
+the watch events, the uid that fences the operator's deletions, its applies
+and Events, and the fault injection (``tests/fakegateway.py``).
 """
 
 from __future__ import annotations
@@ -16,9 +15,9 @@ from fakegateway import LEASE, RUN, FakeApiServer, FakeGateway, FakeOperatorGate
 
 from elasticrun.api import crd
 from elasticrun.api.kube import ApiConnectionError, ApiError
-from elasticrun.api.leases import ASSIGNMENT_ANNOTATION
-from elasticrun.api.model import Assignment, RunSpec, RunStatus, StoreAddress
+from elasticrun.api.model import RunSpec, RunStatus
 from elasticrun.api.naming import label_value, lease_name
+from elasticrun.api.slices import slice_path
 
 
 def run_with(status: RunStatus | None = None) -> tuple[FakeApiServer, FakeGateway]:
@@ -159,18 +158,26 @@ def test_the_watch_for_the_end_sends_metadata_once_the_run_is_closed_or_finished
 
 def test_a_watch_replays_from_its_version_in_order_and_ends_on_time() -> None:
     server, gateway = run_with()
-    gateway.create_lease(lease("a"))
-    after = gateway.patch_lease("a", {"metadata": {"annotations": {"x": "1"}}})
-    gateway.patch_lease("a", {"metadata": {"annotations": {"x": "2"}}})
-    server.delete((LEASE, after["metadata"]["name"]))  # type: ignore[index]
-    events = list(gateway.watch_lease("a", str(rv(after)), 0))
+    operator = FakeOperatorGateway(server)
+    path = slice_path("ns", "u-00")
+
+    def write(round_number: int) -> None:
+        operator.apply(path, {"metadata": {"name": "u-00"}, "spec": {"round": round_number}},
+                       "m")
+
+    write(1)
+    after = server.get(server.key_of(path))
+    write(2)
+    server.delete(server.key_of(path))
+    events = list(gateway.watch_slice("u-00", str(rv(after)), 0))
     assert [e["type"] for e in events] == ["MODIFIED", "DELETED"]
-    assert events[0]["object"]["metadata"]["annotations"] == {
-        **lease("a")["metadata"]["annotations"], "x": "2"}
-    gateway.create_lease(lease("a"))
-    assert [e["type"] for e in gateway.watch_lease("a", None, 0)] == ["ADDED"]  # as it is
+    assert events[0]["object"]["spec"] == {"round": 2}
+    assert list(gateway.watch_slice("u-01", str(rv(after)), 0)) == []  # by name: another one
+    write(3)
+    assert [e["type"] for e in gateway.watch_slice("u-00", None, 0)] == ["ADDED"]  # as it is
     server.compact()
-    assert [e["object"]["code"] for e in gateway.watch_lease("a", str(rv(after)), 0)] == [410]
+    assert [e["object"]["code"] for e in gateway.watch_slice("u-00", str(rv(after)), 0)] \
+        == [410]
 
 
 def test_injected_faults_hit_the_next_calls_of_a_method_then_stop() -> None:
@@ -196,7 +203,7 @@ def test_injected_faults_hit_the_next_calls_of_a_method_then_stop() -> None:
     assert gateway.calls["read"] == 5
 
 
-def test_the_operators_writes_land_on_the_object_with_the_uid_named_or_nowhere() -> None:
+def test_the_operators_deletions_reach_the_object_with_the_uid_named_or_nothing() -> None:
     server, _ = run_with()
     operator = FakeOperatorGateway(server)
     gateway = operator.run("ns", "r")
@@ -204,23 +211,17 @@ def test_the_operators_writes_land_on_the_object_with_the_uid_named_or_nowhere()
     first = gateway.create_lease(lease("a"))
     assert first is not None
     old_uid = first["metadata"]["uid"]
-    told = Assignment(round=1, rank=0, world_size=1, store=StoreAddress("10.0.0.1", 1),
-                      leader="a")
-    assert gateway.assign("a", told, old_uid) is True
-    assert ASSIGNMENT_ANNOTATION in server.get((LEASE, "r.a"))["metadata"]["annotations"]
     # The Lease re-created under its name: a new uid, which the old one does not reach.
     gateway.delete_lease("a")
     gateway.create_lease(lease("a"))
     new = server.get((LEASE, "r.a"))
     assert new["metadata"]["uid"] != old_uid
-    assert gateway.assign("a", told, old_uid) is False
     with pytest.raises(ApiError) as info:
         operator.delete(gateway.lease_path("r.a"), old_uid)
     assert info.value.conflict
-    assert server.get((LEASE, "r.a")) == new  # neither written nor deleted
+    assert server.get((LEASE, "r.a")) == new  # not deleted
     operator.delete(gateway.lease_path("r.a"), new["metadata"]["uid"])
     assert server.lease_of("r", "a") is None
-    assert gateway.assign("a", told, old_uid) is False  # gone: a 404
     with pytest.raises(ApiError) as info:
         operator.delete(gateway.lease_path("r.a"))
     assert info.value.not_found

@@ -9,7 +9,6 @@ the protocol outcomes each method answers itself.
 
 from __future__ import annotations
 
-import datetime as dt
 from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
@@ -18,8 +17,6 @@ import pytest
 
 from elasticrun.api.gateway import OperatorGateway, RunGateway, readable_lease
 from elasticrun.api.kube import APPLY_PATCH, JSON, MERGE_PATCH, ApiError
-from elasticrun.api.leases import assignment_value
-from elasticrun.api.model import Assignment, StoreAddress
 
 LEASES = "/apis/coordination.k8s.io/v1/namespaces/ns/leases"
 RUNS = "/apis/elasticrun.dev/v1alpha1/namespaces/ns/elasticruns"
@@ -98,14 +95,15 @@ def test_a_lease_is_read_by_a_get_and_listed_by_name_where_the_get_is_refused() 
         readable_lease(access, "a")
     assert len(client.sent) == 1
 
-def test_the_run_watch_and_the_lease_watch() -> None:
+def test_the_run_watch_and_the_slice_watch() -> None:
     access, client = gateway()
     assert access.watch_run(3, "7", 300) == "stream"
-    assert access.watch_lease("a", None, 60) == "stream"
+    assert access.watch_slice("uid-07", None, 60) == "stream"
     assert client.sent == [
         ("WATCH", RUNS, {"fieldSelector": "metadata.name=r,status.signal!=3",
                          "resourceVersion": "7"}, 300),
-        ("WATCH", LEASES, {"fieldSelector": "metadata.name=r.a", "resourceVersion": None}, 60),
+        ("WATCH", "/apis/elasticrun.dev/v1alpha1/namespaces/ns/elasticrunslices",
+         {"fieldSelector": "metadata.name=uid-07", "resourceVersion": None}, 60),
     ]
 
 
@@ -162,9 +160,6 @@ def test_the_operators_requests() -> None:
     access.post_event("ns", {"reason": "Deleted"})
     run = access.run("ns", "r")
     run.remove_annotations(["x", "y"])
-    told = Assignment(round=2, rank=1, world_size=2, store=StoreAddress("10.0.0.1", 1),
-                      leader="a", since=dt.datetime(2026, 1, 1, tzinfo=dt.UTC))
-    assert run.assign("a", told, "uid-a") is True
     assert (run.path, run.lease_path("r.a")) == (f"{RUNS}/r", f"{LEASES}/r.a")
     assert client.sent == [
         ("PATCH", role, manifest, {"fieldManager": "elasticrun-rbac", "force": "true"},
@@ -175,23 +170,4 @@ def test_the_operators_requests() -> None:
         ("POST", "/api/v1/namespaces/ns/events", {"reason": "Deleted"}, None, JSON, None),
         ("PATCH", f"{RUNS}/r", {"metadata": {"annotations": {"x": None, "y": None}}}, None,
          MERGE_PATCH, None),
-        ("PATCH", f"{LEASES}/r.a", {"metadata": {"uid": "uid-a", "annotations": {
-            "elasticrun.dev/assignment": assignment_value(told)}}}, None, MERGE_PATCH, None),
     ]
-
-
-@pytest.mark.parametrize(("status", "message", "answer"), [
-    (404, "", False), (409, "", False),
-    (422, "metadata.uid: Invalid value: field is immutable", False),
-    (422, "spec: Invalid value", None),
-])
-def test_an_assignment_on_a_lease_gone_or_replaced_is_false(
-        status: int, message: str, answer: bool | None) -> None:
-    access, _ = gateway(ApiError(status, "", message, {}))
-    told = Assignment(round=1, rank=0, world_size=1, store=StoreAddress("10.0.0.1", 1),
-                      leader="a")
-    if answer is None:
-        with pytest.raises(ApiError):
-            access.assign("a", told, "uid-a")
-    else:
-        assert access.assign("a", told, "uid-a") is answer

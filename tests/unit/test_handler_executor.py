@@ -29,7 +29,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousTimeoutError,
 )
 
-from elasticrun.api import rounds
+from elasticrun.api import rounds, slices
 from elasticrun.api.leases import JOIN_ANNOTATION, lease_state
 from elasticrun.api.model import RunSpec, RunStatus, StoreAddress, WaitingNode, now, parse_run
 from elasticrun.api.roundfile import ROUND_FILE_VARIABLE, decode_round
@@ -477,25 +477,27 @@ def test_a_round_its_workers_report_lost_is_re_formed_in_place_by_the_followers(
 
 
 def seal_as_the_operator(server: FakeApiServer, *names: str) -> RunStatus:
-    """The operator's seal of a large run once ``names`` asked: where members are told on
-    their Leases, the status with the signal left alone, then each member's assignment on
-    its Lease; elsewhere the status with the signal moved."""
+    """The operator's seal of a large run once ``names`` asked: where members are told in
+    slices, the status with the signal left alone, then the round's slices; elsewhere the
+    status with the signal moved."""
     for name in names:
         wait_for(lambda name=name: join_of(server, name), BOUND, f"{name}'s request")
     run = parse_run(server.run(RUN_NAME))
-    by_lease = rounds.members_told_by_lease(run.spec)
-    status = rounds.seal_round(run, now(), observer_pending(server), by_lease=by_lease)
+    in_slices = rounds.members_told_in_slices(run.spec)
+    status = rounds.seal_round(run, now(), observer_pending(server), in_slices=in_slices)
     write_status(server, status)
-    gateway = FakeGateway(server, RUN_NAME)
-    for name, assignment in status.assignments().items() if by_lease else ():
-        lease = server.lease_of(RUN_NAME, name)
-        assert lease is not None and gateway.assign(name, assignment, lease["metadata"]["uid"])
+    assert run.uid is not None
+    for piece in slices.due(status.round, status.assignments().items(), frozenset()) \
+            if in_slices else ():
+        path = slices.slice_path(server.namespace, slices.slice_name(run.uid, piece.index))
+        server.apply(server.key_of(path), piece.manifest(RUN_NAME, server.namespace, run.uid),
+                     "elasticrun-operator")
     return status
 
 
 def formed_large_run(server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor,
                      run_spec: RunSpec | None = None) -> tuple[K8sRendezvousHandler, RunStatus]:
-    """Round 1 of a large run (by default one told on its Leases), members a (rank 0) and
+    """Round 1 of a large run (by default one told in slices), members a (rank 0) and
     b, sealed by the operator, with a watching the round quietly."""
     server.seed_run(RUN_NAME, run_spec or large_spec())
     a, b = nodes("a"), nodes("b")
@@ -553,7 +555,7 @@ def test_a_member_of_a_large_run_hears_of_a_loss_in_one_event_and_rejoins_readin
 
 
 @pytest.mark.parametrize(("run_spec", "watch", "read"), [
-    (large_spec, "watch_end", 1),  # told on its Lease: the run's metadata, then one read
+    (large_spec, "watch_end", 1),  # told in slices: the run's metadata, then one read
     (quiet_spec, "watch_settled", 0),  # told by broadcast: the settled run, whole
 ])
 def test_a_large_run_closed_while_a_woken_member_rejoins_ends_its_call_from_its_watch(
@@ -610,7 +612,9 @@ def test_a_member_told_by_broadcast_rejoins_on_the_settled_run_reading_nothing(
     assert (watched.reached["read"], watched.reached["watch_run"], watched.reached["watch_end"],
             watched.reached["watch_settled"], watched.reached["announce"]) == (
         reads, watches, 0, 1, 0)
-    assert a.mailbox is None and not lease_state(server.lease_of(RUN_NAME, "a")).assignment
+    assert a.mailbox is None  # told by broadcast: no slice watched, none written
+    assert [key for key in server.objects if key[0] == slices.slices_path(server.namespace)] \
+        == []
     assert a.num_nodes_waiting() == 0
 
 

@@ -260,20 +260,6 @@ def test_the_operator_deletes_the_observed_lease_by_uid_and_backs_off() -> None:
     assert [reason for reason, _ in observer.events] == ["LeaseNotDeleted"]
 
 
-def test_an_assignment_is_written_on_the_observed_lease_only() -> None:
-    from elasticrun.api.model import Assignment
-
-    client, observer = _Client(200), _Observer()
-    executor = _executor(client, observer)
-    run = _run()
-    told = Assignment(round=2, rank=1, world_size=2, store=StoreAddress("10.0.0.1", 1),
-                      leader="a", since=T0)
-    plan = Plan(assignments=[("b", told), ("gone", told)])
-    asyncio.run(executor.carry_out(run, plan, {"b": _state("b", T0)}))
-    patches = [c for c in client.calls if c[0] == "PATCH"]
-    assert len(patches) == 1 and patches[0][2]["metadata"]["uid"] == "uid-b"
-
-
 def test_a_squatter_is_described_by_what_it_says_about_itself_and_never_raises() -> None:
     from elasticrun.api.leases import describe_object
 

@@ -45,7 +45,7 @@ def _round_one(max_nodes: int = KEEPS) -> ElasticRun:
 @pytest.mark.parametrize(("max_nodes", "keeps"), [
     (rounds.DEFER_SEAL_FROM - 1, False), (rounds.DEFER_SEAL_FROM, True),
     (rounds.QUIET_WATCH_FROM - 1, True), (rounds.QUIET_WATCH_FROM, True),
-    (rounds.TELL_BY_LEASE_FROM - 1, True), (rounds.TELL_BY_LEASE_FROM, False)])
+    (rounds.TELL_IN_SLICES_FROM - 1, True), (rounds.TELL_IN_SLICES_FROM, False)])
 def test_places_are_kept_where_the_operator_seals_and_does_not_write_every_lease(
         max_nodes: int, keeps: bool) -> None:
     assert rounds.members_keep_places(_spec(max_nodes)) is keeps
@@ -190,7 +190,7 @@ def test_a_member_asks_where_its_place_cannot_be_kept(why: str) -> None:
     elif why == "nodes seal":
         max_nodes = rounds.DEFER_SEAL_FROM - 1
     else:
-        max_nodes = rounds.TELL_BY_LEASE_FROM
+        max_nodes = rounds.TELL_IN_SLICES_FROM
     assert next_action(_member(status, node, max_nodes), T0, CLOCK) == step.Join()
     # The positive control: where the place can be kept, the member waits.
     assert next_action(_member(_disturbed(_round_one().status)), T0, CLOCK) == step.Wait(
@@ -237,9 +237,9 @@ def test_a_woken_member_asks_at_once_where_its_place_cannot_be_kept() -> None:
                                              QUIET).run)
     assert not rounds.may_keep_place(disturbed.run, "n1", 1, woken=True)
     assert rounds.may_keep_place(disturbed.run, "n1", 1)
-    # Where the operator tells members on their Leases no place is kept.
-    told = _member(_round_one(rounds.TELL_BY_LEASE_FROM).status, "n1",
-                   rounds.TELL_BY_LEASE_FROM).replace(woken="10")
+    # Where the operator tells members in slices no place is kept.
+    told = _member(_round_one(rounds.TELL_IN_SLICES_FROM).status, "n1",
+                   rounds.TELL_IN_SLICES_FROM).replace(woken="10")
     assert next_action(told, T0, CLOCK) == step.Join()
 
 
@@ -385,7 +385,7 @@ def test_the_operator_seals_a_newcomers_round_at_once_once_rank_0_announced_its_
     assert not reconcile(run, Members(leases=quiet), BACK).sealed
 
 
-@pytest.mark.parametrize("max_nodes", [rounds.DEFER_SEAL_FROM - 1, rounds.TELL_BY_LEASE_FROM])
+@pytest.mark.parametrize("max_nodes", [rounds.DEFER_SEAL_FROM - 1, rounds.TELL_IN_SLICES_FROM])
 def test_the_operator_keeps_no_place_elsewhere(max_nodes: int) -> None:
     run = _round_one(max_nodes)
     leases = _back(joined_leases([*NAMES, "n3"], T0), BACK + dt.timedelta(seconds=5),
@@ -439,7 +439,7 @@ def test_a_newcomer_leaves_the_notice_to_the_operator_while_it_defers() -> None:
     assert next_action(newcomer.replace(pending=(own,), listed=True, listed_at=BACK), BACK,
                        CLOCK + 10) == step.Announce()
     # Positive control: from 2,048 nodes no place is kept, and it announces while deferring.
-    quiet = dataclasses.replace(run, spec=_spec(rounds.TELL_BY_LEASE_FROM))
+    quiet = dataclasses.replace(run, spec=_spec(rounds.TELL_IN_SLICES_FROM))
     assert next_action(newcomer.replace(run=quiet), BACK, CLOCK) == step.Announce()
 
 

@@ -5,8 +5,8 @@
 :class:`fakegateway.FakeOperatorGateway`, so every rule is asserted on the
 objects the server holds afterwards and on the order of its writes (its
 ``history``, one revision per write): the status write fenced by the run's
-resourceVersion, nothing written after a lost one; assignments only on the
-observed Lease (its uid), each member told once per round; Lease deletions of
+resourceVersion, nothing written after a lost one; a round's slices written
+whole, each kept as told once it took; Lease deletions of
 the observed object only, and never of a Lease that is not the run's own; a
 deletion plan's Events before its deletions, the run last; the run's objects
 kept as applied only once the apply took; the planned repair of an unreadable
@@ -24,13 +24,13 @@ from typing import Any
 import pytest
 from fakegateway import LEASE, RUN, FakeApiServer, FakeOperatorGateway
 
+from elasticrun.api import crd
 from elasticrun.api.kube import ApiConnectionError
 from elasticrun.api.leases import (
-    ASSIGNMENT_ANNOTATION,
     LeaseState,
+    assignment_value,
     lease_state,
     node_lease,
-    read_assignment,
 )
 from elasticrun.api.model import (
     Assignment,
@@ -42,6 +42,7 @@ from elasticrun.api.model import (
     parse_run,
 )
 from elasticrun.api.naming import lease_name
+from elasticrun.api.slices import Slice, read_place, slice_name, slice_path
 from elasticrun.operator import runrbac
 from elasticrun.operator.executor import ASSIGN_RETRY_SECONDS, PlanExecutor
 from elasticrun.operator.metrics import Metrics
@@ -136,9 +137,17 @@ def holds(b: Bed, path: str, manifest: dict[str, Any]) -> bool:
         {k: v for k, v in manifest.items() if k != "metadata"}
 
 
-def assignment_on(lease: dict[str, Any] | None) -> Assignment | None:
-    assert lease is not None
-    return read_assignment(lease["metadata"].get("annotations", {}).get(ASSIGNMENT_ANNOTATION))
+def place_in(b: Bed, index: int, node: str) -> Assignment | None:
+    """``node``'s place as slice ``index`` of run ``r`` on the server tells it."""
+    stored = b.server.objects.get(
+        b.server.key_of(slice_path("ns", slice_name(b.run().uid or "", index))))
+    return read_place(stored, "r", node)
+
+
+def piece(index: int, *places: tuple[str, Assignment]) -> Slice:
+    """Slice ``index`` of the places' round, holding ``places``."""
+    return Slice(index, places[0][1].round,
+                 {node: assignment_value(place) for node, place in places})
 
 
 # --------------------------------------------------------------------------- the status write
@@ -149,7 +158,7 @@ def test_the_status_write_is_fenced_and_the_plan_is_carried_out_after_it_in_orde
     leases = {"a": b.lease("a"), "b": b.lease("b")}
     run = b.run()
     status = RunStatus(phase="Running", round=2, signal=2)
-    plan = Plan(status=status, assignments=[("a", told())], delete_leases=["b"],
+    plan = Plan(status=status, tell=[piece(3, ("a", told()))], delete_leases=["b"],
                 remove_annotations=["elasticrun.dev/restart"],
                 events=[("Normal", "RoundSealed", "round 2")])
     since = b.revision()
@@ -160,15 +169,16 @@ def test_the_status_write_is_fenced_and_the_plan_is_carried_out_after_it_in_orde
     # Fenced by the copy planned from: the write is that copy's successor.
     assert int(stored["metadata"]["resourceVersion"]) > int(run.resource_version or 0)
     assert [parse_run(raw) for raw in b.accepted] == [written]  # the copy as written
-    assert assignment_on(b.stored_lease("a")) == told()
+    assert place_in(b, 3, "a") == told()
     assert b.stored_lease("b") is None
     assert b.server.run("r")["metadata"]["annotations"] == {"keep": "x"}
     assert b.reasons() == ["RoundSealed"]
-    lease_a, lease_b = lease_name("r", "a"), lease_name("r", "b")
+    lease_b = lease_name("r", "b")
     events = [(what, name) for what, kind, name in b.writes(since) if kind.endswith("/events")]
     assert [(what, name) for what, kind, name in b.writes(since)
             if not kind.endswith("/events")] == [
-        ("changed", "r"), ("changed", lease_a), ("deleted", lease_b), ("changed", "r")]
+        ("changed", "r"), ("created", slice_name(run.uid or "", 3)), ("deleted", lease_b),
+        ("changed", "r")]
     assert b.writes(since)[-1][1].endswith("/events") and len(events) == 1
 
 
@@ -183,12 +193,12 @@ def test_a_lost_status_write_returns_none_and_nothing_is_written_after_it() -> N
     since = b.revision()
     watch = b.server.watch((RUN, "r"), lambda _: True, run.resource_version, 1)
     plan = Plan(status=RunStatus(phase="Running", round=2, signal=2),
-                assignments=[("a", told())], delete_leases=["b"],
+                tell=[piece(3, ("a", told()))], delete_leases=["b"],
                 remove_annotations=["elasticrun.dev/restart"],
                 events=[("Normal", "RoundSealed", "round 2")])
     assert b.carry_out(run, plan, leases) is None
     assert b.server.run("r")["status"] == winner
-    assert b.writes(since) == []  # no assignment, deletion, annotation or Event after it
+    assert b.writes(since) == []  # no slice, deletion, annotation or Event after it
     assert b.accepted == [] and b.access.run(*KEY).reached == {"replace_status": 1}
     # What reconciles the run again: the winner's write, on the run's watch from the
     # copy the plan was made from.
@@ -219,45 +229,42 @@ def test_a_lost_repair_reads_the_run_again_and_requeues_it_then_the_repair_lands
     assert b.reasons() == ["InvalidStatus"]
 
 
-# --------------------------------------------------------------------------- assignments
+# --------------------------------------------------------------------------- slices
 
 
-def test_assignments_go_to_the_observed_lease_only_each_member_told_once_a_round() -> None:
+def test_a_rounds_slices_are_written_whole_owned_by_the_run_and_kept_as_told() -> None:
     b = bed()
-    leases = {node: b.lease(node) for node in ("a", "b", "c")}
-    replaced = b.replace_lease("c")  # after it was observed: another uid
-    b.lease("d")  # a Lease the plan was not made from
     run = b.run()
-    plan = Plan(assignments=[(n, told(rank=i)) for i, n in enumerate("abcd")])
-    since = b.revision()
-    for _ in range(3):
-        b.carry_out(run, plan, leases)
-    assert assignment_on(b.stored_lease("a")) == told(rank=0)
-    assert assignment_on(b.stored_lease("b")) == told(rank=1)
-    assert b.stored_lease("c") == replaced and b.stored_lease("d") is not None
-    assert assignment_on(b.stored_lease("d")) is None
-    # Once each, though planned three times; nothing for the Lease never observed.
-    assert sorted(b.writes(since)) == [("changed", LEASE, lease_name("r", n)) for n in "ab"]
-    # A new round is told anew.
-    b.carry_out(run, Plan(assignments=[("a", told(round_=3))]), leases)
-    assert assignment_on(b.stored_lease("a")) == told(round_=3)
+    assert run.uid is not None
+    b.carry_out(run, Plan(tell=[piece(1, ("a", told(rank=0)), ("b", told(rank=1))),
+                                piece(7, ("c", told(rank=2)))]))
+    assert (place_in(b, 1, "a"), place_in(b, 1, "b")) == (told(rank=0), told(rank=1))
+    assert place_in(b, 7, "c") == told(rank=2) and place_in(b, 7, "a") is None
+    stored = b.server.objects[b.server.key_of(slice_path("ns", slice_name(run.uid, 7)))]
+    assert stored["metadata"]["ownerReferences"] == [{
+        "apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": "r", "uid": run.uid,
+        "blockOwnerDeletion": False}]
+    assert stored["metadata"]["labels"][crd.RUN_LABEL] == "r"
+    assert b.executor.state(KEY).done.slices_told(2) == {1, 7}
+    # The next round's slice replaces the whole slice: a place of round 2 is gone.
+    b.carry_out(run, Plan(tell=[piece(1, ("b", told(rank=0, round_=3)))]))
+    assert place_in(b, 1, "a") is None and place_in(b, 1, "b") == told(rank=0, round_=3)
+    assert b.executor.state(KEY).done.slices_told(3) == {1}
+    assert b.executor.state(KEY).done.slices_told(2) == frozenset()
 
 
-def test_an_assignment_that_failed_is_written_on_the_next_pass_and_then_not_again() -> None:
+def test_a_slice_that_failed_is_not_kept_as_told_and_its_run_is_reconciled_again() -> None:
     b = bed()
-    leases = {"a": b.lease("a")}
     run = b.run()
-    plan = Plan(assignments=[("a", told())])
-    b.access.run(*KEY).fail_next("assign")
-    b.carry_out(run, plan, leases)
-    assert assignment_on(b.stored_lease("a")) is None
-    # The failed write brings no Lease event: the executor asks for the next pass itself.
+    b.access.fail_next("apply")
+    b.carry_out(run, Plan(tell=[piece(1, ("a", told()))]))
+    assert place_in(b, 1, "a") is None
+    # The failed write brings no event: the executor asks for the next pass itself.
     assert b.retried == [(KEY, ASSIGN_RETRY_SECONDS)]
-    since = b.revision()
-    b.carry_out(run, plan, leases)
-    b.carry_out(run, plan, leases)
-    assert assignment_on(b.stored_lease("a")) == told()
-    assert b.writes(since) == [("changed", LEASE, lease_name("r", "a"))]
+    assert b.executor.state(KEY).done.slices_told(2) == frozenset()
+    b.carry_out(run, Plan(tell=[piece(1, ("a", told()))]))
+    assert place_in(b, 1, "a") == told()
+    assert b.executor.state(KEY).done.slices_told(2) == {1}
     assert b.retried == [(KEY, ASSIGN_RETRY_SECONDS)]  # nothing failed since
 
 

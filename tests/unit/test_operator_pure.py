@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
-from elasticrun.api import rounds
+from elasticrun.api import rounds, slices
 from elasticrun.api.kube import ApiConnectionError, ApiError
-from elasticrun.api.leases import LeaseState, Unreachable, pending_joins
+from elasticrun.api.leases import LeaseState, Unreachable, pending_joins, read_assignment
 from elasticrun.api.model import (
     LOST_MEMBERS_KEPT,
+    Assignment,
     ElasticRun,
     InvalidRunError,
     RunSpec,
@@ -21,6 +22,7 @@ from elasticrun.api.model import (
     WaitingNode,
     format_time,
 )
+from elasticrun.operator import runobjects
 from elasticrun.operator.apihealth import ApiAvailability
 from elasticrun.operator.liveness import Loss, pod_loss, restart_count
 from elasticrun.operator.reconcile import (
@@ -421,17 +423,14 @@ def test_the_operator_seals_at_once_where_nodes_leave_it_the_seal(size: int) -> 
         assert [p.name for p in plan.status.participants] == names
 
 
-def _told(leases: dict[str, LeaseState], status: RunStatus,
-          *names: str) -> dict[str, LeaseState]:
-    """``leases`` with the assignments of ``names`` written, as the operator writes them."""
-    told = dict(leases)
-    for name in names:
-        told[name] = dataclasses.replace(told[name], assignment=status.assignment(name))
-    return told
+def _places(plan_tell: list[slices.Slice]) -> dict[str, Assignment | None]:
+    """Every node's place as the planned slices tell it."""
+    return {node: read_assignment(value) for piece in plan_tell
+            for node, value in piece.places.items()}
 
 
-@pytest.mark.parametrize("size", [3, 64, rounds.QUIET_WATCH_FROM, rounds.TELL_BY_LEASE_FROM])
-def test_in_the_largest_runs_the_seal_leaves_the_signal_and_tells_each_member_on_its_lease(
+@pytest.mark.parametrize("size", [3, 64, rounds.QUIET_WATCH_FROM, rounds.TELL_IN_SLICES_FROM])
+def test_in_the_largest_runs_the_seal_leaves_the_signal_and_tells_the_round_in_slices(
         size: int) -> None:
     names = [f"n{i:04d}" for i in range(size)]
     run = ElasticRun("r", "ns", RunSpec(min_nodes=size, max_nodes=size), RunStatus(signal=4),
@@ -439,40 +438,52 @@ def test_in_the_largest_runs_the_seal_leaves_the_signal_and_tells_each_member_on
     leases = joined_leases(names, T0)
     plan = reconcile(run, Members(leases=leases), T0 + dt.timedelta(seconds=SEAL_GRACE))
     assert plan.sealed and plan.status is not None
-    if size < rounds.TELL_BY_LEASE_FROM:
-        assert plan.status.signal == 5 and plan.assignments == []
+    if size < rounds.TELL_IN_SLICES_FROM:
+        assert plan.status.signal == 5 and plan.tell == []
         return
     assert plan.status.signal == 4  # nobody's run watch fires with the whole roster
-    assert [node for node, _ in plan.assignments] == names  # rank 0 first
-    first = plan.assignments[0][1]
+    assert len(plan.tell) == slices.SLICE_COUNT  # 2,048 names fill every slice
+    assert all(piece.round == 1 for piece in plan.tell)
+    assert all(slices.slice_index(node) == piece.index
+               for piece in plan.tell for node in piece.places)
+    places = _places(plan.tell)
+    assert sorted(places) == names  # each member once, in the slice its name hashes into
+    first = places["n0000"]
+    assert first is not None
     assert (first.round, first.rank, first.world_size, first.leader) == (1, 0, size, "n0000")
     assert first.store == StoreAddress("10.0.0.1", 29400) and first.since == T0
-    assert [a.rank for _, a in plan.assignments] == list(range(size))
+    assert sorted(p.rank for p in places.values() if p is not None) == list(range(size))
 
 
-def test_a_restarted_operator_tells_only_the_members_not_yet_told() -> None:
-    size = rounds.TELL_BY_LEASE_FROM
+def test_a_restarted_operator_writes_every_slice_again_and_a_running_one_only_those_not_told(
+        ) -> None:
+    size = rounds.TELL_IN_SLICES_FROM
     names = [f"n{i:04d}" for i in range(size)]
     spec = RunSpec(min_nodes=size, max_nodes=size)
     leases = joined_leases(names, T0)
-    sealed_run = ElasticRun("r", "ns", spec, RunStatus(), "7", uid="uid")
-    status = reconcile(sealed_run, Members(leases=leases), T0).status
+    status = reconcile(ElasticRun("r", "ns", spec, RunStatus(), "7", uid="uid"),
+                       Members(leases=leases), T0).status
     assert status is not None
     run = ElasticRun("r", "ns", spec, status, "8", uid="uid")
-    told = _told(leases, status, *names[:-4])
-    # The fourth from last joined again since (a newer request): it has moved on and is
-    # not told.
-    moved = names[-4]
-    told[moved] = dataclasses.replace(told[moved], join=dataclasses.replace(
-        told[moved].join, since=T0 + dt.timedelta(seconds=1)))  # type: ignore[arg-type]
-    plan = reconcile(run, Members(leases=told), T0 + dt.timedelta(seconds=1))
-    assert [node for node, _ in plan.assignments] == names[-3:]
-    everyone = _told(leases, status, *names)
-    assert reconcile(run, Members(leases=everyone), T0).assignments == []
+    later = T0 + dt.timedelta(seconds=1)
+    restarted = reconcile(run, Members(leases=leases), later)  # nothing done yet
+    assert [piece.index for piece in restarted.tell] == list(range(slices.SLICE_COUNT))
+    done = runobjects.NOTHING_DONE
+    for piece in restarted.tell[:-3]:
+        done = done.wrote(piece)
+    plan = reconcile(run, Members(leases=leases), later, done=done)
+    assert plan.tell == restarted.tell[-3:]  # the same slices, whole
+    for piece in plan.tell:
+        done = done.wrote(piece)
+    assert reconcile(run, Members(leases=leases), later, done=done).tell == []
+    # Slices told of an earlier round count for nothing in this one.
+    older = runobjects.Done(told=(status.round - 1, frozenset(range(slices.SLICE_COUNT))))
+    assert len(reconcile(run, Members(leases=leases), later, done=older).tell) \
+        == slices.SLICE_COUNT
 
 
 def test_a_re_forming_round_is_told_nothing() -> None:
-    size = rounds.TELL_BY_LEASE_FROM
+    size = rounds.TELL_IN_SLICES_FROM
     names = [f"n{i:04d}" for i in range(size)]
     spec = RunSpec(min_nodes=size, max_nodes=size)
     leases = joined_leases(names, T0)
@@ -482,7 +493,7 @@ def test_a_re_forming_round_is_told_nothing() -> None:
     degraded = rounds.request_restart(status)
     assert degraded is not None
     run = ElasticRun("r", "ns", spec, degraded, "8", uid="uid")
-    assert reconcile(run, Members(leases=leases), T0).assignments == []
+    assert reconcile(run, Members(leases=leases), T0).tell == []
 
 
 def test_the_operator_closes_a_run_as_a_closing_node_does() -> None:

@@ -297,17 +297,17 @@ def test_a_deferring_node_waits_for_the_operator_to_tell_a_round_at_the_slowest_
     assert rounds.defer_seal_wait(RunSpec(max_nodes=2048)) < 30.0  # no operator: still forms
 
 
-# --------------------------------------------------------------------------- told on the Lease
+# --------------------------------------------------------------------------- told in slices
 
 
 def test_a_seal_told_on_the_leases_leaves_the_signal() -> None:
-    base = run(RunStatus(signal=3, waiting=waiting("a", "b")), max_nodes=rounds.TELL_BY_LEASE_FROM)
+    base = run(RunStatus(signal=3, waiting=waiting("a", "b")), max_nodes=rounds.TELL_IN_SLICES_FROM)
     assert rounds.seal_round(base, at(0)).signal == 4
-    quiet = rounds.seal_round(base, at(0), by_lease=True)
+    quiet = rounds.seal_round(base, at(0), in_slices=True)
     assert quiet.signal == 3 and quiet.round == 1
-    assert rounds.members_told_by_lease(base.spec)
-    below = run(RunStatus(), max_nodes=rounds.TELL_BY_LEASE_FROM - 1).spec
-    assert not rounds.members_told_by_lease(below) and rounds.members_watch_quietly(below)
+    assert rounds.members_told_in_slices(base.spec)
+    below = run(RunStatus(), max_nodes=rounds.TELL_IN_SLICES_FROM - 1).spec
+    assert not rounds.members_told_in_slices(below) and rounds.members_watch_quietly(below)
 
 
 def test_members_watch_quietly_from_quiet_watch_from_nodes() -> None:
@@ -317,7 +317,7 @@ def test_members_watch_quietly_from_quiet_watch_from_nodes() -> None:
 
 
 def test_a_member_told_on_its_lease_hears_of_nobody_waiting_from_an_older_copy() -> None:
-    # The copy predates round 2, which the node learned of on its Lease; the
+    # The copy predates round 2, which the node learned of in its slice; the
     # waiting summary in it is the requests round 2 answered.
     older = run(sealed("a", "b").replace(waiting=waiting("a", "b"), restart_round=1))
     assert rounds.nodes_waiting(older, 1, now=at(1)) > 0
@@ -400,14 +400,14 @@ def test_every_disturbance_of_a_round_moves_its_stable_round_off_it() -> None:
     left = rounds.leave(status, "c", at(1), finished=False)
     restarted = rounds.request_restart(status)
     superseded = rounds.seal_round(base.replace_status(status.replace(
-        waiting=waiting("a", "b", "c", "d"))), at(1), by_lease=True)
+        waiting=waiting("a", "b", "c", "d"))), at(1), in_slices=True)
     assert lost is not None and left is not None and restarted is not None
     disturbed = {"lost": lost, "left": left, "restart": restarted,
                  "announced": status.replace(join_notice=3), "superseded": superseded}
     assert {why: s.stable_round for why, s in disturbed.items()} == {
         "lost": 0, "left": 0, "restart": 0, "announced": 0, "superseded": 4}
     assert all(s.to_dict()["stableRound"] != 3 for s in disturbed.values())
-    # The seal told on the Leases left the signal alone: stableRound is what moved.
+    # The seal told in slices left the signal alone: stableRound is what moved.
     assert superseded.signal == status.signal
 
 
@@ -435,7 +435,7 @@ def test_a_disturbed_round_settles_only_with_the_next_seal_or_the_runs_end() -> 
     re_forming = lost.replace(waiting=waiting("a", "c"), waiting_count=2)
     base = run(re_forming)
     next_round = rounds.seal_round(base, at(2))
-    told = rounds.seal_round(base, at(2), by_lease=True)
+    told = rounds.seal_round(base, at(2), in_slices=True)
     closed = rounds.close(base, at(2))
     finished = rounds.leave(lost, "a", at(2), finished=True)
     assert closed is not None and finished is not None
@@ -456,7 +456,7 @@ def test_a_stable_round_written_by_anyone_else_is_never_read() -> None:
 
 
 def test_a_member_told_by_its_quiet_watch_reports_a_waiting_node_from_an_older_copy() -> None:
-    # The copy predates round 2 (told on the Lease); the quiet watch said round 2 is
+    # The copy predates round 2 (told in a slice); the quiet watch said round 2 is
     # disturbed, which this copy cannot show.
     older = run(sealed("a", "b"), max_nodes=256)
     assert rounds.nodes_waiting(older, 2, now=at(1)) == 0

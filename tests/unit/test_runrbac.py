@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from elasticrun.api import crd
+from typing import Any
+
+from elasticrun.api import crd, rounds, slices
+from elasticrun.api.model import ElasticRun, RunSpec, RunStatus
 from elasticrun.api.naming import lease_name
-from elasticrun.operator import runrbac
+from elasticrun.operator import runobjects, runrbac
 
 
 def test_role_names_the_run_and_its_leases_and_grants_create_without_names() -> None:
@@ -22,8 +25,9 @@ def test_role_names_the_run_and_its_leases_and_grants_create_without_names() -> 
     assert "resourceNames" not in unnamed and set(unnamed["verbs"]) == {"create", "list"}
     assert named["resourceNames"] == sorted({lease_name("train", "n0"),
                                              lease_name("train", "n1")})
-    # watch: a node of a large run watches its own Lease (by name) for its assignment.
-    assert set(named["verbs"]) == {"get", "watch", "update", "patch", "delete"}
+    # By name: a node renews, asks and withdraws on its own Lease, reads rank 0's; no
+    # node watches a Lease (places come by the run or its slices).
+    assert set(named["verbs"]) == {"get", "update", "patch", "delete"}
     assert role["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
 
 
@@ -50,3 +54,25 @@ def test_an_invalid_service_account_name_is_a_problem_not_an_apply() -> None:
     for bad in ("Trainer", "trainer_1", "-x", "x" * 254, "a..b", ""):
         problem = runrbac.service_account_problem(bad)
         assert problem is not None and "is not a ServiceAccount name" in problem, bad
+
+
+def _role_applied(max_nodes: int) -> dict[str, Any]:
+    """The Role the operator applies for run ``train`` of ``max_nodes`` naming its account."""
+    run = ElasticRun("train", "team", RunSpec(min_nodes=2, max_nodes=max_nodes), RunStatus(),
+                     "1", uid="uid-1",
+                     annotations={runrbac.SERVICE_ACCOUNT_ANNOTATION: "trainer"})
+    (item,) = runobjects.applies(run, {}, runobjects.Settings(per_run_rbac=True),
+                                 runobjects.NOTHING_DONE)
+    (role,) = [m for _, m in item.manifests if m["kind"] == "Role"]
+    return role
+
+
+def test_a_run_told_in_slices_may_read_its_own_slices_by_name_and_write_none() -> None:
+    sliced = [r for r in _role_applied(rounds.TELL_IN_SLICES_FROM)["rules"]
+              if r["resources"] == [crd.SLICE_PLURAL]]
+    assert sliced == [{"apiGroups": [crd.GROUP], "resources": [crd.SLICE_PLURAL],
+                       "resourceNames": sorted(slices.slice_names("uid-1")),
+                       "verbs": ["get", "list", "watch"]}]
+    # A run told by the broadcast has no slices to read.
+    assert not [r for r in _role_applied(rounds.TELL_IN_SLICES_FROM - 1)["rules"]
+                if r["resources"] == [crd.SLICE_PLURAL]]

@@ -52,8 +52,8 @@ def test_a_state_without_the_run_or_pod_facts_is_idle() -> None:
     assert not RunState(raw={}).idle
     assert not RunState(pod_nodes={"p": "n"}).idle
     first, second = RunState(), RunState()
-    first.told[1].add("a")
-    assert second.told == (0, set())  # no shared default
+    first.delete_failures["uid-a"] = (1, 0.0)
+    assert second.delete_failures == {}  # no shared default
 
 
 def test_the_response_of_a_status_write_never_hides_a_newer_watched_copy() -> None:

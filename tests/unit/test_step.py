@@ -375,7 +375,7 @@ def test_after_a_superseded_round_the_node_joins_again_and_never_completes_it() 
     assert not isinstance(next_action(joined, at(0), CLOCK), step.Complete)
 
 
-# --------------------------------------------------------------------------- told on the Lease
+# --------------------------------------------------------------------------- told in a slice
 
 
 def _offer(round_: int = 1, rank: int = 2, since: dt.datetime = OWN_SINCE) -> Assignment:

@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 
 from elasticrun.api import crd, rounds, untrusted
 from elasticrun.api.leases import (
-    ASSIGNMENT_ANNOTATION,
     JOIN_ANNOTATION,
     UNREACHABLE_ANNOTATION,
     Unreachable,
@@ -41,6 +40,7 @@ from elasticrun.api.model import (
     StoreAddress,
     parse_run,
 )
+from elasticrun.api.slices import read_place
 from elasticrun.operator.liveness import pod_loss
 from elasticrun.operator.metrics import OTHER, Metrics, reason_label
 from elasticrun.operator.reconcile import Members, reconcile
@@ -83,14 +83,13 @@ ANNOTATION = st.one_of(
 
 
 def _lease(node: Any, join: Any, renew: Any, duration: Any, owner: Any,
-           created: Any, unreachable: Any = None, assignment: Any = None) -> dict[str, Any]:
+           created: Any, unreachable: Any = None) -> dict[str, Any]:
     return {
         "metadata": {
             "name": f"run-b.{node}", "creationTimestamp": created,
             "labels": {crd.RUN_LABEL: "run-b"},
             "annotations": {crd.RUN_LABEL: "run-b", crd.NODE_ANNOTATION: node,
-                            JOIN_ANNOTATION: join, UNREACHABLE_ANNOTATION: unreachable,
-                            ASSIGNMENT_ANNOTATION: assignment},
+                            JOIN_ANNOTATION: join, UNREACHABLE_ANNOTATION: unreachable},
             "ownerReferences": owner,
         },
         "spec": {"holderIdentity": node, "renewTime": renew, "leaseDurationSeconds": duration},
@@ -110,8 +109,6 @@ LEASES = st.builds(
     unreachable=st.one_of(st.sampled_from(['{"node": "n0", "round": 1}',
                                            '{"node": "n0", "round": 1e999}']),
                           ANNOTATION),
-    assignment=st.one_of(st.sampled_from([GOOD_ASSIGNMENT, GOOD_ASSIGNMENT.replace("2", "9e9")]),
-                         ANNOTATION),
 )
 #: Whole objects of any shape, as a Lease LIST could in theory return them.
 ANYTHING = st.one_of(JSON, st.dictionaries(st.sampled_from(["metadata", "spec"]), JSON))
@@ -143,7 +140,7 @@ def _decide_everything(leases: list[Any]) -> None:
             rounds.order_for_ranks(status.participants, pending)
             rounds.nodes_waiting(view, 1, now=when)
             for large in (False, True):
-                sized = (_run(status, max_nodes=rounds.TELL_BY_LEASE_FROM) if large
+                sized = (_run(status, max_nodes=rounds.TELL_IN_SLICES_FROM) if large
                          else _run(status))
                 plan = reconcile(sized, Members(leases=by_node), when)
                 if plan.status is not None:
@@ -262,6 +259,32 @@ def test_a_readable_unreachable_report_is_read() -> None:
 ])
 def test_an_unreadable_assignment_is_no_assignment(raw: Any) -> None:
     assert read_assignment(raw) is None
+
+
+def _slice(run: Any, round_number: Any, places: Any) -> dict[str, Any]:
+    return {"metadata": {"name": f"{UID}-00"},
+            "spec": {"run": run, "round": round_number, "assignments": places}}
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(ANYTHING, st.builds(
+    _slice, run=st.one_of(st.just("run-b"), JSON), round_number=st.one_of(st.just(1), JSON),
+    places=st.one_of(st.fixed_dictionaries({"n1": st.one_of(st.just(GOOD_ASSIGNMENT),
+                                                            ANNOTATION)}), JSON))))
+def test_a_slice_of_any_shape_gives_a_place_of_its_round_or_none(obj: Any) -> None:
+    place = read_place(obj, "run-b", "n1")
+    if place is not None:
+        assert obj["spec"]["run"] == "run-b"
+        assert place.round == obj["spec"]["round"] and place.rank < place.world_size
+
+
+def test_a_slice_tells_a_node_only_its_own_place_of_its_own_run_and_round() -> None:
+    good = _slice("run-b", 1, {"n1": GOOD_ASSIGNMENT})
+    assert read_place(good, "run-b", "n1") == read_assignment(GOOD_ASSIGNMENT)
+    assert read_place(good, "run-a", "n1") is None  # another run's slice
+    assert read_place(good, "run-b", "n0") is None  # no place of this node
+    assert read_place(_slice("run-b", 2, {"n1": GOOD_ASSIGNMENT}), "run-b", "n1") is None
+    assert read_place(_slice("run-b", True, {"n1": GOOD_ASSIGNMENT}), "run-b", "n1") is None
 
 
 def test_an_assignment_reads_back_as_written() -> None:

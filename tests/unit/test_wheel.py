@@ -39,16 +39,32 @@ def wheel(dists: Dists) -> Iterator[zipfile.ZipFile]:
         yield archive
 
 
-def test_the_sdist_carries_the_license_and_the_crd_as_a_real_file(dists: Dists) -> None:
+#: The CRDs the package ships (elasticrun.api's package data, links in the checkout)
+#: and the file of deploy/crds/ each must be a copy of.
+PACKAGED_CRDS = {"crd.yaml": "elasticrun.dev_elasticruns.yaml",
+                 "slice_crd.yaml": "elasticrun.dev_elasticrunslices.yaml"}
+
+
+def test_the_packaged_crds_are_links_to_every_crd_in_deploy() -> None:
+    api, crds = ROOT / "handler" / "elasticrun" / "api", ROOT / "deploy" / "crds"
+    assert set(PACKAGED_CRDS.values()) == {p.name for p in crds.glob("*.yaml")}
+    for name, source in PACKAGED_CRDS.items():
+        assert (api / name).is_symlink() and (api / name).resolve() == (crds / source)
+
+
+def test_the_sdist_carries_the_license_and_the_crds_as_real_files(dists: Dists) -> None:
     stem = dists.sdist.name.removesuffix(".tar.gz")
+    texts: dict[str, bytes] = {}
     with tarfile.open(dists.sdist) as tar:
         members = {m.name.removeprefix(stem + "/"): m for m in tar.getmembers()
                    if m.name != stem}
-        crd = members["handler/elasticrun/api/crd.yaml"]
-        assert crd.isfile(), "the sdist must hold the CRD, not the link to deploy/crds"
-        text = tar.extractfile(crd).read()  # type: ignore[union-attr]
+        for name in PACKAGED_CRDS:
+            crd = members[f"handler/elasticrun/api/{name}"]
+            assert crd.isfile(), f"the sdist must hold {name}, not the link to deploy/crds"
+            texts[name] = tar.extractfile(crd).read()  # type: ignore[union-attr]
         license_text = tar.extractfile(members["LICENSE"]).read()  # type: ignore[union-attr]
-    assert text == (ROOT / "deploy" / "crds" / "elasticrun.dev_elasticruns.yaml").read_bytes()
+    for name, source in PACKAGED_CRDS.items():
+        assert texts[name] == (ROOT / "deploy" / "crds" / source).read_bytes(), name
     assert license_text == (ROOT / "LICENSE").read_bytes()
     assert {"pyproject.toml", "README.md", "PKG-INFO"} <= set(members)
     # Only the packages and their metadata: no tests, charts or caches.
@@ -93,6 +109,12 @@ def test_the_wheel_installs_the_kubectl_plugin_and_its_package(wheel: zipfile.Zi
     names = set(wheel.namelist())
     assert {"elasticrun/cli/main.py", "elasticrun/cli/verbs.py", "elasticrun/cli/screen.py",
             "elasticrun/api/crd.yaml"} <= names
+
+
+def test_the_wheel_carries_both_crds_identical_to_deploy(wheel: zipfile.ZipFile) -> None:
+    for name, source in PACKAGED_CRDS.items():
+        assert wheel.read(f"elasticrun/api/{name}") == \
+            (ROOT / "deploy" / "crds" / source).read_bytes(), name
 
 
 #: Refuses every import of the packages the plugin must not need.

@@ -1,6 +1,6 @@
-"""Names and schema facts of the ElasticRun CRD, read from its one YAML source.
+"""Names and schema facts of elasticrun's CRDs, read from their one YAML source.
 
-The YAML in ``deploy/crds/`` is the source of truth; this module ships a link to
+The YAML in ``deploy/crds/`` is the source of truth; this module ships links to
 it as package data so that defaults and bounds used by the Python model can
 never drift from what the API server enforces.
 """
@@ -20,6 +20,12 @@ KIND = "ElasticRun"
 PLURAL = "elasticruns"
 CRD_NAME = f"{PLURAL}.{GROUP}"
 
+#: The places of a sealed round in the largest runs, written only by the operator
+#: (:mod:`elasticrun.api.slices`); a CRD of its own, ``slice_crd.yaml``.
+SLICE_KIND = "ElasticRunSlice"
+SLICE_PLURAL = "elasticrunslices"
+SLICE_CRD_NAME = f"{SLICE_PLURAL}.{GROUP}"
+
 #: Label carried by every object that belongs to a run (Leases, Pods).
 RUN_LABEL = f"{GROUP}/run"
 #: Annotation on a Lease naming the node that holds it (the full name, unhashed).
@@ -32,8 +38,23 @@ DRAIN_ANNOTATION = f"{GROUP}/drain"
 
 @cache
 def crd_manifest() -> dict[str, Any]:
-    """The CRD as the API server receives it."""
-    text = resources.files("elasticrun.api").joinpath("crd.yaml").read_text()
+    """The ElasticRun CRD as the API server receives it."""
+    return _packaged("crd.yaml")
+
+
+@cache
+def slice_crd_manifest() -> dict[str, Any]:
+    """The ElasticRunSlice CRD as the API server receives it."""
+    return _packaged("slice_crd.yaml")
+
+
+def crd_manifests() -> list[dict[str, Any]]:
+    """Every CRD elasticrun installs, in the order to apply them."""
+    return [crd_manifest(), slice_crd_manifest()]
+
+
+def _packaged(name: str) -> dict[str, Any]:
+    text = resources.files("elasticrun.api").joinpath(name).read_text()
     manifest: dict[str, Any] = yaml.safe_load(text)
     return manifest
 

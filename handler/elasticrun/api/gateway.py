@@ -1,14 +1,14 @@
 """The one gateway to an ElasticRun on the API server, for the handler and the operator.
 
-Every read, write and watch of a run, and of its Leases, goes through
+Every read, write and watch of a run, and of its Leases and slices, goes through
 :class:`RunGateway`; the handler depends only on :class:`RunAccess`, the
 interface it implements, and the operator's executor only on
 :class:`OperatorAccess` (per run :class:`RunControl`, plus the run's own
 objects and Events, :class:`OperatorGateway`), so both executors run in unit
 tests against an in-memory fake that keeps the API server's contract
 (``tests/fakegateway.py``).  The gateways build the request bodies (the
-status compare-and-set, the announce patch, an assignment, an annotation
-removal) and :class:`RunGateway` answers the outcomes that are part of the protocol:
+status compare-and-set, the announce patch, an annotation removal) and
+:class:`RunGateway` answers the outcomes that are part of the protocol:
 ``None`` means "someone else wrote first" (409), "a test of the patch failed"
 (422) or "no such run" (404), depending on the call.  Every other failure is
 raised as :class:`~elasticrun.api.kube.ApiError` or
@@ -41,21 +41,16 @@ from elasticrun.api.kube import (
     run_path,
     runs_path,
 )
-from elasticrun.api.leases import (
-    ASSIGNMENT_ANNOTATION,
-    assignment_value,
-    leases_of,
-    run_leases_query,
-)
+from elasticrun.api.leases import leases_of, run_leases_query
 from elasticrun.api.model import (
     FINISHED_PHASES,
     PHASES,
-    Assignment,
     RunSpec,
     RunStatus,
     new_run_manifest,
 )
 from elasticrun.api.naming import lease_name
+from elasticrun.api.slices import slices_path
 
 
 def status_body(namespace: str, name: str, resource_version: str | None,
@@ -117,13 +112,6 @@ def announce_patch(status: RunStatus) -> list[dict[str, Any]]:
     ]
 
 
-def assign_patch(assignment: Assignment, uid: str) -> dict[str, Any]:
-    """The merge patch that writes a member's place in the round on its Lease, the object
-    with ``uid`` only (:meth:`RunGateway.assign`)."""
-    return {"metadata": {"uid": uid, "annotations": {
-        ASSIGNMENT_ANNOTATION: assignment_value(assignment)}}}
-
-
 def annotations_removal(names: Iterable[str]) -> dict[str, Any]:
     """The merge patch that removes the run's annotations ``names``."""
     return {"metadata": {"annotations": dict.fromkeys(names)}}
@@ -139,7 +127,8 @@ class EventStream(Protocol):
 
 
 class RunAccess(Protocol):
-    """What a node may do to its run and its run's Leases: every request of the handler.
+    """What a node may do to its run, its run's Leases and slices: every request of the
+    handler.
 
     ``None`` and ``False`` answers are the protocol outcomes named per method;
     every other failure raises :class:`~elasticrun.api.kube.ApiError` or
@@ -192,9 +181,8 @@ class RunAccess(Protocol):
 
     def delete_lease(self, node: str, timeout: float | None = None) -> bool: ...
 
-    def watch_lease(self, node: str, resource_version: str | None,
+    def watch_slice(self, name: str, resource_version: str | None,
                     timeout_seconds: int) -> EventStream: ...
-
 
 
 def readable_lease(access: RunAccess, node: str) -> dict[str, Any] | None:
@@ -217,6 +205,7 @@ def readable_lease(access: RunAccess, node: str) -> dict[str, Any] | None:
             raise
     return access.listed_lease(node)
 
+
 class RunControl(Protocol):
     """What the operator does to one run and its Leases: every per-run request of its
     executor (:class:`RunGateway`; in unit tests the in-memory fake).
@@ -236,8 +225,6 @@ class RunControl(Protocol):
     def remove_annotations(self, names: Iterable[str]) -> None: ...
 
     def leases(self) -> list[dict[str, Any]]: ...
-
-    def assign(self, node: str, assignment: Assignment, uid: str) -> bool: ...
 
     def lease_path(self, lease: str) -> str: ...
 
@@ -284,8 +271,8 @@ class OperatorGateway:
 
 
 class RunGateway:
-    """One ElasticRun (``namespace``/``name``) and its Leases, over one client: :class:`RunAccess`
-    over HTTP, plus the operator's writes (annotations, members' assignments)."""
+    """One ElasticRun (``namespace``/``name``), its Leases and its slices, over one client:
+    :class:`RunAccess` over HTTP, plus the operator's removal of annotations."""
 
     def __init__(self, client: KubeClient, namespace: str, name: str) -> None:
         self.client = client
@@ -452,24 +439,6 @@ class RunGateway:
         found = items[0] if isinstance(items, list) and len(items) == 1 else None
         return found if isinstance(found, dict) else None
 
-    def assign(self, node: str, assignment: Assignment, uid: str) -> bool:
-        """Write ``node``'s place in the round on its Lease, the object with ``uid``.
-
-        The uid in the patch is a precondition: the API server refuses a patch
-        of any other object under that name, such as a Lease re-created since it
-        was observed (422, ``metadata.uid`` is immutable; 409 from servers that
-        answer a uid precondition so).  False when that Lease is gone or replaced.
-        """
-        try:
-            self.client.request("PATCH", self.lease_path(lease_name(self.name, node)),
-                                body=assign_patch(assignment, uid), content_type=MERGE_PATCH)
-        except ApiError as exc:
-            if exc.not_found or exc.conflict or (exc.status == 422
-                                                 and "metadata.uid" in exc.message):
-                return False
-            raise
-        return True
-
     def lease_path(self, lease: str) -> str:
         return lease_path(self.namespace, lease)
 
@@ -511,10 +480,13 @@ class RunGateway:
             raise
         return True
 
-    def watch_lease(self, node: str, resource_version: str | None,
+    # ------------------------------------------------------------------ its slices
+
+    def watch_slice(self, name: str, resource_version: str | None,
                     timeout_seconds: int) -> Watch:
-        """``node``'s Lease's events (selected by name) after ``resource_version``; from
-        None, the server starts with the Lease as it is."""
-        return self.client.watch(leases_path(self.namespace),
-                                 {"fieldSelector": f"metadata.name={lease_name(self.name, node)}",
+        """The run's slice ``name``'s events (selected by name, which the API server's
+        watch cache dispatches by name) after ``resource_version``; from None, the
+        server starts with the slice as it is (:mod:`elasticrun.api.slices`)."""
+        return self.client.watch(slices_path(self.namespace),
+                                 {"fieldSelector": f"metadata.name={name}",
                                   "resourceVersion": resource_version}, timeout_seconds)

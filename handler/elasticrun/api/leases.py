@@ -36,10 +36,6 @@ JOIN_ANNOTATION = f"{crd.GROUP}/join"
 #: Annotation on a node's Lease: the round's rank 0 whose TCPStore it could not reach,
 #: as JSON ``{"node": ..., "round": R}``.  Evidence for the operator, never a verdict.
 UNREACHABLE_ANNOTATION = f"{crd.GROUP}/unreachable"
-#: Annotation on a member's Lease in a large run: its place in the round just
-#: sealed (:class:`~elasticrun.api.model.Assignment` as JSON), written by the
-#: operator after its seal so that the member need not read the whole roster.
-ASSIGNMENT_ANNOTATION = f"{crd.GROUP}/assignment"
 #: One past the largest round, rank or world size a report or an assignment may
 #: name: the status counters' maximum (:func:`elasticrun.api.crd.counter_maximum`).
 MAX_COUNTER = crd.counter_maximum() + 1
@@ -79,8 +75,6 @@ class LeaseState:
     problem: str | None = None
     #: The rank 0 this node reports unreachable, if it does.
     unreachable: Unreachable | None = None
-    #: The node's place in a round, as the operator last told it.
-    assignment: Assignment | None = None
     #: The Lease's own name, uid and resourceVersion (an etcd revision when numeric), as
     #: observed: the name and uid are what the operator deletes and writes; with
     #: ``renewed`` and ``holder``, the version tells a renewal from an old copy.
@@ -230,7 +224,7 @@ def owned_by(state: LeaseState, run: str, run_uid: str | None) -> bool:
 
     Its owner is the run (the uid, so an earlier run of the same name does not
     count) and its name is the one its node's Lease has: the only Leases the
-    operator deletes, writes an assignment on, or grants a Role for.  Callers
+    operator deletes or grants a Role for.  Callers
     take ``state`` from Leases :func:`lease_run` gave to ``run``.
     """
     return run_uid is not None and state.owner_uid == run_uid and state.node is not None \
@@ -344,10 +338,12 @@ def assignment_value(assignment: Assignment) -> str:
 
 
 def read_assignment(raw: Any) -> Assignment | None:
-    """An assignment from a Lease annotation; anything unreadable or inconsistent is none.
+    """An assignment as :func:`assignment_value` encodes it (a slice's entry,
+    :mod:`elasticrun.api.slices`); anything unreadable or inconsistent is none.
 
-    Written by the operator, but on an object pods may write too, so it is read
-    like any other untrusted value: bounded, and never an exception.
+    Written by the operator, on an object only the operator may write where
+    RBAC is as the chart makes it; read like any untrusted value all the same:
+    bounded, and never an exception.
     """
     if raw is None or raw == "":
         return None
@@ -393,7 +389,6 @@ def lease_state(lease: Mapping[str, Any], seen: dt.datetime | None = None) -> Le
                       owner_uid=owners[0] if owners else None, created=created,
                       problem=problem,
                       unreachable=read_unreachable(annotations.get(UNREACHABLE_ANNOTATION)),
-                      assignment=read_assignment(annotations.get(ASSIGNMENT_ANNOTATION)),
                       name=untrusted.text(meta.get("name")),
                       uid=untrusted.text(meta.get("uid")),
                       version=version, seen=seen)

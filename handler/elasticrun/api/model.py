@@ -324,9 +324,9 @@ class Assignment:
     """What a member must know of a sealed round: its place in it, and where to meet.
 
     Derived from the status (:meth:`RunStatus.assignment`).  In the largest runs the
-    operator also writes it on each member's Lease, so that a member learns its
+    operator also writes it into the run's slices, so that a member learns its
     rank from one small object instead of the whole roster (see
-    :func:`elasticrun.api.rounds.members_told_by_lease`).
+    :func:`elasticrun.api.rounds.members_told_in_slices`).
     """
 
     round: int

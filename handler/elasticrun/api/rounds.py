@@ -42,9 +42,9 @@ DEFER_SEAL_PER_NODE = 0.010
 #: From this ``maxNodes`` on, the members of a round watch it quietly
 #: (see :func:`members_watch_quietly`).
 QUIET_WATCH_FROM = 256
-#: From this ``maxNodes`` on, the operator's seal tells members on their Leases
-#: (see :func:`members_told_by_lease`).
-TELL_BY_LEASE_FROM = 2048
+#: From this ``maxNodes`` on, the operator's seal tells members in the run's slices
+#: (see :func:`members_told_in_slices`).
+TELL_IN_SLICES_FROM = 2048
 
 
 def nodes_defer_seal(spec: RunSpec) -> bool:
@@ -73,29 +73,31 @@ def defer_seal_wait(spec: RunSpec) -> float:
     return DEFER_SEAL_BASE + DEFER_SEAL_PER_NODE * spec.max_nodes
 
 
-def members_told_by_lease(spec: RunSpec) -> bool:
-    """Whether the operator's seal tells each member its place on the member's Lease.
+def members_told_in_slices(spec: RunSpec) -> bool:
+    """Whether the operator's seal tells each member its place in the run's slices.
 
     A seal that moves ``signal`` sends the whole status, roster included, to
     every waiting node's watch: N copies of an O(N) object, the one cost of a
     round that grows as N² (8 MB a round at 256 nodes, 99 MB at 1,024, 387 MB
-    at 2,048).  The API server encodes it once for all of them, while telling
-    each member on its Lease costs N more writes (each about 2 ms of the API
-    server's CPU and as much of the operator's), N more watches and the
-    connections they hold.  Measured side by side on one 2-core machine,
-    where bytes cost nothing on the wire (scale benchmark's mixed rounds,
+    at 2,048).  The API server encodes it once for all of them.  Telling the
+    members in slices (:mod:`elasticrun.api.slices`) costs the operator one
+    write per slice, :data:`~elasticrun.api.slices.SLICE_COUNT` at most, and
+    each member a watch of its slice and the connection it holds.  Measured
+    on one 2-core machine, where bytes cost nothing on the wire, with one
+    write per member instead of slices (scale benchmark's mixed rounds,
     2026-12-07): the broadcast formed 256 nodes in 1.9 s against 2.9-4.5 s,
-    1,024 in 8.1-9.9 s against 12.2-13.7 s and 2,048 in 1.9 times the floor
-    beside it against 3.5 times, and a newcomer's round of 1,024 in 5.6-8.4 s
-    against 9.5 s.  So only the largest runs, from :data:`TELL_BY_LEASE_FROM`
-    nodes, have the operator leave ``signal`` alone and write each member's
-    :class:`~elasticrun.api.model.Assignment` on its Lease instead, which the
-    member watches: there a seal's 387 MB would take seconds on a control
-    plane's network.  What every node must act on (a loss, a closed run, a
-    newcomer's notice) still moves ``signal``, and so does a seal written by a
-    node, whose fallback role does not justify N extra writes.
+    1,024 in 8.1-9.9 s against 12.2-13.7 s; at 2,048, 32 slices formed the
+    round in 15.0-16.8 s against 22.4-23.6 s with a write per member (a
+    prototype, same hour).  So the largest runs, from
+    :data:`TELL_IN_SLICES_FROM` nodes, have the operator leave ``signal``
+    alone and write each member's :class:`~elasticrun.api.model.Assignment`
+    into its slice, which the member watches: there a seal's 387 MB would
+    take seconds on a control plane's network.  What every node must act on
+    (a loss, a closed run, a newcomer's notice) still moves ``signal``, and
+    so does a seal written by a node (the fallback where the operator is
+    down), which cannot write slices.
     """
-    return spec.max_nodes >= TELL_BY_LEASE_FROM
+    return spec.max_nodes >= TELL_IN_SLICES_FROM
 
 
 def members_watch_quietly(spec: RunSpec) -> bool:
@@ -154,8 +156,8 @@ def members_keep_places(spec: RunSpec) -> bool:
     keeps places is often the disturbance itself (the loss and the seal in
     one status write), whose event then holds the member's place.  Not where
     the operator tells
-    members on their Leases (:func:`members_told_by_lease`): its seal writes
-    every member's Lease all the same.
+    members in slices (:func:`members_told_in_slices`): its seal writes the
+    round's slices all the same.
 
     A place kept for a member that froze shortly before would hold every
     other agent in torch's barrier after the rendezvous (its store waits for
@@ -166,7 +168,7 @@ def members_keep_places(spec: RunSpec) -> bool:
     renewals by then, so none of them is kept.  Shorter heartbeats keep no
     place (the CRD's defaults, 15 s and 5 s, span three renewals and do).
     """
-    return nodes_defer_seal(spec) and not members_told_by_lease(spec) \
+    return nodes_defer_seal(spec) and not members_told_in_slices(spec) \
         and spec.heartbeat_timeout >= keep_window(spec) + spec.lease_renew_interval
 
 
@@ -496,14 +498,14 @@ def order_for_ranks(previous: Iterable[Participant], waiting: Iterable[WaitingNo
 
 
 def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None,
-               by_lease: bool = False) -> RunStatus:
+               in_slices: bool = False) -> RunStatus:
     """The status after moving up to ``maxNodes`` waiting nodes into a new round.
 
     The nodes not admitted stay in ``status.waiting``.  A member's entry holds
     what readers of the roster need (name, rank, round joined, Pod, the request
     it answered); the round's one address, rank 0's store, is ``status.store``.
-    ``by_lease``: the sealer tells the members on their Leases
-    (:func:`members_told_by_lease`), so ``signal`` stays; otherwise every node
+    ``in_slices``: the sealer tells the members in the run's slices
+    (:func:`members_told_in_slices`), so ``signal`` stays; otherwise every node
     receives the whole status with the seal.
     """
     status = run.status
@@ -530,7 +532,7 @@ def seal_round(run: ElasticRun, now: dt.datetime, waiting: Waiting = None,
     sealed = status.replace(
         phase="Running",
         round=new_round,
-        signal=status.signal if by_lease else next_signal(status.signal),
+        signal=status.signal if in_slices else next_signal(status.signal),
         participants=participants,
         waiting=tuple(w for w in _waiting(run, waiting) if w.name not in admitted_names),
         store=store,
@@ -759,7 +761,7 @@ def nodes_waiting(run: ElasticRun, my_round: int, waiting: Waiting = None, *,
     if disturbed:
         return max(1, len(eligible_waiting(run, waiting)))
     if my_round > status.round:
-        # Told of its round on its Lease: this copy predates the round, and
+        # Told of its round in its slice: this copy predates the round, and
         # anything that happened to the round since would have moved the signal,
         # or, watched quietly, ``disturbed``.
         return 0

@@ -1,7 +1,8 @@
 """Whether the store a round names is the one its rank 0 announced.
 
-``status.store`` (and a large run's assignment on a member's Lease) is written
-by whoever may write the run: its nodes, the operator, and anyone else allowed
+``status.store`` is written by whoever may write the run (a large run's
+slices, only by whoever may write slices, the operator where RBAC is as the
+chart makes it): its nodes, the operator, and anyone else allowed
 to update it (a user, a pod of another run in a namespace without per-run
 RBAC).  TCPStore has no authentication, so a member that connects to a store
 it was merely told about hands its workers' rendezvous to whoever listens
@@ -72,7 +73,7 @@ def store_problem(given: StoreAddress | None, lease: Mapping[str, Any] | None, r
     ``answered`` is the join request of ``leader`` that the round holds (its
     ``since`` in ``status.participants``), when the member's copy of the run is
     of that round; the announcement must then come from that very request.  A
-    copy that predates the round (a member told on its Lease) cannot say, and
+    copy that predates the round (a member told in a slice) cannot say, and
     the address alone is compared.
     """
     announced, problem = announced_store(lease, run, run_uid, leader)

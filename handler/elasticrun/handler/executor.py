@@ -112,7 +112,7 @@ class RoundExecutor:
     :meth:`run` is one call.  ``closing`` says that ``shutdown()`` has begun: the
     call then carries out no further action.  ``placed`` hears the assignment as
     soon as a round holds the node (the handler's ``round``, and the request it
-    answers).  The watch of the node's own Lease (:attr:`mailbox`, large runs)
+    answers).  The watch of the node's slice (:attr:`mailbox`, large runs)
     runs while a call does.
     """
 
@@ -216,7 +216,7 @@ class RoundExecutor:
         return self._wait(known, action.until)
 
     def _wait(self, known: step.Knowledge, until: float) -> step.Knowledge:
-        """Wait for a newer run or a new assignment on our Lease, or until ``until``."""
+        """Wait for a newer run or a new assignment in our slice, or until ``until``."""
         session = self.session
         self._watch()
         seen = session.watcher.version  # before reading the Lease's news: none is missed
@@ -246,27 +246,34 @@ class RoundExecutor:
         """
         self.session.watcher.start()
 
-    def _watch_assignments(self) -> None:
-        """Watch our Lease for the operator's assignments (large runs), until the call ends."""
-        if self.mailbox is None or self.mailbox.stopped:
-            session = self.session
-            self.mailbox = AssignmentWatch(session.gateway, self.settings.node_name,
-                                           session.watcher.poke, self.settings.watch_timeout)
-            self.mailbox.start()
+    def _watch_assignments(self, run: ElasticRun) -> None:
+        """Watch our slice of ``run`` for the operator's assignments (large runs), until
+        the call ends; a run created again under its name has slices of its own."""
+        mailbox = self.mailbox
+        if mailbox is not None and not mailbox.stopped and mailbox.run_uid == run.uid:
+            return
+        if mailbox is not None:
+            mailbox.stop()
+        if run.uid is None:
+            return  # a run not yet stored has no slices; the next request looks again
+        session = self.session
+        self.mailbox = AssignmentWatch(session.gateway, self.settings.node_name, run.uid,
+                                       session.watcher.poke, self.settings.watch_timeout)
+        self.mailbox.start()
 
     # ------------------------------------------------------------------ requests
 
     def _ask(self, known: step.Knowledge) -> step.Knowledge:
         """Join, and watch for the answer: a member woken from a stale copy for the run
-        to settle (from now, opened as the request is written), on its Lease in the
+        to settle (from now, opened as the request is written), in its slice in the
         largest runs."""
         session, spec = self.session, known.run.spec
         if known.stale:
             session.follow(spec, stale=True)
         own = self._join()
         session.check_watch()  # the join found our Lease deleted with the run
-        if rounds.members_told_by_lease(spec):
-            self._watch_assignments()
+        if rounds.members_told_in_slices(spec):
+            self._watch_assignments(known.run)
         return known.replace(joined=True, own=own, listed=False)
 
     def _join(self) -> WaitingNode:
@@ -357,7 +364,7 @@ class RoundExecutor:
         if leader is None:
             return True  # the round lost its rank 0: reach_store joins the next one
         # Rank 0's request in this round; a copy that predates the round (a member
-        # told on its Lease) has none, and is read afresh only if the store differs.
+        # told in its slice) has none, and is read afresh only if the store differs.
         member = run.status.participant(leader) if run.status.round == round_number else None
         answered, read_afresh = (member.since if member is not None else None), member is None
         listed = session.listed.get(leader)

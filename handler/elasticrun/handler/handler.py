@@ -16,11 +16,11 @@ One round, as a node sees it:
    (:func:`~elasticrun.api.rounds.nodes_defer_seal`) the roles swap: nodes skip
    the LIST and leave the seal to the operator, and list and seal themselves
    only if no round came within :func:`~elasticrun.api.rounds.defer_seal_wait`.
-   In the largest runs (:func:`~elasticrun.api.rounds.members_told_by_lease`)
-   the operator's seal tells each member its rank on the member's own Lease
+   In the largest runs (:func:`~elasticrun.api.rounds.members_told_in_slices`)
+   the operator's seal tells each member its rank in the run's slices
    instead of sending every node the whole roster.
 3. **Wait** — on the narrow watch of :mod:`.watcher` (and, in the largest
-   runs, the watch of the node's own Lease in :mod:`.mailbox`), never by
+   runs, the watch of the node's slice in :mod:`.mailbox`), never by
    polling.  From 256 nodes (:func:`~elasticrun.api.rounds.members_watch_quietly`)
    a member holding its round then watches only for that round's disturbance,
    one event of metadata (the watcher's quiet watch), and once woken only for

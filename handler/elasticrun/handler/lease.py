@@ -17,7 +17,6 @@ from typing import Any
 from elasticrun.api.gateway import RunAccess, readable_lease
 from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.leases import (
-    ASSIGNMENT_ANNOTATION,
     JOIN_ANNOTATION,
     UNREACHABLE_ANNOTATION,
     describe_object,
@@ -120,12 +119,11 @@ class LeaseKeeper:
     def set_join(self, join: WaitingNode | None) -> None:
         """Ask to join the next round (or withdraw): one write to our own object.
 
-        The same write withdraws a report of an unreachable rank 0 and the
-        assignment, which belonged to the round this node is leaving.
+        The same write withdraws a report of an unreachable rank 0, which
+        belonged to the round this node is leaving.
         """
         value = join_value(join) if join is not None else None
-        annotated = self._annotate({JOIN_ANNOTATION: value, UNREACHABLE_ANNOTATION: None,
-                                    ASSIGNMENT_ANNOTATION: None})
+        annotated = self._annotate({JOIN_ANNOTATION: value, UNREACHABLE_ANNOTATION: None})
         # Removed (e.g. by the operator as lost): take it again, unless it went
         # with the run; a Lease made now would outlive the run it names.
         if not annotated and join is not None and not self._gone_with_run():

@@ -1,13 +1,13 @@
-"""The node's own Lease, watched for the assignment the operator writes there.
+"""The node's slice of its run, watched for the place the operator tells it there.
 
-In the largest runs (:func:`elasticrun.api.rounds.members_told_by_lease`) the
+In the largest runs (:func:`elasticrun.api.rounds.members_told_in_slices`) the
 operator's seal does not move the run's ``signal``: sending the whole roster to
-every node is the one part of a round whose bytes grow as N².  It writes each
-member's place in the round on the member's Lease instead.  This watch selects
-that one Lease by name, which the API server's watch cache dispatches by name,
-so a node receives its own Lease's events and nobody else's: its renewals, its
-join request, and its assignment.  It runs only while ``next_rendezvous()`` waits
-for a round; a running member's renewals need no echo.
+every node is the one part of a round whose bytes grow as N².  It writes the
+round's places into the run's slices instead (:mod:`elasticrun.api.slices`),
+about 64 places in each.  This watch selects the node's one slice by name, which
+the API server's watch cache dispatches by name, so a node receives the events
+of its slice and of no other object: one per round that places a member of it.
+It runs only while ``next_rendezvous()`` waits for a round.
 """
 
 from __future__ import annotations
@@ -20,23 +20,23 @@ from typing import Any
 from elasticrun.api import untrusted
 from elasticrun.api.gateway import RunAccess
 from elasticrun.api.kube import ApiConnectionError, ApiError
-from elasticrun.api.leases import ASSIGNMENT_ANNOTATION, read_assignment
 from elasticrun.api.model import Assignment
-from elasticrun.api.naming import lease_name
+from elasticrun.api.slices import read_place, slice_index, slice_name
 from elasticrun.handler.watcher import RECONNECT_DELAYS
 
 log = logging.getLogger(__name__)
 
 
 class AssignmentWatch:
-    """Keeps the assignment last written on ``node``'s Lease, and calls ``on_change`` when
-    it moves."""
+    """Keeps ``node``'s place as its slice of the run with ``run_uid`` last told it, and
+    calls ``on_change`` when it moves."""
 
-    def __init__(self, access: RunAccess, node: str,
+    def __init__(self, access: RunAccess, node: str, run_uid: str,
                  on_change: Callable[[], None], watch_timeout: int = 300) -> None:
         self.access = access
         self.node = node
-        self.lease = lease_name(access.name, node)
+        self.run_uid = run_uid
+        self.slice = slice_name(run_uid, slice_index(node))
         self.on_change = on_change
         self.watch_timeout = watch_timeout
         self._latest: Assignment | None = None
@@ -57,7 +57,7 @@ class AssignmentWatch:
     def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, daemon=True,
-                                            name=f"elasticrun-mailbox-{self.lease}")
+                                            name=f"elasticrun-mailbox-{self.slice}")
             self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -70,7 +70,7 @@ class AssignmentWatch:
 
     def _run(self) -> None:
         failures = 0
-        resource_version: str | None = None  # none: the server starts with the Lease as it is
+        resource_version: str | None = None  # none: the server starts with the slice as it is
         while not self._stop.is_set():
             try:
                 resource_version = self._watch_once(resource_version)
@@ -83,12 +83,12 @@ class AssignmentWatch:
                     continue
                 delay = RECONNECT_DELAYS[min(failures, len(RECONNECT_DELAYS) - 1)]
                 failures += 1
-                log.debug("watch of lease %s failed (%s); again in %.1fs", self.lease, exc, delay)
+                log.debug("watch of slice %s failed (%s); again in %.1fs", self.slice, exc, delay)
                 self._stop.wait(delay)
 
     def _watch_once(self, resource_version: str | None) -> str | None:
-        """Follow the Lease until the server ends the watch; the version to go on from."""
-        watch = self.access.watch_lease(self.node, resource_version, self.watch_timeout)
+        """Follow the slice until the server ends the watch; the version to go on from."""
+        watch = self.access.watch_slice(self.slice, resource_version, self.watch_timeout)
         self._current = watch
         try:
             if self._stop.is_set():
@@ -104,9 +104,8 @@ class AssignmentWatch:
                 if event.get("type") == "BOOKMARK":
                     continue
                 self.events_received += 1
-                annotations = untrusted.mapping(meta.get("annotations"))
                 assignment = None if event.get("type") == "DELETED" else \
-                    read_assignment(annotations.get(ASSIGNMENT_ANNOTATION))
+                    read_place(obj, self.access.name, self.node)
                 if assignment != self._latest:
                     self._latest = assignment
                     self.on_change()

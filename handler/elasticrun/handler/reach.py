@@ -58,7 +58,7 @@ def reach_store(session: RunSession, stores: RoundStores, run: ElasticRun,
     """The round's store, or None when the round was superseded before it answered.
 
     ``run`` is the newest copy the node holds, which may predate the round when
-    the node was told of it on its Lease.
+    the node was told of it in its slice.
     """
     spec, round_number, rank = run.spec, assignment.round, assignment.rank
     assert assignment.store is not None

@@ -76,7 +76,7 @@ class RunSession:
         """The newest copy of the run the node holds (``run`` if none is newer), read
         afresh, no older than the quiet watch's event, once that watch said round
         ``round_number`` is disturbed since that copy: a node reaching the store of
-        a round it was told on its Lease otherwise holds a copy from before it."""
+        a round it was told in its slice otherwise holds a copy from before it."""
         watcher = self.watcher
         latest = watcher.latest or run
         woken = watcher.disturbed_version if watcher.disturbed(round_number) else None
@@ -125,7 +125,7 @@ class RunSession:
           (:attr:`.step.Knowledge.stale`), for the run to settle
           (:meth:`RunWatcher.watch_for_settled`): the next round's seal, or the
           run's end, sent once.  Where the operator tells members their places
-          on their Leases (:func:`~elasticrun.api.rounds.members_told_by_lease`),
+          in slices (:func:`~elasticrun.api.rounds.members_told_in_slices`),
           for the run's end only (:meth:`RunWatcher.watch_for_end`): there the
           seal leaves the signal alone so that no member is sent the roster.
         * Else fully, from the cached copy (:meth:`RunWatcher.watch_fully`).
@@ -133,7 +133,7 @@ class RunSession:
         watcher = self.watcher
         if holding and rounds.members_watch_quietly(spec) and not self.settings.in_place:
             watcher.watch_quietly(holding, whole=rounds.members_keep_places(spec))
-        elif stale and rounds.members_told_by_lease(spec):
+        elif stale and rounds.members_told_in_slices(spec):
             watcher.watch_for_end()
         elif stale:
             watcher.watch_for_settled()

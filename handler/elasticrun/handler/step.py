@@ -59,8 +59,8 @@ class Knowledge:
     defer_until: float | None = None
     #: The join request this call wrote.
     own: WaitingNode | None = None
-    #: The assignment last read from the node's own Lease (the largest runs:
-    #: :func:`~elasticrun.api.rounds.members_told_by_lease`).
+    #: The assignment last read from the node's slice (the largest runs:
+    #: :func:`~elasticrun.api.rounds.members_told_in_slices`).
     offered: Assignment | None = None
     #: The resourceVersion at which the member's quiet watch saw its previous round
     #: disturbed, when this call began from a copy older than that (:attr:`stale`).
@@ -82,7 +82,7 @@ class Knowledge:
         Such a copy says nothing about what disturbed the round (a loss, this
         node's own removal, a newer round), and its counters are behind: the
         node acts on it only as a member rejoining, which learns its place from
-        the run once it settles (or, in the largest runs, on its Lease).  Any
+        the run once it settles (or, in the largest runs, in its slice).  Any
         copy read or sent since is at least as new.
         """
         return self.woken is not None and newer(self.woken, self.run.resource_version)
@@ -405,7 +405,7 @@ def superseded(  # noqa: PLR0911 - one return per reason
     attempts: once the round is over (the leader or this node removed, a newer
     round sealed, the run closed or deleted), waiting for the leader's store is
     pointless and the node joins the next round instead.  A copy of the run
-    older than the round (a node told of its round on its Lease) says nothing
+    older than the round (a node told of its round in its slice) says nothing
     against it: whatever ended the round would have reached the node's watch.
     """
     if run is None:

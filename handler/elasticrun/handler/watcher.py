@@ -7,7 +7,7 @@ nodes; when the signal moves, the object starts to match and exactly one event
 arrives, after which the watch is re-opened with the new value.  That keeps the
 events delivered per round linear in the number of nodes instead of quadratic.
 
-A member of a large run (:func:`~elasticrun.api.rounds.members_told_by_lease`)
+A member of a large run (:func:`~elasticrun.api.rounds.members_told_in_slices`)
 that holds round R watches *quietly* instead (:meth:`RunWatcher.watch_quietly`):
 metadata only, with ``status.stableRound!=R``
 (:attr:`~elasticrun.api.model.RunStatus.stable_round`).  A signal would send
@@ -26,7 +26,7 @@ write moves past: a signal watch from it would send the whole run on each,
 starting with the disturbance itself.  It waits instead for the run to settle
 (:meth:`RunWatcher.watch_for_settled`: the whole run, once, when a newer round
 is sealed or the run has ended), or, in the largest runs, whose members the
-operator tells on their Leases, for the run's end only
+operator tells in slices, for the run's end only
 (:meth:`RunWatcher.watch_for_end`: metadata only, the run closed or finished,
 after which it reads the run once).  The member watches its new round quietly
 once it holds it, or the run fully once it holds a copy as new as the
@@ -179,7 +179,7 @@ class RunWatcher:
                 self._cond.wait(remaining)
 
     def poke(self) -> None:
-        """Wake whoever waits, for news that came another way (the node's own Lease)."""
+        """Wake whoever waits, for news that came another way (the node's slice)."""
         with self._cond:
             self._version += 1
             self._cond.notify_all()
@@ -208,7 +208,7 @@ class RunWatcher:
     def watch_for_end(self) -> None:
         """From now on watch only for the run's end (:meth:`RunGateway.watch_end`), and
         read the run once when it comes: the node rejoins from a copy older than
-        its round's disturbance, and learns its place on its Lease."""
+        its round's disturbance, and learns its place in its slice."""
         self._switch("end")
 
     @property

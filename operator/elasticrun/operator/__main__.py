@@ -199,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - the wirin
     me = elector.identity(operator_identity())
     # The holder name in the user agent: the audit log tells replicas apart.
     agent = f"{OPERATOR_USER_AGENT} ({me})"
-    # Connections: the workers' writes, plus a large round's assignments in parallel.
+    # Connections: the workers' writes, plus a large round's slices in parallel.
     client = KubeClient.from_config(args.kubeconfig, timeout=15, user_agent=agent,
                                     connections=ASSIGN_CONCURRENCY + 8)
     candidate: elector.Elector | None = None

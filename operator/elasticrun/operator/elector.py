@@ -31,10 +31,13 @@ loop on kopf's event loop, with client-go's rules and defaults (lease duration
 * **Fencing** of what a stale leader already had in flight (a request sent
   just before a SIGSTOP lands after the resume): status writes are PUTs with
   the resourceVersion the decision read, so one against a run the new leader
-  wrote since is refused with 409; Lease deletions carry ``preconditions.uid``
-  and assignments the observed uid; anything else that lands is a write on
-  state the new leader re-reads level-based from its watches (it reconciles
-  every run it holds when it starts leading) and corrects like any node's.
+  wrote since is refused with 409; Lease deletions carry ``preconditions.uid``;
+  anything else that lands is a write on state the new leader re-reads
+  level-based from its watches (it reconciles every run it holds when it
+  starts leading) and corrects like any node's, or, a slice of an older
+  round, one no member takes (its places answer requests they no longer
+  wait on; a member whose place it overwrote is told by the run once its
+  wait for the operator ends).
 * **Garbage** in the Lease (holder of the wrong type, a huge string, spec
   missing): read through :mod:`elasticrun.api.untrusted`; no holder means
   free, anything else waits for a lease duration of no change.  Every pass

@@ -24,8 +24,9 @@ from typing import Any
 from elasticrun.api.gateway import OperatorAccess, RunControl
 from elasticrun.api.kube import ApiConnectionError, ApiError
 from elasticrun.api.leases import LeaseState, owned_by
-from elasticrun.api.model import Assignment, ElasticRun, RunStatus, parse_run
+from elasticrun.api.model import ElasticRun, RunStatus, parse_run
 from elasticrun.api.ordering import newer, resource_version
+from elasticrun.api.slices import Slice, slice_name, slice_path
 from elasticrun.operator.deletions import Deleter
 from elasticrun.operator.observer import COMPONENT, Observer
 from elasticrun.operator.reconcile import Plan, Repair
@@ -34,15 +35,18 @@ from elasticrun.operator.runstate import Key, RunState
 
 log = logging.getLogger(__name__)
 
-#: Assignment writes in flight at once: a round of 2,048 members is told in
-#: parallel, as the nodes wrote their joins, rather than one write after another.
+#: Slice writes in flight at once: a round's slices are written in parallel, not
+#: one after another.
 ASSIGN_CONCURRENCY = 16
 
-#: A run whose assignment writes failed is reconciled again this soon.  A write
-#: that did not land brings no Lease event to wake the run, and its member, told
+#: A run whose slice writes failed is reconciled again this soon.  A write that
+#: did not land brings no event to wake the run, and the members it places, told
 #: nothing, would wait for the next renewal of some Lease (a minute apart in
-#: large runs) while its own wait for the operator runs out.
+#: large runs) while their own wait for the operator runs out.
 ASSIGN_RETRY_SECONDS = 1.0
+
+#: The field manager of the operator's slice writes (server-side apply).
+SLICE_MANAGER = "elasticrun-operator"
 
 
 class PlanExecutor:
@@ -65,7 +69,7 @@ class PlanExecutor:
         self.states: dict[Key, RunState] = {} if states is None else states
         self.deleter = Deleter(access, observer, self.states)
         #: Threads of their own: the default pool has cores + 4 threads, and a
-        #: large round's assignments would queue behind each other there.
+        #: round's slices would queue behind each other there.
         self._assigners = ThreadPoolExecutor(ASSIGN_CONCURRENCY,
                                              thread_name_prefix="elasticrun-assign")
 
@@ -81,7 +85,7 @@ class PlanExecutor:
 
         ``leases`` are the Leases the plan was decided from, each a genuine
         Lease of the run (:func:`~elasticrun.api.leases.owned_by`): a Lease is
-        deleted or written only as that observed object (its name, its uid),
+        deleted only as that observed object (its name, its uid),
         never under a name computed from a node's.
         """
         leases = leases or {}
@@ -99,8 +103,8 @@ class PlanExecutor:
                 return None  # lost the race; the winner's event re-queues us
             run = written
         gateway = self.gateway(key)
-        if plan.assignments:
-            await self.tell_members(gateway, key, plan.assignments, leases)
+        if plan.tell:
+            await self.tell_members(run, plan.tell)
         for node in plan.delete_leases:
             lease = leases.get(node)
             if lease is not None and owned_by(lease, run.name, run.uid):
@@ -134,41 +138,36 @@ class PlanExecutor:
         state.done = state.done.applied(item)
         log.info("%s/%s: %s", *key, item.note)
 
-    async def tell_members(self, gateway: RunControl, key: Key,
-                           assignments: list[tuple[str, Assignment]],
-                           leases: Mapping[str, LeaseState]) -> None:
-        """Write each member's assignment on its Lease, in parallel, each at most once.
+    async def tell_members(self, run: ElasticRun, tell: list[Slice]) -> None:
+        """Write the slices ``tell``, in parallel, each kept as told once it took.
 
         A write that fails is left for the next reconcile, asked for
-        :data:`ASSIGN_RETRY_SECONDS` later (no Lease event of that member
-        brings one); a member without a Lease is gone and will be removed.
-        The write names the uid of the Lease observed, so it lands on that
-        object or nowhere.
+        :data:`ASSIGN_RETRY_SECONDS` later: no event of a slice brings one (the
+        operator does not watch its own writes), and the members it places
+        would wait for the next renewal of some Lease to wake the run.
         """
-        round_number = assignments[0][1].round
+        key = (run.namespace, run.name)
         state = self.state(key)
-        told_round, told = state.told
-        if told_round != round_number:
-            told = set()
-            state.told = (round_number, told)
+        uid = run.uid
+        if uid is None:
+            return
         loop = asyncio.get_running_loop()
-        failed: list[str] = []
+        failed: list[int] = []
 
-        async def tell(node: str, assignment: Assignment) -> None:
-            lease = leases.get(node)
-            if lease is None or lease.uid is None:
-                return
+        async def write(piece: Slice) -> None:
+            path = slice_path(run.namespace, slice_name(uid, piece.index))
             try:
-                if await loop.run_in_executor(self._assigners, gateway.assign, node,
-                                              assignment, lease.uid):
-                    told.add(node)
+                await loop.run_in_executor(self._assigners, self.access.apply, path,
+                                           piece.manifest(run.name, run.namespace, uid),
+                                           SLICE_MANAGER)
             except (ApiError, ApiConnectionError) as exc:
-                failed.append(node)
-                log.warning("%s/%s: telling %s its place in round %d failed: %s", *key,
-                            node, round_number, exc)
+                failed.append(piece.index)
+                log.warning("%s/%s: writing slice %d of round %d failed: %s", *key,
+                            piece.index, piece.round, exc)
+                return
+            state.done = state.done.wrote(piece)
 
-        await asyncio.gather(*(tell(node, assignment) for node, assignment in assignments
-                               if node not in told))
+        await asyncio.gather(*(write(piece) for piece in tell))
         if failed:
             self.retry(key, ASSIGN_RETRY_SECONDS)
 

@@ -17,11 +17,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from elasticrun.api import crd, rounds
+from elasticrun.api import crd, rounds, slices
 from elasticrun.api.leases import LeaseState, pending_joins, suspicion_window
 from elasticrun.api.model import (
     LOST_MEMBERS_KEPT,
-    Assignment,
     Condition,
     Desired,
     ElasticRun,
@@ -113,9 +112,9 @@ class Plan:
     #: plan, and a seal, again from a consistent listing.  A removal for what a Pod
     #: said is carried out as decided: it reads no Lease.
     lease_decided: bool = False
-    #: Members to tell their place in the round on their Lease, rank 0 first
-    #: (after ``status``, if any, is written).
-    assignments: list[tuple[str, Assignment]] = field(default_factory=list)
+    #: The run's slices to write with the places of its sealed round, in the runs
+    #: told in slices (after ``status``, if any, is written).
+    tell: list[slices.Slice] = field(default_factory=list)
     #: The run's own objects to apply, before anything else (they changed).
     apply: list[runobjects.Apply] = field(default_factory=list)
     #: Problem Events, posted whatever becomes of the status write, and the run's
@@ -238,7 +237,7 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime,
               done: runobjects.Done = runobjects.NOTHING_DONE) -> Plan:
     """Everything the operator does for the run: its objects and problem reports
     (:mod:`.runobjects`, from ``settings`` and what was ``done``), then the run's rules."""
-    plan = _rules(run, members, now)
+    plan = _rules(run, members, now, done)
     plan.apply = runobjects.applies(run, members.leases, settings, done)
     plan.report = runobjects.problem_reports(run, members.leases, members.node_signals,
                                              settings, done.problems)
@@ -247,7 +246,8 @@ def reconcile(run: ElasticRun, members: Members, now: dt.datetime,
     return plan
 
 
-def _rules(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
+def _rules(run: ElasticRun, members: Members, now: dt.datetime,
+           done: runobjects.Done) -> Plan:
     """The rules below, in order; each one may end the pass with its own plan.
 
     A new rule goes where its order matters: before ``_seal_backstop`` if it
@@ -274,7 +274,7 @@ def _rules(run: ElasticRun, members: Members, now: dt.datetime) -> Plan:
     new = _desired(new, members)  # before the seal: its rules read the owner's size
     new = _seal_backstop(run, new, members, now, plan)
     _lease_wakeups(run, new, members, now, plan)
-    plan.assignments = _assignments_due(run, new, members)
+    plan.tell = _slices_due(run, new, done)
     material = new
     new = _desired_condition(run, _coming(new, members), members, now)
     new = _finish(_conditions(run, new.replace(phase=_phase(new)), now), run.generation)
@@ -503,7 +503,7 @@ def _seal_backstop(run: ElasticRun, new: RunStatus, members: Members, now: dt.da
         else:
             plan.sealed = True
             return rounds.seal_round(candidate, now, waiting,
-                                     by_lease=rounds.members_told_by_lease(run.spec))
+                                     in_slices=rounds.members_told_in_slices(run.spec))
     elif decision.deadline is not None:
         plan.wake(decision.deadline + grace)
     if not plan.sealed and rounds.newcomers_defer_announce(run.spec) \
@@ -546,27 +546,20 @@ def _next_store(run: ElasticRun, members: Members) -> StoreAddress | None:
     return StoreAddress(join.address, join.next_store_port)
 
 
-def _assignments_due(run: ElasticRun, new: RunStatus, members: Members
-                     ) -> list[tuple[str, Assignment]]:
-    """Members of a sealed round whose Lease does not yet tell them their place in it.
+def _slices_due(run: ElasticRun, new: RunStatus, done: runobjects.Done) -> list[slices.Slice]:
+    """The slices that do not yet tell the members of a sealed round their places.
 
     Only in the runs whose seal leaves ``signal`` alone
-    (:func:`rounds.members_told_by_lease`): just after the operator's seal all
-    members are due; after a restart, those the killed operator did not reach.
-    A member whose Lease holds another request than the one the round
-    answered has moved on, and is not told.
+    (:func:`rounds.members_told_in_slices`): just after the operator's seal every
+    slice with a member; after a write that failed, that slice; after a restart
+    (nothing done yet), every slice again, which changes nothing where the
+    killed operator had written it.  A member that has moved on to another
+    request finds its place in the slice answering an earlier one, and waits on.
     """
-    if not rounds.members_told_by_lease(run.spec) or new.round == 0 or new.degraded \
+    if not rounds.members_told_in_slices(run.spec) or new.round == 0 or new.degraded \
             or new.store is None:
         return []
-    due: list[tuple[str, Assignment]] = []
-    for name, assignment in new.assignments().items():
-        lease = members.leases.get(name)
-        if lease is None or lease.join is None or lease.join.since != assignment.since \
-                or lease.assignment == assignment:
-            continue
-        due.append((name, assignment))
-    return due
+    return slices.due(new.round, new.assignments().items(), done.slices_told(new.round))
 
 
 def _lease_wakeups(run: ElasticRun, new: RunStatus, members: Members, now: dt.datetime,

@@ -19,8 +19,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from elasticrun.api import rounds, slices
 from elasticrun.api.leases import LeaseState
 from elasticrun.api.model import ElasticRun
+from elasticrun.api.slices import Slice
 from elasticrun.operator import netpol, nodesignals, runrbac
 
 #: At most this many problems of one kind are reported one by one per run; past
@@ -56,17 +58,29 @@ class Problems:
 @dataclass(frozen=True)
 class Done:
     """What the operator already did for the run: fingerprints of the objects it last
-    applied (an unchanged object is not applied again), and the problems reported."""
+    applied (an unchanged object is not applied again), the problems reported, and
+    the slices written of its last round told in slices (:mod:`elasticrun.api.slices`)."""
 
     rbac: str | None = None
     policy: str | None = None
     problems: Problems = field(default_factory=Problems)
+    told: tuple[int, frozenset[int]] = (0, frozenset())
 
     def applied(self, item: Apply) -> Done:
         """What was done once ``item`` took."""
         if item.slot == "rbac":
             return dataclasses.replace(self, rbac=item.fingerprint)
         return dataclasses.replace(self, policy=item.fingerprint)
+
+    def slices_told(self, round_number: int) -> frozenset[int]:
+        """The slices of round ``round_number`` written already."""
+        told_round, told = self.told
+        return told if told_round == round_number else frozenset()
+
+    def wrote(self, written: Slice) -> Done:
+        """What was done once ``written`` took."""
+        return dataclasses.replace(
+            self, told=(written.round, self.slices_told(written.round) | {written.index}))
 
 
 #: No object beside the run, nothing done for it yet.
@@ -118,7 +132,9 @@ def applies(run: ElasticRun, leases: Mapping[str, LeaseState], settings: Setting
     account = service_account(run, settings)
     if account is not None and runrbac.service_account_problem(account) is None:
         names = runrbac.lease_names(run, leases)
-        role = runrbac.role(run.name, run.namespace, run.uid, names)
+        told_in = slices.slice_names(run.uid) \
+            if run.uid and rounds.members_told_in_slices(run.spec) else []
+        role = runrbac.role(run.name, run.namespace, run.uid, names, told_in)
         binding = runrbac.role_binding(run.name, run.namespace, run.uid, account)
         print_ = fingerprint([role, binding])
         if print_ != done.rbac:
@@ -137,8 +153,11 @@ def service_account(run: ElasticRun, settings: Settings) -> str | None:
 
 def owned_paths(run: ElasticRun, settings: Settings) -> list[str]:
     """The objects to delete with the run (owned by it, but a cluster may run no garbage
-    collector): its RoleBinding and Role, its NetworkPolicy."""
+    collector): its slices where rounds are told in slices, its RoleBinding and Role,
+    its NetworkPolicy."""
     paths: list[str] = []
+    if rounds.members_told_in_slices(run.spec) and run.uid:
+        paths += [slices.slice_path(run.namespace, name) for name in slices.slice_names(run.uid)]
     if settings.per_run_rbac:
         paths += [runrbac.path(kind, run.namespace, run.name) for kind in ("RoleBinding", "Role")]
     if settings.store_policy_port is not None:

@@ -26,7 +26,9 @@ What RBAC cannot limit by name, and how it is handled:
   Leases hold node names and addresses, nothing secret.
 * ``list``/``watch`` of the run itself are limited by name: the handler watches
   with ``fieldSelector=metadata.name=RUN``, which the authorizer checks against
-  ``resourceNames``.
+  ``resourceNames``.  So are those of the run's slices, in the runs told in
+  slices (:mod:`elasticrun.api.slices`), which the Role lets the pods read and
+  never write: each member watches its one slice by name.
 
 The Role and RoleBinding are owned by the run (ownerReferences), so the garbage
 collector removes them with it; the operator also deletes them on TTL cleanup.
@@ -110,8 +112,11 @@ def lease_names(run: ElasticRun, leases: Mapping[str, LeaseState]) -> list[str]:
     return sorted(names)
 
 
-def role(run: str, namespace: str, uid: str | None, names: Iterable[str]) -> dict[str, Any]:
-    """The run's Role: this run, its status, and the Leases named (:func:`lease_names`)."""
+def role(run: str, namespace: str, uid: str | None, names: Iterable[str],
+         slice_names: Iterable[str] = ()) -> dict[str, Any]:
+    """The run's Role: this run, its status, the Leases named (:func:`lease_names`), and
+    reading the slices named (:func:`~elasticrun.api.slices.slice_names`, in runs told
+    in slices)."""
     leases = sorted(set(names))
     rules: list[dict[str, Any]] = [
         {"apiGroups": [crd.GROUP], "resources": [crd.PLURAL], "resourceNames": [run],
@@ -125,7 +130,11 @@ def role(run: str, namespace: str, uid: str | None, names: Iterable[str]) -> dic
     if leases:
         rules.append({"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
                       "resourceNames": leases,
-                      "verbs": ["get", "watch", "update", "patch", "delete"]})
+                      "verbs": ["get", "update", "patch", "delete"]})
+    if slice_names:
+        # Read only: the operator alone writes a run's slices.
+        rules.append({"apiGroups": [crd.GROUP], "resources": [crd.SLICE_PLURAL],
+                      "resourceNames": sorted(slice_names), "verbs": ["get", "list", "watch"]})
     return {"apiVersion": f"{RBAC}/v1", "kind": "Role", "metadata": _meta(run, namespace, uid),
             "rules": rules}
 

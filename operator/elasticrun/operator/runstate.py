@@ -52,10 +52,6 @@ class RunState:
     done: Done = field(default_factory=Done)
     #: The status error last repaired: the same error is not repaired twice.
     invalid_reported: str | None = None
-    #: The round last told on the Leases and the members told of it: the Lease index
-    #: shows a written assignment only after its event arrives, and a reconcile in
-    #: between must not write it again.
-    told: tuple[int, set[str]] = field(default_factory=lambda: (0, set()))
     #: Leases whose deletion failed: by uid, (failures, monotonic retry time).
     delete_failures: dict[str, tuple[int, float]] = field(default_factory=dict)
 
