@@ -93,7 +93,7 @@ def test_each_mixed_round_times_a_loss_until_every_survivor_knew(
 def test_the_large_runs_ways_of_telling_members_form_admit_and_lose_at_a_small_n(
         scale_run: tuple[Path, dict[str, Any]]) -> None:
     """The quiet watch and the settled rejoin (from ``QUIET_WATCH_FROM``), and the places
-    told on the Leases (from ``TELL_IN_SLICES_FROM``), of simulated nodes and real handlers,
+    told in slices (from ``TELL_IN_SLICES_FROM``), of simulated nodes and real handlers,
     which the mixed rounds of the quick run are too small to take."""
     out, data = scale_run
     rows = data["regimes"]

@@ -343,11 +343,11 @@ def _form_three(make_handler: Any, run: str, max_nodes: int, **conf: Any
     return nodes, outcomes
 
 
-def test_the_largest_runs_tell_each_member_its_place_on_its_lease(
+def test_the_largest_runs_tell_each_member_its_place_in_its_slice(
         operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """maxNodes 2,048: the operator's seal leaves the signal alone, so no node receives the
-    roster; each learns its rank from its own Lease, in the first round and after a loss."""
+    roster; each learns its rank from its slice, in the first round and after a loss."""
     from elasticrun.api import rounds
 
     lists = _Counted(monkeypatch, "leases")
@@ -367,7 +367,7 @@ def test_the_largest_runs_tell_each_member_its_place_on_its_lease(
         assert (told.round, told.rank, told.world_size) == (1, ranks[node.settings.node_name], 3)
         assert told.leader == run.status.participants[0].name
     # A loss moves the signal (every survivor must hear of it); the next round is
-    # told on the Leases again.
+    # told in the slices again.
     leaving = next(n for n in nodes if ranks[n.settings.node_name] == 2)
     leaving.shutdown()
     survivors = [n for n in nodes if n is not leaving]
@@ -390,7 +390,7 @@ def test_a_quiet_run_tells_its_members_by_the_seals_broadcast_and_they_rejoin_on
     """maxNodes 256: the operator's seal moves the signal and every node receives the run
     with it; holding its round, each member watches it quietly, hears of a loss in one
     event of metadata, and learns its next place from one event, the run as the next
-    seal settled it: no read of the run, no LIST, no assignment on its Lease.  (A
+    seal settled it: no read of the run, no LIST, no slice.  (A
     heartbeat of two renewals keeps no place, so the members ask again; below, they
     keep their places.)"""
     from elasticrun.api import rounds

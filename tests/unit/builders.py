@@ -103,7 +103,7 @@ def idle_client() -> KubeClient:
 
 
 def large_spec() -> RunSpec:
-    """A run whose operator tells members on their Leases (the largest runs), formed by
+    """A run whose operator tells members in slices (the largest runs), formed by
     one node."""
     return RunSpec(min_nodes=1, max_nodes=rounds.TELL_IN_SLICES_FROM, join_timeout=60,
                    last_call_timeout=1, heartbeat_timeout=30, lease_renew_interval=10)

@@ -666,8 +666,8 @@ def test_a_member_reaching_a_round_told_on_its_lease_reads_the_run_once_it_is_di
 
 def test_the_run_watch_fits_what_the_node_holds(server: FakeApiServer) -> None:
     """RunSession.follow, the one rule: quiet while it holds a round of a large run outside
-    in-place mode; while its copy is stale, the run's end only where members are told on
-    their Leases, else the run settled; otherwise the full watch."""
+    in-place mode; while its copy is stale, the run's end only where members are told in
+    slices, else the run settled; otherwise the full watch."""
     server.seed_run(RUN_NAME, large_spec(),
                     sealed("a", "b", round_=1).replace(store=StoreAddress("10.0.0.1", 29400)))
     small = spec(2)

@@ -219,7 +219,7 @@ class RoundExecutor:
         """Wait for a newer run or a new assignment in our slice, or until ``until``."""
         session = self.session
         self._watch()
-        seen = session.watcher.version  # before reading the Lease's news: none is missed
+        seen = session.watcher.version  # before reading the slice's news: none is missed
         offered = self.mailbox.latest if self.mailbox is not None else None
         if offered != known.offered:
             return known.replace(offered=offered)
