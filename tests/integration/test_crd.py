@@ -268,7 +268,7 @@ def test_an_operator_slice_is_stored_as_written_and_read_by_name(
         cluster: Cluster, namespace: str, slices_served: list[Any]) -> None:
     run = create(cluster, namespace, "sliced", minNodes=2, maxNodes=2)
     uid = run["metadata"]["uid"]
-    by_slice = slices.due(3, [("a", _place(0)), ("b", _place(1))], frozenset())
+    by_slice = slices.due({"a": _place(0), "b": _place(1)}, frozenset())
     for piece in by_slice:
         cluster.client.request(
             "PATCH", slices.slice_path(namespace, slices.slice_name(uid, piece.index)),
@@ -280,6 +280,10 @@ def test_an_operator_slice_is_stored_as_written_and_read_by_name(
     assert stored["spec"]["run"] == "sliced" and stored["spec"]["round"] == 3
     assert stored["metadata"]["ownerReferences"][0]["uid"] == uid
     assert slices.read_place(stored, "sliced", "b") == _place(1)
+    # The spec is one field to server-side apply: every member's event carries the
+    # slice's managedFields, which name no place.
+    [managed] = stored["metadata"]["managedFields"]
+    assert managed["manager"] == "elasticrun-operator" and managed["fieldsV1"]["f:spec"] == {}
     # What a member watches: its own slice by name, nothing else of the run's.
     listed = cluster.client.request("GET", slices.slices_path(namespace),
                                     query={"fieldSelector": f"metadata.name={name}"})
@@ -288,18 +292,25 @@ def test_an_operator_slice_is_stored_as_written_and_read_by_name(
                                       query={"labelSelector": f"{crd.RUN_LABEL}=sliced"})
     assert len(labelled["items"]) == len(by_slice)
     out = cluster.kubectl("get", crd.SLICE_PLURAL, name, "-n", namespace).stdout
-    assert out.splitlines()[0].split() == ["NAME", "RUN", "ROUND", "AGE"]
-    assert out.splitlines()[1].split()[:3] == [name, "sliced", "3"]
+    assert out.splitlines()[0].split() == ["NAME", "RUN", "ROUND", "WORLD", "LEADER", "AGE"]
+    assert out.splitlines()[1].split()[:5] == [name, "sliced", "3", "2", "a"]
 
 
 @pytest.mark.parametrize(("spec", "expected"), [
-    ({"run": "r", "round": 0, "assignments": {}},
+    ({"run": "r", "round": 0, "worldSize": 1, "places": {}},
      "spec.round in body should be greater than or equal to 1"),
-    ({"run": "r", "round": 1}, "spec.assignments: Required value"),
-    ({"run": "r", "round": 1, "assignments": {"a": "x" * 1025}},
-     "spec.assignments.a: Too long: may not be more than 1024 bytes"),
-    ({"run": "r", "round": 1, "assignments": {"a": 7}},
-     'spec.assignments.a in body must be of type string: "integer"'),
+    ({"run": "r", "round": 1, "worldSize": 1}, "spec.places: Required value"),
+    ({"run": "r", "round": 1, "places": {}}, "spec.worldSize: Required value"),
+    ({"run": "r", "round": 1, "worldSize": 1, "places": {"a": {"rank": -1}}},
+     "spec.places.a.rank in body should be greater than or equal to 0"),
+    ({"run": "r", "round": 1, "worldSize": 1, "places": {"a": {"since": "2026-01-01T00:00:00Z"}}},
+     "spec.places.a.rank: Required value"),
+    ({"run": "r", "round": 1, "worldSize": 1, "places": {"a": {"rank": 0, "since": "soon"}}},
+     "spec.places.a.since in body must be of type date-time"),
+    ({"run": "r", "round": 1, "worldSize": 1, "places": {"a": "x"}},
+     'spec.places.a in body must be of type object: "string"'),
+    ({"run": "r", "round": 1, "worldSize": 1, "places": {}, "store": {"host": "h", "port": 0}},
+     "spec.store.port in body should be greater than or equal to 1"),
 ])
 def test_invalid_slices_are_rejected(cluster: Cluster, namespace: str, spec: dict[str, Any],
                                      expected: str, slices_served: list[Any]) -> None:

@@ -373,7 +373,7 @@ def test_per_run_rbac_keeps_run_a_pods_out_of_run_b(
             "POST", slices.slices_path(namespace), body={
                 "apiVersion": crd.API_VERSION, "kind": crd.SLICE_KIND,
                 "metadata": {"name": "forged"},
-                "spec": {"run": "run-b", "round": 9, "assignments": {}}})),
+                "spec": {"run": "run-b", "round": 9, "worldSize": 1, "places": {}}})),
     }
     assert set(own.values()) == {403}, own
     # The handler says so in torch's terms, naming the missing permission.

@@ -84,12 +84,9 @@ def _node() -> SimNode:
     return node
 
 
-def _slice(place: Assignment, run: str = RUN, round_: int | None = None,
-           node: str = NODE) -> dict[str, Any]:
-    """The node's slice as the operator writes it, holding ``place`` (of round ``round_``,
-    the place's own unless named)."""
-    [piece] = slices.due(place.round if round_ is None else round_, [(node, place)],
-                         frozenset())
+def _slice(place: Assignment, run: str = RUN, node: str = NODE) -> dict[str, Any]:
+    """The node's slice as the operator writes it, holding ``place``."""
+    [piece] = slices.due({node: place}, frozenset())
     return piece.manifest(run, NAMESPACE, UID)
 
 
@@ -136,7 +133,7 @@ def test_a_node_takes_the_place_its_slice_tells_for_its_request(
 @pytest.mark.parametrize("event", [
     {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "4712"}}},
     {"type": "MODIFIED", "object": _slice(_place(), run="other")},  # another run's
-    {"type": "MODIFIED", "object": _slice(_place(), round_=4)},  # a place of another round
+    {"type": "MODIFIED", "object": _slice(dataclasses.replace(_place(), world_size=5))},  # no rank
     {"type": "MODIFIED", "object": _slice(_place(since=at(1), round_=2))},  # its last request's
     {"type": "MODIFIED", "object": _slice(_place(), node="node-0043")},  # another node's place
     {"type": "DELETED", "object": _slice(_place())},

@@ -487,7 +487,7 @@ def seal_as_the_operator(server: FakeApiServer, *names: str) -> RunStatus:
     status = rounds.seal_round(run, now(), observer_pending(server), in_slices=in_slices)
     write_status(server, status)
     assert run.uid is not None
-    for piece in slices.due(status.round, status.assignments().items(), frozenset()) \
+    for piece in slices.due(status.assignments(), frozenset()) \
             if in_slices else ():
         path = slices.slice_path(server.namespace, slices.slice_name(run.uid, piece.index))
         server.apply(server.key_of(path), piece.manifest(RUN_NAME, server.namespace, run.uid),

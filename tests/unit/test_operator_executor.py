@@ -28,7 +28,6 @@ from elasticrun.api import crd
 from elasticrun.api.kube import ApiConnectionError
 from elasticrun.api.leases import (
     LeaseState,
-    assignment_value,
     lease_state,
     node_lease,
 )
@@ -42,7 +41,7 @@ from elasticrun.api.model import (
     parse_run,
 )
 from elasticrun.api.naming import lease_name
-from elasticrun.api.slices import Slice, read_place, slice_name, slice_path
+from elasticrun.api.slices import Place, Slice, read_place, slice_name, slice_path
 from elasticrun.operator import runrbac
 from elasticrun.operator.executor import ASSIGN_RETRY_SECONDS, PlanExecutor
 from elasticrun.operator.metrics import Metrics
@@ -145,9 +144,10 @@ def place_in(b: Bed, index: int, node: str) -> Assignment | None:
 
 
 def piece(index: int, *places: tuple[str, Assignment]) -> Slice:
-    """Slice ``index`` of the places' round, holding ``places``."""
-    return Slice(index, places[0][1].round,
-                 {node: assignment_value(place) for node, place in places})
+    """Slice ``index`` of the places' round (the terms of its first), holding ``places``."""
+    terms = places[0][1]
+    return Slice(index, terms.round, terms.world_size, terms.store, terms.leader,
+                 {node: Place(place.rank, place.since) for node, place in places})
 
 
 # --------------------------------------------------------------------------- the status write

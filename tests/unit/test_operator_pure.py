@@ -10,7 +10,7 @@ import pytest
 
 from elasticrun.api import rounds, slices
 from elasticrun.api.kube import ApiConnectionError, ApiError
-from elasticrun.api.leases import LeaseState, Unreachable, pending_joins, read_assignment
+from elasticrun.api.leases import LeaseState, Unreachable, pending_joins
 from elasticrun.api.model import (
     LOST_MEMBERS_KEPT,
     Assignment,
@@ -425,8 +425,8 @@ def test_the_operator_seals_at_once_where_nodes_leave_it_the_seal(size: int) -> 
 
 def _places(plan_tell: list[slices.Slice]) -> dict[str, Assignment | None]:
     """Every node's place as the planned slices tell it."""
-    return {node: read_assignment(value) for piece in plan_tell
-            for node, value in piece.places.items()}
+    return {node: slices.read_place(piece.manifest("r", "ns", "uid"), "r", node)
+            for piece in plan_tell for node in piece.places}
 
 
 @pytest.mark.parametrize("size", [3, 64, rounds.QUIET_WATCH_FROM, rounds.TELL_IN_SLICES_FROM])

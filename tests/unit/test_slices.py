@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import collections
 import datetime as dt
+import json
 import os
 import subprocess
 import sys
 
 from elasticrun.api import crd, slices
-from elasticrun.api.leases import assignment_value
 from elasticrun.api.model import Assignment, StoreAddress
 from elasticrun.api.naming import is_dns_label
 
@@ -52,38 +52,56 @@ def test_slices_are_named_by_the_runs_uid_so_a_run_made_again_never_reads_the_ol
 
 
 def test_due_slices_hold_every_place_of_theirs_and_skip_those_told() -> None:
-    places = [(name, place(rank)) for rank, name in enumerate(NAMES[:100])]
-    every = slices.due(4, places, frozenset())
+    places = {name: place(rank, world=100) for rank, name in enumerate(NAMES[:100])}
+    every = slices.due(places, frozenset())
     assert [s.index for s in every] == sorted({slices.slice_index(n) for n in NAMES[:100]})
     assert sorted(n for s in every for n in s.places) == sorted(NAMES[:100])
-    assert all(slices.slice_index(n) == s.index and s.round == 4
+    assert all(slices.slice_index(n) == s.index
+               and slices.read_place(s.manifest("r", "ns", "uid"), "r", n) == places[n]
                for s in every for n in s.places)
     told = frozenset(s.index for s in every[:3])
-    rest = slices.due(4, places, told)
+    rest = slices.due(places, told)
     assert rest == every[3:]  # the same slices, each whole
-    assert slices.due(4, places, frozenset(s.index for s in every)) == []
+    assert slices.due(places, frozenset(s.index for s in every)) == []
+    assert slices.due({}, frozenset()) == []
 
 
 def test_a_slice_manifest_is_the_whole_slice_owned_by_its_run() -> None:
-    [piece] = slices.due(4, [("node-0007", place(7))], frozenset())
+    [piece] = slices.due({"node-0007": place(7)}, frozenset())
     manifest = piece.manifest("team.run", "ns", "uid-1")
     assert manifest["metadata"]["name"] == slices.slice_name("uid-1", piece.index)
     assert manifest["metadata"]["ownerReferences"] == [{
         "apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": "team.run", "uid": "uid-1",
         "blockOwnerDeletion": False}]
-    assert manifest["spec"] == {"run": "team.run", "round": 4,
-                                "assignments": {"node-0007": assignment_value(place(7))}}
+    assert manifest["spec"] == {
+        "run": "team.run", "round": 4, "worldSize": 2048,
+        "store": {"host": "10.0.0.1", "port": 29400}, "leader": "node-0000",
+        "places": {"node-0007": {"rank": 7, "since": "2026-12-07T18:00:00.123456Z"}}}
     assert slices.read_place(manifest, "team.run", "node-0007") == place(7)
+    assert slices.read_place(manifest, "team.run", "node-0008") is None
 
 
-def test_the_longest_place_fits_the_crds_bound() -> None:
-    """The CRD bounds each encoded place (``maxLength``): the longest one the model allows,
-    names of 253 characters and counters at their maximum, fits."""
+def test_a_place_costs_its_rank_and_request_once_the_rounds_terms_are_shared() -> None:
+    """What makes a slice worth sending whole to each of its ~64 members: the round's
+    terms once, then per member little more than its name."""
+    names = [n for n in NAMES if slices.slice_index(n) == 0]
+    [piece] = slices.due({n: place(rank) for rank, n in enumerate(names)}, frozenset())
+    spec = json.dumps(piece.manifest("run", "ns", "uid")["spec"], separators=(",", ":"))
+    per_place = (len(spec) - 200) / len(names)
+    assert 50 < len(names) < 80 and per_place < 55 + len("node-0000")
+
+
+def test_a_slice_holds_the_crds_largest_run() -> None:
+    """The CRD bounds a slice's places by the largest run it admits (``maxNodes``), and
+    even that run's slice, every name hashed into it and 253 characters long, stays
+    below etcd's 1.5 MiB request limit."""
     schema = crd.slice_crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    bound = schema["properties"]["spec"]["properties"]["assignments"][
-        "additionalProperties"]["maxLength"]
-    longest = Assignment(round=crd.counter_maximum(), rank=2047, world_size=2048,
-                         store=StoreAddress("f" * 253, 65535), leader="l" * 253, since=T0)
-    assert len(assignment_value(longest)) <= bound
-    assert schema["properties"]["spec"]["properties"]["assignments"]["maxProperties"] \
-        == crd.spec_maximum("maxNodes")
+    most = crd.spec_maximum("maxNodes")
+    assert schema["properties"]["spec"]["properties"]["places"]["maxProperties"] == most
+    longest = {f"{i:04d}".ljust(253, "n"): Assignment(
+        round=crd.counter_maximum(), rank=i, world_size=most,
+        store=StoreAddress("f" * 253, 65535), leader="l" * 253, since=T0) for i in range(most)}
+    whole = slices.Slice(0, crd.counter_maximum(), most, StoreAddress("f" * 253, 65535),
+                         "l" * 253, {n: slices.Place(a.rank, a.since) for n, a in longest.items()})
+    size = len(json.dumps(whole.manifest("r" * 253, "ns", "u" * 36), separators=(",", ":")))
+    assert size < 1024 * 1024

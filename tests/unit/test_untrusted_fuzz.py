@@ -28,7 +28,6 @@ from elasticrun.api.leases import (
     lease_run,
     lease_state,
     pending_joins,
-    read_assignment,
     read_unreachable,
 )
 from elasticrun.api.model import (
@@ -40,7 +39,7 @@ from elasticrun.api.model import (
     StoreAddress,
     parse_run,
 )
-from elasticrun.api.slices import read_place
+from elasticrun.api.slices import due, read_place
 from elasticrun.operator.liveness import pod_loss
 from elasticrun.operator.metrics import OTHER, Metrics, reason_label
 from elasticrun.operator.reconcile import Members, reconcile
@@ -96,8 +95,6 @@ def _lease(node: Any, join: Any, renew: Any, duration: Any, owner: Any,
     }
 
 
-GOOD_ASSIGNMENT = ('{"leader":"n0","rank":1,"round":1,"since":"2026-01-01T00:00:00.000000Z",'
-                   '"store":{"host":"10.0.0.1","port":100},"worldSize":2}')
 LEASES = st.builds(
     _lease,
     node=st.one_of(st.sampled_from(["n0", "n1", "evil", "y" * 300]), JSON),
@@ -245,32 +242,39 @@ def test_a_readable_unreachable_report_is_read() -> None:
     assert read_unreachable('{"node": "n0", "round": 3}') == Unreachable("n0", 3)
 
 
-@pytest.mark.parametrize("raw", [
-    "", "{}", "null", "[]", "x" * 2000, 7,
-    GOOD_ASSIGNMENT.replace('"rank":1', '"rank":2'),  # rank outside the world
-    GOOD_ASSIGNMENT.replace('"rank":1', '"rank":true'),
-    GOOD_ASSIGNMENT.replace('"round":1', '"round":0'),
-    GOOD_ASSIGNMENT.replace('"round":1', '"round":99999999999'),
-    GOOD_ASSIGNMENT.replace('"port":100', '"port":70000'),
-    GOOD_ASSIGNMENT.replace('"host":"10.0.0.1"', '"host":""'),
-    GOOD_ASSIGNMENT.replace('"leader":"n0"', '"leader":{"x":1}'),
-    GOOD_ASSIGNMENT.replace('"since":"2026-01-01T00:00:00.000000Z"', '"since":"soon"'),
-    GOOD_ASSIGNMENT.replace('"worldSize":2', '"worldSize":{"deep":{"er":[1]}}'),
-])
-def test_an_unreadable_assignment_is_no_assignment(raw: Any) -> None:
-    assert read_assignment(raw) is None
+GOOD_PLACE = {"rank": 1, "since": "2026-01-01T00:00:00.000000Z"}
 
 
-def _slice(run: Any, round_number: Any, places: Any) -> dict[str, Any]:
+def _slice(run: Any = "run-b", round_number: Any = 1, world: Any = 2,
+           store: Any = None, leader: Any = "n0", place: Any = None) -> dict[str, Any]:
+    """A slice of run-b's round 1 placing n1, each field replaceable."""
     return {"metadata": {"name": f"{UID}-00"},
-            "spec": {"run": run, "round": round_number, "assignments": places}}
+            "spec": {"run": run, "round": round_number, "worldSize": world,
+                     "store": {"host": "10.0.0.1", "port": 100} if store is None else store,
+                     "leader": leader, "places": {"n1": GOOD_PLACE if place is None else place}}}
+
+
+@pytest.mark.parametrize("obj", [
+    {}, [], "x" * 2000, 7, {"spec": None}, {"spec": {"places": []}},
+    _slice(place={"rank": 2, "since": GOOD_PLACE["since"]}),  # rank outside the world
+    _slice(place={"rank": True, "since": GOOD_PLACE["since"]}),
+    _slice(place={"rank": 1}),  # no request it answers
+    _slice(place={"rank": 1, "since": "soon"}),
+    _slice(place="rank 1"),
+    _slice(round_number=0), _slice(round_number=99999999999), _slice(round_number=True),
+    _slice(store={"host": "10.0.0.1", "port": 70000}), _slice(store={"host": "", "port": 1}),
+    _slice(store=[]), _slice(leader={"x": 1}), _slice(leader=""),
+    _slice(world={"deep": {"er": [1]}}), _slice(world=0),
+])
+def test_an_unreadable_slice_place_is_no_place(obj: Any) -> None:
+    assert read_place(obj, "run-b", "n1") is None
 
 
 @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(ANYTHING, st.builds(
     _slice, run=st.one_of(st.just("run-b"), JSON), round_number=st.one_of(st.just(1), JSON),
-    places=st.one_of(st.fixed_dictionaries({"n1": st.one_of(st.just(GOOD_ASSIGNMENT),
-                                                            ANNOTATION)}), JSON))))
+    world=st.one_of(st.just(2), JSON), store=st.one_of(st.none(), JSON),
+    leader=st.one_of(st.just("n0"), JSON), place=st.one_of(st.none(), ANNOTATION, JSON))))
 def test_a_slice_of_any_shape_gives_a_place_of_its_round_or_none(obj: Any) -> None:
     place = read_place(obj, "run-b", "n1")
     if place is not None:
@@ -278,19 +282,16 @@ def test_a_slice_of_any_shape_gives_a_place_of_its_round_or_none(obj: Any) -> No
         assert place.round == obj["spec"]["round"] and place.rank < place.world_size
 
 
-def test_a_slice_tells_a_node_only_its_own_place_of_its_own_run_and_round() -> None:
-    good = _slice("run-b", 1, {"n1": GOOD_ASSIGNMENT})
-    assert read_place(good, "run-b", "n1") == read_assignment(GOOD_ASSIGNMENT)
-    assert read_place(good, "run-a", "n1") is None  # another run's slice
-    assert read_place(good, "run-b", "n0") is None  # no place of this node
-    assert read_place(_slice("run-b", 2, {"n1": GOOD_ASSIGNMENT}), "run-b", "n1") is None
-    assert read_place(_slice("run-b", True, {"n1": GOOD_ASSIGNMENT}), "run-b", "n1") is None
+def test_a_slice_tells_a_node_only_its_own_place_of_its_own_run() -> None:
+    place = read_place(_slice(), "run-b", "n1")
+    assert place is not None and (place.round, place.rank, place.world_size) == (1, 1, 2)
+    assert place.store == StoreAddress("10.0.0.1", 100) and place.leader == "n0"
+    assert read_place(_slice(), "run-a", "n1") is None  # another run's slice
+    assert read_place(_slice(), "run-b", "n0") is None  # no place of this node
 
 
-def test_an_assignment_reads_back_as_written() -> None:
+def test_a_rounds_places_read_back_as_the_status_derives_them() -> None:
     status = _running()
-    mine = status.assignment("n1")
-    assert mine is not None
-    assert read_assignment(json.dumps(mine.to_dict())) == mine
-    good = read_assignment(GOOD_ASSIGNMENT)
-    assert good is not None and (good.round, good.rank, good.world_size) == (1, 1, 2)
+    written = {node: read_place(piece.manifest("run-b", "ns", UID), "run-b", node)
+               for piece in due(status.assignments(), frozenset()) for node in piece.places}
+    assert written == status.assignments() and written

@@ -21,10 +21,8 @@ from typing import Any
 
 from elasticrun.api import crd, untrusted
 from elasticrun.api.model import (
-    Assignment,
     InvalidRunError,
     RunStatus,
-    StoreAddress,
     WaitingNode,
     format_time,
 )
@@ -36,8 +34,8 @@ JOIN_ANNOTATION = f"{crd.GROUP}/join"
 #: Annotation on a node's Lease: the round's rank 0 whose TCPStore it could not reach,
 #: as JSON ``{"node": ..., "round": R}``.  Evidence for the operator, never a verdict.
 UNREACHABLE_ANNOTATION = f"{crd.GROUP}/unreachable"
-#: One past the largest round, rank or world size a report or an assignment may
-#: name: the status counters' maximum (:func:`elasticrun.api.crd.counter_maximum`).
+#: One past the largest round a report may name: the status counters' maximum
+#: (:func:`elasticrun.api.crd.counter_maximum`).
 MAX_COUNTER = crd.counter_maximum() + 1
 #: A rank 0 reported unreachable is lost once it has not renewed its Lease for this
 #: many renewal intervals (at most the heartbeat timeout): two independent signals,
@@ -309,12 +307,6 @@ def read_join(node: str | None, raw: Any, where: str) -> tuple[WaitingNode | Non
     return join, None
 
 
-def _counter(value: Any, minimum: int, maximum: int = MAX_COUNTER) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < maximum:
-        return None
-    return value
-
-
 def unreachable_value(node: str, round_number: int) -> str:
     return json.dumps({"node": node, "round": round_number}, sort_keys=True)
 
@@ -327,41 +319,11 @@ def read_unreachable(raw: Any) -> Unreachable | None:
         fields = untrusted.json_object(raw, limit=512, max_depth=1)
     except untrusted.UnreadableError:
         return None
-    node, round_number = untrusted.text(fields.get("node")), _counter(fields.get("round"), 1)
+    node = untrusted.text(fields.get("node"))
+    round_number = untrusted.counter(fields.get("round"), 1, MAX_COUNTER)
     if node is None or round_number is None:
         return None
     return Unreachable(node=node, round=round_number)
-
-
-def assignment_value(assignment: Assignment) -> str:
-    return json.dumps(assignment.to_dict(), sort_keys=True, separators=(",", ":"))
-
-
-def read_assignment(raw: Any) -> Assignment | None:
-    """An assignment as :func:`assignment_value` encodes it (a slice's entry,
-    :mod:`elasticrun.api.slices`); anything unreadable or inconsistent is none.
-
-    Written by the operator, on an object only the operator may write where
-    RBAC is as the chart makes it; read like any untrusted value all the same:
-    bounded, and never an exception.
-    """
-    if raw is None or raw == "":
-        return None
-    try:
-        fields = untrusted.json_object(raw, limit=1024, max_depth=2)
-    except untrusted.UnreadableError:
-        return None
-    store = untrusted.mapping(fields.get("store"))
-    host, port = untrusted.text(store.get("host")), _counter(store.get("port"), 1, 65536)
-    round_number, rank = _counter(fields.get("round"), 1), _counter(fields.get("rank"), 0)
-    world = _counter(fields.get("worldSize"), 1)
-    leader = untrusted.text(fields.get("leader"))
-    since = untrusted.read_time(fields.get("since"))
-    if host is None or port is None or round_number is None or rank is None \
-            or world is None or leader is None or since is None or rank >= world:
-        return None
-    return Assignment(round=round_number, rank=rank, world_size=world,
-                      store=StoreAddress(host, port), leader=leader, since=since)
 
 
 def lease_state(lease: Mapping[str, Any], seen: dt.datetime | None = None) -> LeaseState:

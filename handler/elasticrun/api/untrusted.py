@@ -71,6 +71,13 @@ def text(value: Any, limit: int = MAX_NAME_CHARS) -> str | None:
     return None
 
 
+def counter(value: Any, minimum: int, maximum: int) -> int | None:
+    """An integer (not a bool) with ``minimum <= value < maximum``, else None."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value < maximum:
+        return None
+    return value
+
+
 def number(value: Any, default: float = 0.0) -> float:
     """A finite number (not a bool), else ``default``."""
     if isinstance(value, bool) or not isinstance(value, int | float):

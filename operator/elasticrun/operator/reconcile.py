@@ -559,7 +559,7 @@ def _slices_due(run: ElasticRun, new: RunStatus, done: runobjects.Done) -> list[
     if not rounds.members_told_in_slices(run.spec) or new.round == 0 or new.degraded \
             or new.store is None:
         return []
-    return slices.due(new.round, new.assignments().items(), done.slices_told(new.round))
+    return slices.due(new.assignments(), done.slices_told(new.round))
 
 
 def _lease_wakeups(run: ElasticRun, new: RunStatus, members: Members, now: dt.datetime,
