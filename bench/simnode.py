@@ -24,9 +24,10 @@ name, the one ``ElasticRunSlice`` of the run's 32 where the operator writes its
 place in the round (:mod:`elasticrun.api.slices`), then, holding that round, the
 handler's quiet watch (metadata only, ``status.stableRound!=R``,
 :func:`elasticrun.api.gateway.round_selector`), and renews its Lease with the
-handler's merge patch.  Placed in a round it does not lead, it reads its rank
-0's Lease before it counts as holding the round, as a handler reads it to check
-the round's store before connecting (:meth:`SimNode.check_store`).  It leaves
+handler's merge patch.  Placed in a round it does not lead, unless told in its
+slice, it reads its rank 0's Lease before it counts as holding the round, as a
+handler reads it to check the round's store before connecting
+(:meth:`SimNode.check_store`).  It leaves
 sealing to the operator, as a real node of a run of 64 nodes or more does
 (:func:`elasticrun.api.rounds.nodes_defer_seal`); it does not host a TCPStore.
 Each node has its own connections (requests, run watch, slice watch), as a handler's
@@ -669,7 +670,8 @@ class SimNode:
             told = slices.read_place(event.get("object"), s.run, self.name)
             if told is not None and told.since == join.since:
                 return {"t_done": time.monotonic(), "rank": told.rank,
-                        "world": told.world_size, "round": told.round, "leader": told.leader}
+                        "world": told.world_size, "round": told.round, "leader": told.leader,
+                        "vouched": True}
         raise ConnectionError("the slice watch ended before a round formed")
 
     async def check_store(self, place: dict[str, Any]) -> None:
@@ -677,9 +679,10 @@ class SimNode:
         does before it connects to that rank 0's store (``RoundExecutor``'s check of
         the store against what rank 0 announced, :func:`~elasticrun.api.gateway.readable_lease`),
         and stamp ``place`` with when the node would then hold its round.  Rank 0
-        itself reads nothing: it serves the store."""
+        itself reads nothing: it serves the store; nor does a node told in its slice
+        (``vouched``), whose store the operator checked."""
         leader = place.get("leader")
-        if place.get("rank") != 0 and leader:
+        if place.get("rank") != 0 and leader and not place.get("vouched"):
             await self.requests.request(
                 "GET", lease_path(self.shared.namespace, lease_name(self.shared.run, leader)))
         place["t_done"] = time.monotonic()

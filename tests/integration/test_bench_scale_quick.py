@@ -118,6 +118,10 @@ def test_the_large_runs_ways_of_telling_members_form_admit_and_lose_at_a_small_n
     assert 0 < slice_writes(in_slices) <= min(n, SLICE_COUNT), in_slices
     for row in rows:
         assert not [k for k in row["by_kind"] if k.startswith("patch leases (operator)")], row
+    # Every member but rank 0 checks the store of a round told in the status against
+    # rank 0's Lease; one told in its slice takes the store the operator checked.
+    assert broadcast["by_kind"].get("get leases", 0) >= n - 1, broadcast
+    assert in_slices["by_kind"].get("get leases", 0) == 0, in_slices
     page = (out / "benchmarks-scale.md").read_text()
     assert "### Large runs' ways at a small N" in page
 

@@ -510,6 +510,18 @@ def formed_large_run(server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecut
     return a, status
 
 
+@pytest.mark.parametrize(("run_spec", "reads"), [
+    (large_spec, 0),  # told in its slice, which the operator checked for it
+    (quiet_spec, 1),  # told in the status, which anyone who may write the run could write
+])
+def test_a_member_told_in_its_slice_takes_the_store_without_reading_rank_0s_lease(
+        server: FakeApiServer, nodes: Nodes, pool: ThreadPoolExecutor,
+        run_spec: Callable[[], RunSpec], reads: int) -> None:
+    formed_large_run(server, nodes, pool, run_spec())
+    b = nodes.gateways["b"]
+    assert b.calls["lease"] == reads and b.calls["listed_lease"] == 0
+
+
 def lose(server: FakeApiServer, member: str, reason: str) -> str:
     """The operator's removal of ``member`` from the running round; the run's new version."""
     lost = rounds.remove_member(parse_run(server.run(RUN_NAME)).status, member, reason, now())

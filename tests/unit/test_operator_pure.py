@@ -482,6 +482,31 @@ def test_a_restarted_operator_writes_every_slice_again_and_a_running_one_only_th
         == slices.SLICE_COUNT
 
 
+def test_no_slice_tells_a_store_its_rank_0_did_not_announce() -> None:
+    """Members take a place told in a slice without checking its store themselves, so the
+    operator checks it once: a status a node sealed with another store (anyone who may
+    write the run could), or whose rank 0 has asked again since, tells nothing."""
+    size = rounds.TELL_IN_SLICES_FROM
+    names = [f"n{i:04d}" for i in range(size)]
+    spec = RunSpec(min_nodes=size, max_nodes=size)
+    leases = joined_leases(names, T0)
+    status = reconcile(ElasticRun("r", "ns", spec, RunStatus(), "7", uid="uid"),
+                       Members(leases=leases), T0).status
+    assert status is not None and status.store == StoreAddress("10.0.0.1", 29400)
+    later = T0 + dt.timedelta(seconds=1)
+
+    def told(store: StoreAddress, leader_since: dt.datetime = T0) -> int:
+        run = ElasticRun("r", "ns", spec, status.replace(store=store), "8", uid="uid")
+        rank_0 = dataclasses.replace(leases["n0000"], join=dataclasses.replace(
+            leases["n0000"].join, since=leader_since))
+        return len(reconcile(run, Members(leases={**leases, "n0000": rank_0}), later).tell)
+
+    assert told(StoreAddress("10.0.0.1", 29400)) == slices.SLICE_COUNT  # the control
+    assert told(StoreAddress("10.6.6.6", 29400)) == 0
+    assert told(StoreAddress("10.0.0.1", 29401)) == 0
+    assert told(StoreAddress("10.0.0.1", 29400), leader_since=later) == 0
+
+
 def test_a_re_forming_round_is_told_nothing() -> None:
     size = rounds.TELL_IN_SLICES_FROM
     names = [f"n{i:04d}" for i in range(size)]

@@ -148,7 +148,7 @@ class RoundExecutor:
                         # What ends the new round comes from its quiet watch while the
                         # node reaches the store (RunSession.newest reads the run then).
                         session.follow(known.run.spec, stale=True, holding=round_number)
-                    info = self._complete(known.run, action.assignment)
+                    info = self._complete(known.run, action.assignment, action.vouched)
                     if info is not None:
                         session.follow(known.run.spec, stale=False, holding=round_number)
                         return info
@@ -317,8 +317,12 @@ class RoundExecutor:
 
     # ------------------------------------------------------------------ the round
 
-    def _complete(self, run: ElasticRun, assignment: Assignment) -> RendezvousInfo | None:
-        """torch's view of the round, or None when it ended before its store answered."""
+    def _complete(self, run: ElasticRun, assignment: Assignment,
+                  vouched: bool) -> RendezvousInfo | None:
+        """torch's view of the round, or None when it ended before its store answered.
+
+        ``vouched``: the place was told in the node's slice (:attr:`.step.Complete.vouched`).
+        """
         round_number, rank = assignment.round, assignment.rank
         if assignment.store is None:
             raise RendezvousStateError(f"{self._who()}: round {round_number} was sealed without "
@@ -326,7 +330,7 @@ class RoundExecutor:
                                        "publish its TCPStore port")
         host, port = assignment.store.host, assignment.store.port
         latest = self.session.watcher.latest or run
-        if not self._store_announced(latest, assignment):
+        if not self._store_announced(latest, assignment, vouched):
             return None
         base = reach_store(self.session, self.stores, latest, assignment,
                            self._report_unreachable)
@@ -342,27 +346,34 @@ class RoundExecutor:
         return RendezvousInfo(store, rank, assignment.world_size,
                               RendezvousStoreInfo(master_addr=host, master_port=port))
 
-    def _store_announced(self, run: ElasticRun, assignment: Assignment) -> bool:
+    def _store_announced(self, run: ElasticRun, assignment: Assignment,
+                         vouched: bool) -> bool:
         """Whether the round's store is the one its rank 0 announced; False: not our round.
 
         The round answers this call's request (:attr:`.step.Knowledge.assignment`
-        takes no other).  Rank 0 serves its own store; anyone else reads rank 0's
-        Lease and compares (:func:`elasticrun.api.stores.store_problem`): the copy
-        in this node's last listing of the Leases where that shows the very request
-        the round answered (a request is replaced, never rewritten), else one read
-        (:func:`~elasticrun.api.gateway.readable_lease`).  A round whose rank 0 has
-        moved on (its request withdrawn or replaced by a newer one, which rank 0
-        itself takes no round of) is not this node's round: it joins the next
-        one.  A round that answers rank 0's current request with a store rank 0
-        did not announce is refused before any connection is made, with torch's
+        takes no other).  Rank 0 serves its own store.  A place told in the node's
+        slice (``vouched``) needs no look: the operator, the slices' only writer,
+        compared the round's store with rank 0's Lease before it told it, and a
+        read by every member at once would be the last burst of a large round.
+        Any other member compares it with rank 0's Lease
+        (:func:`elasticrun.api.stores.store_problem`): the copy in this node's
+        last listing of the Leases where that shows the very request the round
+        answered (a request is replaced, never rewritten), else one read
+        (:func:`~elasticrun.api.gateway.readable_lease`).  A round whose rank 0
+        has moved on (its request withdrawn or replaced by a newer one, which rank
+        0 itself takes no round of) is not this node's round: it joins the next
+        one (a vouched member learns that from its watch, or from a store that
+        does not answer, :func:`~elasticrun.handler.reach.reach_store`).  A round
+        that answers rank 0's current request with a store rank 0 did not
+        announce is refused before any connection is made, with torch's
         RendezvousStateError.
         """
         session = self.session
         given, leader, round_number = assignment.store, assignment.leader, assignment.round
         if assignment.rank == 0:
             return self._own_store(given, round_number)
-        if leader is None:
-            return True  # the round lost its rank 0: reach_store joins the next one
+        if vouched or leader is None:
+            return True  # the operator looked; or the round lost its rank 0 (reach_store)
         # Rank 0's request in this round; a copy that predates the round (a member
         # told in its slice) has none, and is read afresh only if the store differs.
         member = run.status.participant(leader) if run.status.round == round_number else None

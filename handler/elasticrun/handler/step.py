@@ -186,6 +186,9 @@ class Complete:
     """A round holds this node: hand torch its rank and the store."""
 
     assignment: Assignment
+    #: The node's slice tells it this place: only the operator writes slices, and it
+    #: tells none whose store rank 0 did not announce, so the node need not look.
+    vouched: bool = False
 
 
 @dataclass(frozen=True)
@@ -254,7 +257,7 @@ def next_action(  # noqa: PLR0911 - one return per action, in the order of the r
         return _first(known, clock)
     assignment = known.assignment or known.kept
     if assignment is not None:
-        return Complete(assignment)
+        return Complete(assignment, vouched=assignment == known.offered)
     if known.stale:
         return _rejoining(known, clock)
     if known.defer_until is not None and clock < known.defer_until:

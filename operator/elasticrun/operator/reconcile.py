@@ -274,7 +274,7 @@ def _rules(run: ElasticRun, members: Members, now: dt.datetime,
     new = _desired(new, members)  # before the seal: its rules read the owner's size
     new = _seal_backstop(run, new, members, now, plan)
     _lease_wakeups(run, new, members, now, plan)
-    plan.tell = _slices_due(run, new, done)
+    plan.tell = _slices_due(run, new, members, done)
     material = new
     new = _desired_condition(run, _coming(new, members), members, now)
     new = _finish(_conditions(run, new.replace(phase=_phase(new)), now), run.generation)
@@ -536,28 +536,56 @@ def _kept(run: ElasticRun, members: Members, now: dt.datetime) -> list[WaitingNo
 def _next_store(run: ElasticRun, members: Members) -> StoreAddress | None:
     """The store rank 0 announced for the next round, on the request its round answered
     (``nextStorePort``), from its Lease of this run; None where it announced none."""
-    leader = run.status.leader
-    member = run.status.participant(leader) if leader is not None else None
-    lease = members.leases.get(leader) if leader is not None else None
-    join = lease.join if lease is not None and lease.owner_uid == run.uid else None
-    if member is None or join is None or join.since != member.since \
-            or not join.address or join.next_store_port is None:
+    join = _leader_request(run, run.status, members)
+    if join is None or not join.address or join.next_store_port is None:
         return None
     return StoreAddress(join.address, join.next_store_port)
 
 
-def _slices_due(run: ElasticRun, new: RunStatus, done: runobjects.Done) -> list[slices.Slice]:
+def _leader_request(run: ElasticRun, status: RunStatus, members: Members) -> WaitingNode | None:
+    """The join request of ``status``'s rank 0 that its round answered, as rank 0's Lease of
+    this run carries it; None when that Lease carries another one, or none."""
+    leader = status.leader
+    member = status.participant(leader) if leader is not None else None
+    lease = members.leases.get(leader) if leader is not None else None
+    join = lease.join if lease is not None and lease.owner_uid == run.uid else None
+    if member is None or join is None or join.since != member.since:
+        return None
+    return join
+
+
+def _vouched(run: ElasticRun, status: RunStatus, members: Members) -> bool:
+    """Whether the round's store is one its rank 0 announced, on its own Lease, on the
+    request the round answered: what a member told in a slice takes without a check.
+
+    A member told in the run's status reads rank 0's Lease itself before it
+    connects (anyone who may write the run could have written ``status.store``).
+    Only the operator writes slices, so it makes that check once for the round,
+    from the Leases it holds, and tells no slice of a round that fails it (a
+    status a node sealed with a forged store): its members learn the round from
+    the status, which moved ``signal``, and refuse the store themselves.
+    """
+    join = _leader_request(run, status, members)
+    if join is None or not join.address or status.store is None:
+        return False
+    announced = [join.store_port, join.next_store_port]
+    return status.store in {StoreAddress(join.address, port) for port in announced if port}
+
+
+def _slices_due(run: ElasticRun, new: RunStatus, members: Members,
+                done: runobjects.Done) -> list[slices.Slice]:
     """The slices that do not yet tell the members of a sealed round their places.
 
     Only in the runs whose seal leaves ``signal`` alone
-    (:func:`rounds.members_told_in_slices`): just after the operator's seal every
-    slice with a member; after a write that failed, that slice; after a restart
-    (nothing done yet), every slice again, which changes nothing where the
-    killed operator had written it.  A member that has moved on to another
+    (:func:`rounds.members_told_in_slices`), and only for a round whose store
+    its rank 0 announced (:func:`_vouched`): just after the operator's seal
+    every slice with a member; after a write that failed, that slice; after a
+    restart (nothing done yet), every slice again, which changes nothing where
+    the killed operator had written it.  A member that has moved on to another
     request finds its place in the slice answering an earlier one, and waits on.
     """
     if not rounds.members_told_in_slices(run.spec) or new.round == 0 or new.degraded \
-            or new.store is None:
+            or not _vouched(run, new, members):
         return []
     return slices.due(new.assignments(), done.slices_told(new.round))
 
