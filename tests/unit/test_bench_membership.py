@@ -14,6 +14,7 @@ from elasticrun.api import slices
 from elasticrun.api.kube import Credentials
 from elasticrun.api.leases import JOIN_ANNOTATION, UNREACHABLE_ANNOTATION, read_join
 from elasticrun.api.model import Assignment, LostMember, StoreAddress, WaitingNode
+from elasticrun.api.naming import lease_name
 
 from bench import simnode
 from bench.membership import monotonic_of, removal, until_all
@@ -127,7 +128,7 @@ def test_a_node_takes_the_place_its_slice_tells_for_its_request(
         monkeypatch: pytest.MonkeyPatch) -> None:
     told, _ = _told([{"type": "MODIFIED", "object": _slice(_place())}], monkeypatch)
     assert {k: v for k, v in told.items() if k != "t_done"} == {
-        "rank": 5, "world": 8, "round": 3, "leader": "node-0001"}
+        "rank": 5, "world": 8, "round": 3, "leader": "node-0001", "vouched": True}
 
 
 @pytest.mark.parametrize("event", [
@@ -152,3 +153,23 @@ def test_the_join_patch_asks_again_and_withdraws_only_an_unreachable_report() ->
     assert set(annotations) == {JOIN_ANNOTATION, UNREACHABLE_ANNOTATION}
     assert annotations[UNREACHABLE_ANNOTATION] is None
     assert read_join(NODE, annotations[JOIN_ANNOTATION], "test") == (join, None)
+
+
+@pytest.mark.parametrize(("place", "reads"), [
+    ({"rank": 5, "leader": "node-0001", "vouched": True}, 0),  # told in its slice
+    ({"rank": 5, "leader": "node-0001"}, 1),  # told in the status: it checks, as handlers do
+    ({"rank": 0, "leader": NODE}, 0),  # rank 0 serves the store
+])
+def test_a_node_reads_its_rank_0s_lease_only_where_a_handler_would(
+        place: dict[str, Any], reads: int) -> None:
+    read: list[tuple[str, str]] = []
+
+    class Requests:
+        async def request(self, method: str, path: str) -> None:
+            read.append((method, path))
+
+    node = _node()
+    node.requests = Requests()  # type: ignore[assignment]
+    asyncio.run(node.check_store(place))
+    assert len(read) == reads and "t_done" in place
+    assert all(path.endswith(f"/leases/{lease_name(RUN, 'node-0001')}") for _, path in read)
