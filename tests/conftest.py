@@ -30,7 +30,7 @@ from elasticrun.api import crd
 from elasticrun.api.kube import APPLY_PATCH, ApiError, KubeClient, load_credentials
 
 import timings
-from controlplane.crds import install_crds, read_manifests
+from controlplane.crds import install_crds, read_manifests, wait_until_served
 from controlplane.kubelet import Kubelet
 from controlplane.localcluster import (
     LocalControlPlane,
@@ -213,6 +213,20 @@ def crds(cluster: Cluster) -> None:
     """Both CRDs applied from deploy/crds/, Established and served."""
     install_crds(cluster.client, read_manifests(CRD_FILES), manager="elasticrun-tests",
                  timeout=CRDS_SERVED_TIMEOUT)
+
+
+@pytest.fixture
+def local_control_plane(cluster: Cluster, crds: None) -> Iterator[LocalControlPlane]:
+    """The suite's own control plane, for a test that stops and starts its servers.
+
+    After the API server or its etcd restarts, a CRD's resource answers 429
+    "storage is (re)initializing" until its cache is filled again, which a
+    restarted API server starts only on the resource's first request; a later
+    test on this control plane would meet that.  So every CRD is served again
+    before the next test starts (bounded; :mod:`controlplane.crds`).
+    """
+    yield cluster.require_local()
+    wait_until_served(cluster.client, read_manifests(CRD_FILES), CRDS_SERVED_TIMEOUT)
 
 
 @pytest.fixture
