@@ -25,12 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from elasticrun.api import crd
-from elasticrun.api.kube import APPLY_PATCH, ApiError, KubeClient, load_credentials
+from elasticrun.api.kube import KubeClient, load_credentials
 
 from bench.proc import free_port, stop_pid
+from controlplane.crds import CrdNotServedError, install_crds, read_manifests
 from controlplane.localcluster import LocalControlPlane
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,26 +144,11 @@ class ControlPlane:
     def start(self) -> None:
         state = self.local.start()
         self.client = KubeClient(load_credentials(str(state.kubeconfig)), timeout=30)
-        manifests = [yaml.safe_load(path.read_text()) for path in self.crd_files]
-        for manifest in manifests:
-            self.client.request("PATCH", "/apis/apiextensions.k8s.io/v1/"
-                                f"customresourcedefinitions/{manifest['metadata']['name']}",
-                                body=manifest,
-                                query={"fieldManager": "elasticrun-bench", "force": "true"},
-                                content_type=APPLY_PATCH)
-        deadline = time.monotonic() + READY_BOUND
-        for manifest in manifests:
-            names = manifest["spec"]["names"]
-            path = f"/apis/{manifest['spec']['group']}/{crd.VERSION}/{names['plural']}"
-            while True:
-                try:
-                    self.client.request("GET", path)
-                    break
-                except ApiError:
-                    if time.monotonic() > deadline:
-                        raise SetupError(f"the {names['kind']} CRD was not served within "
-                                         f"{READY_BOUND:.0f}s") from None
-                    time.sleep(0.2)
+        try:
+            install_crds(self.client, read_manifests(self.crd_files), manager="elasticrun-bench",
+                         timeout=READY_BOUND)
+        except CrdNotServedError as exc:
+            raise SetupError(str(exc)) from None
 
     @property
     def api(self) -> KubeClient:

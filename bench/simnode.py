@@ -74,12 +74,7 @@ from elasticrun.api.kube import (
     run_path,
     runs_path,
 )
-from elasticrun.api.leases import (
-    JOIN_ANNOTATION,
-    UNREACHABLE_ANNOTATION,
-    join_value,
-    node_lease,
-)
+from elasticrun.api.leases import join_annotations, node_lease
 from elasticrun.api.model import ElasticRun, RunSpec, WaitingNode, format_time, now, parse_run
 from elasticrun.api.naming import lease_name
 from elasticrun.api.rounds import (
@@ -728,11 +723,9 @@ class Change:
 
 
 def join_patch(join: WaitingNode) -> dict[str, Any]:
-    """The merge patch of a node's Lease that asks for the next round, as a handler's
-    ``set_join`` writes it: the request ``join``, and no report of an unreachable rank 0
-    (such a report was about the round the node is leaving)."""
-    return {"metadata": {"annotations": {JOIN_ANNOTATION: join_value(join),
-                                         UNREACHABLE_ANNOTATION: None}}}
+    """The merge patch of a node's Lease that asks for the next round: the annotations a
+    handler's ``set_join`` writes (:func:`~elasticrun.api.leases.join_annotations`)."""
+    return {"metadata": {"annotations": join_annotations(join)}}
 
 
 def placed_in(obj: dict[str, Any], node: str, held: int) -> dict[str, Any] | None:

@@ -34,9 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from elasticrun.api import crd, rounds, slices
+from elasticrun.api import crd, rounds
 from elasticrun.api.kube import (
-    APPLY_PATCH,
     ApiConnectionError,
     ApiError,
     KubeClient,
@@ -45,6 +44,7 @@ from elasticrun.api.kube import (
 )
 from elasticrun.api.model import ElasticRun, RunSpec, new_run_manifest, parse_run
 
+from controlplane.crds import install_crds
 from controlplane.kubelet import Kubelet
 from controlplane.localcluster import (
     LocalControlPlane,
@@ -187,13 +187,7 @@ class Demo:
         c.line("info", "starting a local kube-apiserver + etcd (first run builds them: minutes)")
         state = self.cp.start()
         self.client = KubeClient(load_credentials(str(state.kubeconfig)), timeout=15)
-        for manifest in crd.crd_manifests():
-            name = manifest["metadata"]["name"]
-            self.client.request(
-                "PATCH", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}",
-                body=manifest, query={"fieldManager": "elasticrun-demo", "force": "true"},
-                content_type=APPLY_PATCH)
-        self._wait(self._served, 30, "the ElasticRun and ElasticRunSlice CRDs")
+        install_crds(self.client, crd.crd_manifests(), manager="elasticrun-demo", timeout=30)
         self.client.request("POST", "/api/v1/namespaces", body={
             "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
         spec = RunSpec(min_nodes=2, max_nodes=3, join_timeout=300, last_call_timeout=5,
@@ -211,24 +205,6 @@ class Demo:
         c.line("info", f"  export KUBECONFIG={state.kubeconfig}")
         c.line("info", f"  kubectl get er -n {NAMESPACE} -w      "
                        f"kubectl describe er {RUN} -n {NAMESPACE}")
-
-    def _served(self) -> bool:
-        """Whether both resources are served (a list works), not only Established."""
-        assert self.client is not None
-        try:
-            self.client.request("GET", runs_path(NAMESPACE))
-            self.client.request("GET", slices.slices_path(NAMESPACE))
-        except ApiError:
-            return False
-        return True
-
-    def _wait(self, condition: Any, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out waiting for {what}")
-            if self._stop.wait(0.1):
-                raise KeyboardInterrupt
 
     # ------------------------------------------------------------------ nodes
 

@@ -31,6 +31,7 @@ from elasticrun.api.naming import lease_name
 
 from chaoskit import assert_all_ok, assert_consistent, raw_run, record, start_node
 from conftest import Cluster, OperatorProcess, ProcessGroup, consistently, wait_for
+from controlplane.localcluster import LocalControlPlane
 from rdzv import is_waiting, metric, read_run, rendezvous_all, start_rendezvous
 from timings import outlasting
 
@@ -272,16 +273,16 @@ def _two_of_three_waiting(make_handler: Any, cluster: Cluster, namespace: str, r
     return make, nodes, threads
 
 
-def test_apiserver_restarted_mid_rendezvous(operator: OperatorProcess, make_handler: Any,
-                                            cluster: Cluster, namespace: str) -> None:
-    local = cluster.require_local()
+def test_apiserver_restarted_mid_rendezvous(
+        operator: OperatorProcess, make_handler: Any, cluster: Cluster, namespace: str,
+        local_control_plane: LocalControlPlane) -> None:
     make, (a, b), threads = _two_of_three_waiting(make_handler, cluster, namespace, "apirestart")
     stopped = time.monotonic()
-    local.stop_apiserver()
+    local_control_plane.stop_apiserver()
     try:
         time.sleep(3)  # the outage itself: nothing to wait for, it is the fault
     finally:
-        local.start_apiserver()  # waits for /readyz
+        local_control_plane.start_apiserver()  # waits for /readyz
     restored = time.monotonic()
     outage = restored - stopped
     c = make("c")
@@ -316,7 +317,7 @@ def _renewed_since(cluster: Cluster, namespace: str, run: str, node: str,
 
 def test_apiserver_down_longer_than_the_heartbeat_removes_nobody(
         operator: OperatorProcess, processes: ProcessGroup, cluster: Cluster, namespace: str,
-        tmp_path: Path) -> None:
+        tmp_path: Path, local_control_plane: LocalControlPlane) -> None:
     """A control-plane upgrade must not restart training: no Lease can be renewed meanwhile.
 
     Node b is also slow to come back (SIGSTOPped until 3 s after the API server
@@ -324,7 +325,6 @@ def test_apiserver_down_longer_than_the_heartbeat_removes_nobody(
     Lease is stale for longer than the heartbeat timeout when the operator looks
     again: counted from the outage's end, it still has time to renew.
     """
-    local = cluster.require_local()
     create_run(cluster, namespace, "upgrade", minNodes=2, maxNodes=2,
                heartbeatTimeoutSeconds=8, leaseRenewIntervalSeconds=2)
     a, b = (start_node(processes, cluster.kubeconfig, namespace, "upgrade", n, tmp_path, "2:2",
@@ -332,11 +332,11 @@ def test_apiserver_down_longer_than_the_heartbeat_removes_nobody(
     assert sorted(n.wait_event("rendezvous", 60)["rank"] for n in (a, b)) == [0, 1]
     os.kill(b.proc.pid, signal.SIGSTOP)
     try:
-        local.stop_apiserver()
+        local_control_plane.stop_apiserver()
         try:
             time.sleep(10)  # the outage, longer than the heartbeat timeout: it is the fault
         finally:
-            local.start_apiserver()  # waits for /readyz
+            local_control_plane.start_apiserver()  # waits for /readyz
         time.sleep(3)  # b is slow to come back; the operator has looked again meanwhile
     finally:
         resumed = now()
@@ -361,16 +361,16 @@ def test_apiserver_down_longer_than_the_heartbeat_removes_nobody(
            recovery_seconds=None)
 
 
-def test_etcd_briefly_stopped(make_handler: Any, cluster: Cluster, namespace: str) -> None:
-    local = cluster.require_local()
+def test_etcd_briefly_stopped(make_handler: Any, cluster: Cluster, namespace: str,
+                              local_control_plane: LocalControlPlane) -> None:
     make, _, threads = _two_of_three_waiting(make_handler, cluster, namespace, "etcdgap")
-    local.stop_etcd()
+    local_control_plane.stop_etcd()
     try:
         c = make("c")
         joining = start_rendezvous(c)
         time.sleep(2)  # the outage: c's first calls meet an API server without etcd
     finally:
-        local.start_etcd()
+        local_control_plane.start_etcd()
     restored = time.monotonic()
     for thread, _ in [*threads, joining]:
         thread.join(60)
@@ -387,14 +387,14 @@ def test_etcd_briefly_stopped(make_handler: Any, cluster: Cluster, namespace: st
 
 
 def test_apiserver_unreachable_longer_than_join_timeout(
-        make_handler: Any, cluster: Cluster, namespace: str) -> None:
-    local = cluster.require_local()
+        make_handler: Any, cluster: Cluster, namespace: str,
+        local_control_plane: LocalControlPlane) -> None:
     a = make_handler("unreachable", "a", min_nodes=2, join_timeout=5, api_timeout=3)
     thread, box = start_rendezvous(a)
     wait_for(lambda: is_waiting(cluster.client, namespace, "unreachable", "a"), 20,
              "a waiting")
     stopped = time.monotonic()
-    local.stop_apiserver()
+    local_control_plane.stop_apiserver()
     try:
         thread.join(30)
         failed_after = time.monotonic() - stopped
@@ -405,7 +405,7 @@ def test_apiserver_unreachable_longer_than_join_timeout(
         assert "API server" in message and "3s" in message, message
         assert failed_after < 15, failed_after
     finally:
-        local.start_apiserver()
+        local_control_plane.start_apiserver()
     # Nothing half-written: the stored object reads, and a's entry is all it holds.
     stored = read_run(cluster.client, namespace, "unreachable")
     assert stored.status.round == 0 and stored.status.participants == ()

@@ -13,7 +13,7 @@ from elasticrun.api import crd, slices
 from elasticrun.api.kube import APPLY_PATCH, ApiError, run_path, runs_path
 from elasticrun.api.model import Assignment, RunSpec, StoreAddress, parse_run
 
-from conftest import Cluster, wait_for
+from conftest import Cluster
 
 
 def er(name: str, namespace: str, **spec: Any) -> dict[str, Any]:
@@ -223,36 +223,14 @@ def test_model_round_trips_what_the_server_accepts(cluster: Cluster, namespace: 
 # --------------------------------------------------------------------------- slices
 
 
-@pytest.fixture
-def slices_served(cluster: Cluster, namespace: str) -> list[Any]:
-    """The namespace's slices, once the API server serves them.
-
-    The slices' storage answers 429 "storage is (re)initializing" for a moment
-    after the API server's watch of etcd was broken (the chaos tests stop etcd
-    and restart the API server on this control plane), and nothing else lists
-    slices to wake it earlier; bounded, as every wait.
-    """
-    def listed() -> tuple[list[Any]] | None:  # a tuple: an empty list is an answer too
-        try:
-            return (cluster.client.request("GET", slices.slices_path(namespace))["items"],)
-        except ApiError as exc:
-            if exc.status != 429:
-                raise
-            return None
-
-    served: list[Any] = wait_for(listed, 30, "the slices to be served")[0]
-    return served
-
-
-def test_slice_crd_is_established_and_served(cluster: Cluster, namespace: str,
-                                             slices_served: list[Any]) -> None:
+def test_slice_crd_is_established_and_served(cluster: Cluster, namespace: str) -> None:
     got = cluster.client.request(
         "GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd.SLICE_CRD_NAME}")
     assert got["spec"]["scope"] == "Namespaced"
     assert got["spec"]["names"]["kind"] == crd.SLICE_KIND
     assert {"Established", "NamesAccepted"} <= {
         c["type"] for c in got["status"]["conditions"] if c["status"] == "True"}
-    assert slices_served == []
+    assert cluster.client.request("GET", slices.slices_path(namespace))["items"] == []
 
 
 def _place(rank: int) -> Assignment:
@@ -265,7 +243,7 @@ SINCE = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
 
 
 def test_an_operator_slice_is_stored_as_written_and_read_by_name(
-        cluster: Cluster, namespace: str, slices_served: list[Any]) -> None:
+        cluster: Cluster, namespace: str) -> None:
     run = create(cluster, namespace, "sliced", minNodes=2, maxNodes=2)
     uid = run["metadata"]["uid"]
     by_slice = slices.due({"a": _place(0), "b": _place(1)}, frozenset())
@@ -313,7 +291,7 @@ def test_an_operator_slice_is_stored_as_written_and_read_by_name(
      "spec.store.port in body should be greater than or equal to 1"),
 ])
 def test_invalid_slices_are_rejected(cluster: Cluster, namespace: str, spec: dict[str, Any],
-                                     expected: str, slices_served: list[Any]) -> None:
+                                     expected: str) -> None:
     body = {"apiVersion": crd.API_VERSION, "kind": crd.SLICE_KIND,
             "metadata": {"name": "bad", "namespace": namespace}, "spec": spec}
     with pytest.raises(ApiError) as info:

@@ -20,13 +20,19 @@ from elasticrun.api import crd
 from elasticrun.api.gateway import OperatorGateway
 from elasticrun.api.kube import ApiError
 from elasticrun.api.leases import (
+    JOIN_ANNOTATION,
+    UNREACHABLE_ANNOTATION,
     LeaseState,
+    Unreachable,
     holder_alive,
     holder_identity,
+    join_annotations,
+    join_value,
     lease_run,
     lease_state,
     node_lease,
     owned_by,
+    unreachable_value,
 )
 from elasticrun.api.model import (
     ElasticRun,
@@ -147,6 +153,34 @@ def test_the_lease_a_node_creates_is_its_runs_genuine_lease(run: str, node: str)
     plain["metadata"]["uid"] = "lease-uid"
     assert lease_run(plain) == run and lease_state(plain).join is None
     assert not owned_by(lease_state(plain), run, "uid-r")
+
+
+def _merge_annotations(lease: dict[str, Any], annotations: dict[str, str | None]
+                       ) -> dict[str, Any]:
+    """``lease`` after a merge patch of its annotations, as the API server applies one
+    (None removes an annotation)."""
+    meta = lease["metadata"]
+    merged = {k: v for k, v in {**meta["annotations"], **annotations}.items() if v is not None}
+    return {**lease, "metadata": {**meta, "annotations": merged}}
+
+
+def test_a_join_write_asks_for_the_next_round_and_withdraws_an_unreachable_report() -> None:
+    """The one write of a node's join request (a handler's ``set_join``, the scale
+    benchmark's simulated node): the request, or none, and never a report of an
+    unreachable rank 0 left over from the round the node is leaving."""
+    join = WaitingNode(name="n0", address="10.0.0.7", store_port=29400, since=T0)
+    assert join_annotations(join) == {JOIN_ANNOTATION: join_value(join),
+                                      UNREACHABLE_ANNOTATION: None}
+    reported = node_lease("r", "n0", "agent@1", 15, "uid-r", T0)
+    reported["metadata"]["uid"] = "lease-uid"
+    reported["metadata"]["annotations"][UNREACHABLE_ANNOTATION] = unreachable_value("n1", 3)
+    assert lease_state(reported).unreachable == Unreachable("n1", 3)
+    asked = _merge_annotations(reported, join_annotations(join))
+    assert lease_state(asked).join == join and lease_state(asked).unreachable is None
+    withdrawn = _merge_annotations(asked, join_annotations(None))
+    assert lease_state(withdrawn).join is None
+    assert {JOIN_ANNOTATION, UNREACHABLE_ANNOTATION}.isdisjoint(
+        withdrawn["metadata"]["annotations"])
 
 
 

@@ -250,6 +250,19 @@ def join_value(node: WaitingNode) -> str:
     return json.dumps(entry, sort_keys=True)
 
 
+def join_annotations(join: WaitingNode | None) -> dict[str, str | None]:
+    """The annotations of a node's Lease that ask to join the next round (``join``) or
+    withdraw the request (None), as one merge patch sets them (None removes one).
+
+    The same write withdraws any report of an unreachable rank 0
+    (:data:`UNREACHABLE_ANNOTATION`): the report was about the round the node is
+    leaving, whose store it no longer needs, and left standing it would go on
+    counting against that rank 0 for as long as the round stands.
+    """
+    return {JOIN_ANNOTATION: join_value(join) if join is not None else None,
+            UNREACHABLE_ANNOTATION: None}
+
+
 def holder_identity(node: str, nonce: str) -> str:
     """The ``holderIdentity`` one agent of ``node`` writes: the node's name, then ``@nonce``.
 

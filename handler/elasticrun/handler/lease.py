@@ -22,6 +22,7 @@ from elasticrun.api.leases import (
     describe_object,
     holder_alive,
     holder_identity,
+    join_annotations,
     join_value,
     lease_run,
     node_lease,
@@ -122,8 +123,7 @@ class LeaseKeeper:
         The same write withdraws a report of an unreachable rank 0, which
         belonged to the round this node is leaving.
         """
-        value = join_value(join) if join is not None else None
-        annotated = self._annotate({JOIN_ANNOTATION: value, UNREACHABLE_ANNOTATION: None})
+        annotated = self._annotate(join_annotations(join))
         # Removed (e.g. by the operator as lost): take it again, unless it went
         # with the run; a Lease made now would outlive the run it names.
         if not annotated and join is not None and not self._gone_with_run():
