@@ -20,6 +20,7 @@ from elasticrun.api.kube import run_path
 from elasticrun.api.model import now
 
 from conftest import Cluster, wait_for
+from controlplane.localcluster import LocalControlPlane
 from rdzv import (
     AuditLog,
     count_writes,
@@ -205,8 +206,9 @@ def test_unreachable_api_server_raises_connection_error_within_bound(
 
 
 def test_api_server_stopped_mid_wait_raises_connection_error(
-        make_handler: Any, cluster: Cluster, namespace: str) -> None:
-    local = cluster.require_local()
+        make_handler: Any, cluster: Cluster, namespace: str,
+        local_control_plane: LocalControlPlane) -> None:
+    local = local_control_plane
     waiting = make_handler("outage", "w", min_nodes=2, api_timeout=3)
     thread, box = start_rendezvous(waiting)
     wait_for(lambda: is_waiting(cluster.client, namespace, "outage", "w"), 10,

@@ -22,6 +22,7 @@ from elasticrun.api.naming import lease_name
 
 from chaoskit import NodeProcess, record, start_node
 from conftest import Cluster, OperatorProcess, ProcessGroup, consistently, wait_for
+from controlplane.localcluster import LocalControlPlane
 from rdzv import is_waiting, metric, read_run
 from timings import outlasting
 
@@ -290,11 +291,10 @@ def test_operator_killed_while_removing_a_member(operator: OperatorProcess, clus
 # --------------------------------------------------------------------------- the API server
 
 
-def test_apiserver_restarted_while_a_round_is_sealed(operator: OperatorProcess,
-                                                     cluster: Cluster, namespace: str,
-                                                     processes: ProcessGroup,
-                                                     tmp_path: Path) -> None:
-    local = cluster.require_local()
+def test_apiserver_restarted_while_a_round_is_sealed(
+        operator: OperatorProcess, cluster: Cluster, namespace: str, processes: ProcessGroup,
+        tmp_path: Path, local_control_plane: LocalControlPlane) -> None:
+    local = local_control_plane
     # 3 of 3:4 waiting seal when the last call of 3 s, counted from the 3rd arrival, ends.
     conf = CONF.replace("last_call_timeout=1", "last_call_timeout=3")
     nodes = start(processes, cluster, namespace, "apiseal", tmp_path, ["s0", "s1", "s2"], "3:4",
