@@ -90,8 +90,8 @@ def members_told_in_slices(spec: RunSpec) -> bool:
     round in 15.0-16.8 s against 22.4-23.6 s with a write per member (a
     prototype, same hour).  So the largest runs, from
     :data:`TELL_IN_SLICES_FROM` nodes, have the operator leave ``signal``
-    alone and write each member's :class:`~elasticrun.api.model.Assignment`
-    into its slice, which the member watches: there a seal's 387 MB would
+    alone and write each member's place into its slice, which the member
+    watches (26 MB a round in all at 2,048): there a seal's 387 MB would
     take seconds on a control plane's network.  What every node must act on
     (a loss, a closed run, a newcomer's notice) still moves ``signal``, and
     so does a seal written by a node (the fallback where the operator is
