@@ -455,15 +455,21 @@ def test_in_the_largest_runs_the_seal_leaves_the_signal_and_tells_the_round_in_s
     assert sorted(p.rank for p in places.values() if p is not None) == list(range(size))
 
 
-def test_a_restarted_operator_writes_every_slice_again_and_a_running_one_only_those_not_told(
-        ) -> None:
+def _sealed_largest_run() -> tuple[RunSpec, dict[str, LeaseState], RunStatus]:
+    """A run of the largest size (told in slices), its Leases, and the operator's seal of
+    its first round."""
     size = rounds.TELL_IN_SLICES_FROM
-    names = [f"n{i:04d}" for i in range(size)]
     spec = RunSpec(min_nodes=size, max_nodes=size)
-    leases = joined_leases(names, T0)
+    leases = joined_leases([f"n{i:04d}" for i in range(size)], T0)
     status = reconcile(ElasticRun("r", "ns", spec, RunStatus(), "7", uid="uid"),
                        Members(leases=leases), T0).status
     assert status is not None
+    return spec, leases, status
+
+
+def test_a_restarted_operator_writes_every_slice_again_and_a_running_one_only_those_not_told(
+        ) -> None:
+    spec, leases, status = _sealed_largest_run()
     run = ElasticRun("r", "ns", spec, status, "8", uid="uid")
     later = T0 + dt.timedelta(seconds=1)
     restarted = reconcile(run, Members(leases=leases), later)  # nothing done yet
@@ -486,13 +492,8 @@ def test_no_slice_tells_a_store_its_rank_0_did_not_announce() -> None:
     """Members take a place told in a slice without checking its store themselves, so the
     operator checks it once: a status a node sealed with another store (anyone who may
     write the run could), or whose rank 0 has asked again since, tells nothing."""
-    size = rounds.TELL_IN_SLICES_FROM
-    names = [f"n{i:04d}" for i in range(size)]
-    spec = RunSpec(min_nodes=size, max_nodes=size)
-    leases = joined_leases(names, T0)
-    status = reconcile(ElasticRun("r", "ns", spec, RunStatus(), "7", uid="uid"),
-                       Members(leases=leases), T0).status
-    assert status is not None and status.store == StoreAddress("10.0.0.1", 29400)
+    spec, leases, status = _sealed_largest_run()
+    assert status.store == StoreAddress("10.0.0.1", 29400)
     later = T0 + dt.timedelta(seconds=1)
 
     def told(store: StoreAddress, leader_since: dt.datetime = T0) -> int:
@@ -508,13 +509,7 @@ def test_no_slice_tells_a_store_its_rank_0_did_not_announce() -> None:
 
 
 def test_a_re_forming_round_is_told_nothing() -> None:
-    size = rounds.TELL_IN_SLICES_FROM
-    names = [f"n{i:04d}" for i in range(size)]
-    spec = RunSpec(min_nodes=size, max_nodes=size)
-    leases = joined_leases(names, T0)
-    status = reconcile(ElasticRun("r", "ns", spec, RunStatus(), "7", uid="uid"),
-                       Members(leases=leases), T0).status
-    assert status is not None
+    spec, leases, status = _sealed_largest_run()
     degraded = rounds.request_restart(status)
     assert degraded is not None
     run = ElasticRun("r", "ns", spec, degraded, "8", uid="uid")
