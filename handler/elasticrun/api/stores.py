@@ -1,21 +1,21 @@
 """Whether the store a round names is the one its rank 0 announced.
 
-``status.store`` is written by whoever may write the run (a large run's
-slices, only by whoever may write slices, the operator where RBAC is as the
-chart makes it): its nodes, the operator, and anyone else allowed
-to update it (a user, a pod of another run in a namespace without per-run
-RBAC).  TCPStore has no authentication, so a member that connects to a store
-it was merely told about hands its workers' rendezvous to whoever listens
-there.  The round's rank 0 announces its store in its own join request, on its
-own Lease (``elasticrun.dev/join``: address and store port), which the
-admission policy lets only writers of that run create or change.  A member
-therefore connects only to the store that rank 0's genuine Lease announces:
-the Lease named for the run and rank 0, owned by the run's uid, whose label
-and annotation name the run, carrying the join request this round answered.
-Once a round holds it, rank 0 announces on the same request the store it
-serves for the next round (``nextStorePort``), where a round that keeps its
-place meets (:func:`elasticrun.api.rounds.kept_places`): either store is
-rank 0's.
+``status.store`` is written by whoever may write the run: its nodes, the
+operator, and anyone else allowed to update it (a user, a pod of another run in
+a namespace without per-run RBAC).  TCPStore has no authentication, so a member
+that connects to a store it was merely told about hands its workers' rendezvous
+to whoever listens there.  The round's rank 0 announces its store in its own
+join request, on its own Lease (``elasticrun.dev/join``: address and store
+port), which the admission policy lets only writers of that run create or
+change.  A member therefore connects only to the store that rank 0's genuine
+Lease announces: the Lease named for the run and rank 0, owned by the run's
+uid, whose label and annotation name the run, carrying the join request this
+round answered.  Once a round holds it, rank 0 announces on the same request
+the store it serves for the next round (``nextStorePort``), where a round that
+keeps its place meets (:func:`elasticrun.api.rounds.kept_places`): either store
+is rank 0's.  A large run's slices are written only by the operator (where RBAC
+is as the chart makes it), which makes this check itself before it tells a
+round in them (``reconcile._vouched``), so that their members need not.
 """
 
 from __future__ import annotations
@@ -73,8 +73,7 @@ def store_problem(given: StoreAddress | None, lease: Mapping[str, Any] | None, r
     ``answered`` is the join request of ``leader`` that the round holds (its
     ``since`` in ``status.participants``), when the member's copy of the run is
     of that round; the announcement must then come from that very request.  A
-    copy that predates the round (a member told in a slice) cannot say, and
-    the address alone is compared.
+    copy of another round cannot say, and the address alone is compared.
     """
     announced, problem = announced_store(lease, run, run_uid, leader)
     join = lease_state(lease or {}).join

@@ -374,8 +374,8 @@ class RoundExecutor:
             return self._own_store(given, round_number)
         if vouched or leader is None:
             return True  # the operator looked; or the round lost its rank 0 (reach_store)
-        # Rank 0's request in this round; a copy that predates the round (a member
-        # told in its slice) has none, and is read afresh only if the store differs.
+        # Rank 0's request in this round; a copy of another round (one that superseded
+        # it) has none, and the run is read afresh only if the store differs.
         member = run.status.participant(leader) if run.status.round == round_number else None
         answered, read_afresh = (member.since if member is not None else None), member is None
         listed = session.listed.get(leader)
