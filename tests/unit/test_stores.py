@@ -11,7 +11,7 @@ from elasticrun.api import crd
 from elasticrun.api.leases import JOIN_ANNOTATION, join_value
 from elasticrun.api.model import StoreAddress, WaitingNode
 from elasticrun.api.naming import label_value, lease_name
-from elasticrun.api.stores import announced_store, store_problem
+from elasticrun.api.stores import announced_store, announces, store_problem
 from elasticrun.handler.store import StoreAddressError, bind_address
 
 SINCE = dt.datetime(2026, 1, 1, 0, 0, 5, tzinfo=dt.UTC)
@@ -89,3 +89,14 @@ def test_an_address_that_does_not_resolve_is_refused_not_bound_to_every_interfac
     assert "'no-such-host.invalid' does not resolve" in message
     assert "never on all interfaces" in message
     assert "--rdzv-conf address=" in message and "POD_IP" in message
+
+
+def test_a_request_announces_its_store_and_the_next_rounds_nothing_else() -> None:
+    """The one rule the members' check and the operator's (before it tells slices) share."""
+    join = WaitingNode(name="a", address="10.0.0.1", store_port=29400, since=SINCE,
+                       next_store_port=29401)
+    assert announces(join, HONEST) and announces(join, StoreAddress("10.0.0.1", 29401))
+    assert not announces(join, StoreAddress("10.0.0.1", 29402))
+    assert not announces(join, StoreAddress("10.6.6.6", 29400))
+    assert not announces(join, None)
+    assert not announces(WaitingNode(name="a", store_port=29400, since=SINCE), HONEST)

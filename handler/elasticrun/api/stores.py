@@ -56,13 +56,14 @@ def announced_store(lease: Mapping[str, Any] | None, run: str, run_uid: str | No
     return StoreAddress(join.address, join.store_port), None
 
 
-def _next(given: StoreAddress | None, announced: StoreAddress | None,
-          join: WaitingNode | None) -> bool:
-    """Whether ``given`` is the next round's store that the request announcing ``announced``
-    also announces."""
-    return given is not None and announced is not None and join is not None \
-        and join.next_store_port is not None \
-        and given == StoreAddress(announced.host, join.next_store_port)
+def announces(join: WaitingNode, store: StoreAddress | None) -> bool:
+    """Whether rank 0's request ``join`` announces ``store``: the store it serves for the
+    round that answers the request (address and store port), or the one it serves for
+    the round after it (``nextStorePort``).  The one rule for members that check a
+    round's store and for the operator before it tells a round in slices."""
+    ports = {port for port in (join.store_port, join.next_store_port) if port}
+    return store is not None and bool(join.address) and store.host == join.address \
+        and store.port in ports
 
 
 def store_problem(given: StoreAddress | None, lease: Mapping[str, Any] | None, run: str,
@@ -81,7 +82,7 @@ def store_problem(given: StoreAddress | None, lease: Mapping[str, Any] | None, r
             and join.since != answered:
         problem = f"the join request on the Lease of rank 0 ({leader}) is not the one " \
                   "this round answered"
-    if problem is None and announced != given and not _next(given, announced, join):
+    if problem is None and join is not None and not announces(join, given):
         problem = f"rank 0 ({leader}) announced {_show(announced)}"
     if problem is None:
         return None

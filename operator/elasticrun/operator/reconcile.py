@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from elasticrun.api import crd, rounds, slices
+from elasticrun.api import crd, rounds, slices, stores
 from elasticrun.api.leases import LeaseState, pending_joins, suspicion_window
 from elasticrun.api.model import (
     LOST_MEMBERS_KEPT,
@@ -566,10 +566,7 @@ def _vouched(run: ElasticRun, status: RunStatus, members: Members) -> bool:
     the status, which moved ``signal``, and refuse the store themselves.
     """
     join = _leader_request(run, status, members)
-    if join is None or not join.address or status.store is None:
-        return False
-    announced = [join.store_port, join.next_store_port]
-    return status.store in {StoreAddress(join.address, port) for port in announced if port}
+    return join is not None and stores.announces(join, status.store)
 
 
 def _slices_due(run: ElasticRun, new: RunStatus, members: Members,
